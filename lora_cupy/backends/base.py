@@ -1,0 +1,40 @@
+"""The interface a backend implements, and the per-layer weight views it is handed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One target's slot weights at one stack layer: views resolved once, read every step.
+
+    ``a[S, n, R, in]``, ``b[S, out, R]``, ``scaling[S, n]`` (float32), ``ranks[S, n]`` (int32);
+    slice ``j`` writes columns ``out_offsets[j]:out_offsets[j+1]`` of y. Slot 0 is all zero.
+    """
+
+    a: Any
+    b: Any
+    scaling: Any
+    ranks: Any
+    out_offsets: tuple[int, ...]
+
+    @property
+    def num_slots(self) -> int:
+        return self.a.shape[0]
+
+    @property
+    def max_rank(self) -> int:
+        return self.a.shape[2]
+
+
+class LoraBackend(Protocol):
+    """Runs ``y += delta(x)`` for rows grouped by slot."""
+
+    name: str
+
+    def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
+        """``y[t] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T`` for every row t
+        in slot s's range of ``token_order`` (s >= 1) and every slice j; in place on y."""
+        ...

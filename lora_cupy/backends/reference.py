@@ -1,0 +1,69 @@
+"""The NumPy reference delta: the CPU backend, and the oracle the kernels are checked against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import LayerWeights
+
+
+def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, slot_indptr) -> None:
+    """``y[t, cols_j] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T``.
+
+    For each slot ``s >= 1`` and row ``t`` in its range of ``token_order``, each slice ``j``
+    (``r = ranks[s, j]``). x is ``[T, in]`` and y ``[T, out]``, float16, bfloat16 or float32;
+    products accumulate in float32 and y is rounded to its dtype once, after adding. Slot 0,
+    rank-0 slices and rows past ``slot_indptr[-1]`` are left untouched. Changes y in place.
+    """
+    token_order = np.asarray(token_order)
+    indptr = np.asarray(slot_indptr)
+    scaling = np.asarray(w.scaling, np.float32)
+    ranks = np.asarray(w.ranks)
+    offs = w.out_offsets
+    for s in range(1, len(indptr) - 1):
+        lo, hi = int(indptr[s]), int(indptr[s + 1])
+        if hi <= lo or not ranks[s].any():
+            continue
+        rows = token_order[lo:hi]
+        xs = x[rows].astype(np.float32)  # [m, in]
+        acc = y[rows].astype(np.float32)  # [m, out]
+        for j in range(len(offs) - 1):
+            r = int(ranks[s, j])
+            if r == 0:
+                continue
+            c0, c1 = offs[j], offs[j + 1]
+            v = xs @ w.a[s, j, :r].astype(np.float32).T  # [m, r]
+            acc[:, c0:c1] += scaling[s, j] * (v @ w.b[s, c0:c1, :r].astype(np.float32).T)
+        y[rows] = acc.astype(y.dtype)
+
+
+def dense_delta64(x: np.ndarray, w: LayerWeights, row_slots) -> np.ndarray:
+    """The float64 oracle: ``x[t] @ (scaling * B @ A).T`` per row from each slot's dense matrix.
+
+    Returns the delta alone, ``[T, out]`` float64; rows on slot 0 get zeros.
+    """
+    row_slots = np.asarray(row_slots)
+    T, out = x.shape[0], w.b.shape[1]
+    d = np.zeros((T, out), np.float64)
+    x64 = x.astype(np.float64)
+    offs = w.out_offsets
+    for s in np.unique(row_slots):
+        if s == 0:
+            continue
+        rows = np.nonzero(row_slots == s)[0]
+        for j in range(len(offs) - 1):
+            r = int(w.ranks[s, j])
+            c0, c1 = offs[j], offs[j + 1]
+            dense = float(w.scaling[s, j]) * (w.b[s, c0:c1, :r].astype(np.float64)
+                                               @ w.a[s, j, :r].astype(np.float64))  # [cols, in]
+            d[rows, c0:c1] += x64[rows] @ dense.T
+    return d
+
+
+class ReferenceBackend:
+    """The NumPy backend of the CPU device."""
+
+    name = "reference"
+
+    def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
+        reference_delta(y, x, w, token_order, slot_indptr)

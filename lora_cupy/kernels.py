@@ -1,0 +1,130 @@
+"""Finding, compiling and loading the CUDA C sources in ``raw_kernels/``.
+
+One loader: it reads a ``.cu`` file, prepends a variant's ``#define``s and returns a memoized
+``cupy.RawModule`` (CuPy caches the compiled module per device and on disk). The compile check
+runs the same NVRTC with the same options and include path, for a chosen architecture, and
+needs no GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import LoraError
+
+_PKG = Path(__file__).resolve().parent
+
+#: The options every kernel is compiled with, at run time and by the compile check.
+NVRTC_OPTIONS = ("-std=c++17",)
+#: The architectures the compile check builds for.
+CHECK_ARCHS = ("sm_90", "sm_80")
+
+
+class KernelCompileError(LoraError):
+    """NVRTC refused a kernel source; the message holds its log."""
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """One ``.cu`` file and the template instantiations run time asks of it."""
+
+    file: str
+    name_expressions: tuple[str, ...] = ()
+
+
+_DTYPES = ("float", "__half", "__nv_bfloat16")
+
+#: Every kernel family the backends load; the compile check builds each of them.
+FAMILIES: dict[str, KernelFamily] = {
+    "lora_delta": KernelFamily(
+        "lora_delta.cu",
+        tuple(f"lora_shrink_simt<{t}>" for t in _DTYPES) + tuple(f"lora_expand_simt<{t}>" for t in _DTYPES),
+    ),
+}
+
+
+def kernel_dir() -> Path:
+    """Where the ``.cu`` sources are: inside an installed wheel, else the checkout's ``raw_kernels/``."""
+    for d in (_PKG / "_kernels", _PKG.parent / "raw_kernels"):
+        if (d / "common.cuh").is_file():
+            return d
+    raise FileNotFoundError(f"no raw_kernels directory beside {_PKG}")
+
+
+def kernel_sources() -> list[Path]:
+    return sorted(kernel_dir().glob("*.cu"))
+
+
+def read_source(file: str, defines: Mapping[str, object] | None = None) -> str:
+    """The source of ``file`` with ``#define NAME VALUE`` lines for a variant prepended."""
+    text = (kernel_dir() / file).read_text()
+    head = "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
+    return head + text
+
+
+def run_options() -> tuple[str, ...]:
+    """NVRTC options at run time: CuPy adds the device's architecture and its toolkit headers."""
+    return (*NVRTC_OPTIONS, f"-I{kernel_dir()}")
+
+
+def cuda_include_dirs() -> list[str]:
+    """Where ``cuda_fp16.h`` / ``cuda_bf16.h`` are found with no GPU: the CUDA wheels, or a toolkit."""
+    dirs = []
+    for base in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
+            d = Path(base) / sub
+            if (d / "cuda_fp16.h").is_file():
+                dirs.append(str(d))
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    return [d for d in dict.fromkeys(dirs) if os.path.isfile(os.path.join(d, "cuda_fp16.h"))]
+
+
+def compile_source(source: str, name: str, arch: str, name_expressions=()) -> str:
+    """Compile ``source`` with NVRTC for ``arch`` (``"sm_90"``), as at run time; return the PTX.
+
+    Raises :class:`KernelCompileError` with NVRTC's log when the source does not compile.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    opts = [*run_options(), f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
+    prog = nvrtc.createProgram(source, name, [], [])
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise KernelCompileError(f"NVRTC failed for {arch}: {e}\n{log}", path=name) from None
+        for expr in name_expressions:
+            nvrtc.getLoweredName(prog, expr)
+        return nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def compile_family(family: str, arch: str) -> str:
+    fam = FAMILIES[family]
+    return compile_source(read_source(fam.file), fam.file, arch, fam.name_expressions)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(family: str, defines: tuple[tuple[str, object], ...]):
+    import cupy
+
+    fam = FAMILIES[family]
+    return cupy.RawModule(code=read_source(fam.file, dict(defines)), options=run_options(),
+                          name_expressions=fam.name_expressions)
+
+
+def load_module(family: str, defines: Mapping[str, object] | None = None):
+    """The memoized ``cupy.RawModule`` of one kernel family and variant."""
+    return _load(family, tuple(sorted((defines or {}).items())))
