@@ -1,0 +1,1 @@
+"""Benchmarks behind ``lora-cupy bench``: ``kernels`` (on a CUDA device) and ``pool`` (host time)."""
