@@ -1,0 +1,51 @@
+"""The ``lora-cupy`` command: ``demo``, ``bench kernels | pool``, ``check-kernels``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _check_kernels(argv: list[str]) -> int:
+    from . import kernels
+
+    p = argparse.ArgumentParser(prog="lora-cupy check-kernels",
+                                description="Compile every raw_kernels/ source with NVRTC (no GPU needed).")
+    p.add_argument("--arch", action="append", help="e.g. sm_90 (default: %s)" % ", ".join(kernels.CHECK_ARCHS))
+    args = p.parse_args(argv)
+    failed = 0
+    for arch in args.arch or kernels.CHECK_ARCHS:
+        for family in sorted(kernels.FAMILIES):
+            try:
+                kernels.compile_family(family, arch)
+                print(f"ok      {family:<16} {arch}")
+            except kernels.KernelCompileError as e:
+                failed += 1
+                print(f"FAILED  {family:<16} {arch}\n{e}")
+    return 1 if failed else 0
+
+
+_BENCHES = {"kernels": "lora_cupy.bench.kernels", "pool": "lora_cupy.bench.pool"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="lora-cupy", description=__doc__)
+    p.add_argument("command", choices=["demo", "bench", "check-kernels"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv[:1])
+    rest = argv[1:]
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
+    if args.command == "check-kernels":
+        return _check_kernels(rest)
+    if not rest or rest[0] not in _BENCHES:
+        p.error(f"bench needs one of: {', '.join(_BENCHES)}")
+    return importlib.import_module(_BENCHES[rest[0]]).main(rest[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
