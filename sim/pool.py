@@ -1,0 +1,372 @@
+"""SimPool: one rank's pool, restated from the spec as a plain model of every slot decision.
+
+The decisions and their order follow the pool's invariants (DESIGN.md 1-9):
+
+* a request takes its adapter's slot at its first admit and holds it until removed;
+* resident-first admits: rows whose adapter is resident take its slot before any miss picks
+  one; a miss takes an empty slot first, else the least recently used unheld slot, by a
+  logical clock advanced by admits;
+* reservations count slots and pin none; the adapters that reserved rows still need a slot
+  for never outnumber the unheld slots; only the deciding rank keeps them;
+* a miss whose adapter failed to read (on any rank) fails before any slot is handed out;
+* ``rollback_admit`` gives back exactly what the admit took, loaded adapters stay resident;
+* ``unload_adapter`` stops new requests at once and forgets the adapter (name, host copy,
+  name -> slot entry) when its last live request is removed; the slot keeps the weights.
+
+Reads are explicit: ``ingest_request`` starts one (the copy is ``PENDING``) and the caller
+lands it with ``complete_read``. The host tier holds a copy while a live request names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from .errors import (AdapterStateError, ReadInFlightError, RequestStateError, SimError,
+                     SlotsExhaustedError, UnknownAdapterError)
+from .slots import SimSlots, SlotSnapshot
+
+
+class Copy(str, Enum):
+    """Where a host copy stands on one rank."""
+
+    PENDING = "pending"
+    OK = "ok"
+    FAILED = "failed"
+
+
+class Ask(str, Enum):
+    """What ``ask`` says of a row: it needs a slot, or its adapter failed to read (fail it)."""
+
+    NEED = "need"
+    FAIL = "fail"
+
+
+class Reserve(str, Enum):
+    """What ``reserve`` did: nothing to count, counted, must wait, or let through to fail."""
+
+    NONE = "none"
+    GRANTED = "granted"
+    WAIT = "wait"
+    THROUGH = "through"
+
+
+@dataclass
+class SimRequest:
+    rid: object
+    adapter: str | None  # None: a base-model request
+    touches: bool  # whether its adapter has anything for this pool
+    slot: int | None = None  # the slot it holds (None: none yet)
+    reserved: bool = False
+    failed: bool = False  # an admit failed it on a failed read
+
+
+@dataclass
+class SimAdapter:
+    name: str
+    touches: bool = True
+    serving: bool = True  # False: unloaded, retiring until its last request is removed
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    """One admit's decisions.
+
+    ``slots``: each row that took a slot now and the slot, in row order; ``hits``: rows whose
+    adapter was resident; ``loads``: ``(adapter, slot, overwritten)`` per miss, in miss order,
+    ``overwritten`` the adapter whose weights the slot held (None: it was empty);
+    ``failed``: rows failed on a failed read, holding no slot.
+    """
+
+    slots: tuple[tuple[object, int], ...] = ()
+    hits: tuple[object, ...] = ()
+    loads: tuple[tuple[str, int, str | None], ...] = ()
+    failed: tuple[object, ...] = ()
+
+    @property
+    def evictions(self) -> int:
+        return sum(1 for _, _, old in self.loads if old is not None)
+
+
+@dataclass
+class _Pending:
+    taken: list[tuple[object, int]] = field(default_factory=list)
+
+
+class SimPool:
+    """One rank's model pool. ``decides``: whether this rank keeps reservations (the leader)."""
+
+    def __init__(self, num_slots: int, *, decides: bool = True, name: str = "llm"):
+        self.slots = SimSlots(num_slots)
+        self.decides = decides
+        self.name = name
+        self.adapters: dict[str, SimAdapter] = {}
+        self.requests: dict[object, SimRequest] = {}
+        self.tier: dict[str, Copy] = {}  # host copies, one per adapter a live request names
+        self._named: dict[str, int] = {}  # adapter -> live requests naming it
+        self._reserved: dict[str, int] = {}  # adapter -> reserved rows holding no slot yet
+        self._pending: _Pending | None = None  # the last admit, until commit or rollback
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.num_slots
+
+    # -- adapters ------------------------------------------------------------------------------
+    def load_adapter(self, name: str, *, touches: bool = True) -> None:
+        """Serve ``name``; ``touches``: whether it has anything for this pool's targets."""
+        a = self.adapters.get(name)
+        if a is not None:
+            why = "is served already" if a.serving else "is still retiring from an unload"
+            raise AdapterStateError(f"adapter {name!r}: cannot load, it {why} (pool {self.name})")
+        self.adapters[name] = SimAdapter(name, touches)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving ``name``; returns whether it was forgotten now (no live request names it)."""
+        a = self.adapters.get(name)
+        if a is None or not a.serving:
+            return False
+        a.serving = False
+        if not self.named(name):
+            self._forget(name)
+            return True
+        return False
+
+    def serves(self, name: str) -> bool:
+        a = self.adapters.get(name)
+        return a is not None and a.serving
+
+    def named(self, name: str) -> bool:
+        """Whether a live request names ``name``."""
+        return self._named.get(name, 0) > 0
+
+    def _set_reserved(self, r: SimRequest, on: bool) -> None:
+        if r.reserved == on:
+            return
+        r.reserved = on
+        n = self._reserved.get(r.adapter, 0) + (1 if on else -1)
+        if n:
+            self._reserved[r.adapter] = n
+        else:
+            del self._reserved[r.adapter]
+
+    def _forget(self, name: str) -> None:
+        del self.adapters[name]
+        self.tier.pop(name, None)
+        self.slots.forget(name)
+
+    # -- requests ------------------------------------------------------------------------------
+    def ingest_request(self, rid, adapter: str | None = None) -> bool:
+        """Open ``rid`` on ``adapter`` (None: base model); returns whether a read started."""
+        if rid in self.requests:
+            raise RequestStateError(f"request {rid!r} ingested twice (pool {self.name})")
+        if adapter is not None and not self.serves(adapter):
+            raise UnknownAdapterError(f"adapter {adapter!r}: not served by pool {self.name} "
+                                      f"(request {rid!r})")
+        touches = adapter is not None and self.adapters[adapter].touches
+        self.requests[rid] = SimRequest(rid, adapter, touches)
+        if adapter is not None:
+            self._named[adapter] = self._named.get(adapter, 0) + 1
+        if touches and adapter not in self.tier:
+            self.tier[adapter] = Copy.PENDING
+            return True
+        return False
+
+    def complete_read(self, name: str, ok: bool = True) -> bool:
+        """Land the read of ``name``'s copy; False if none is in flight (dropped meanwhile)."""
+        if self.tier.get(name) is not Copy.PENDING:
+            return False
+        self.tier[name] = Copy.OK if ok else Copy.FAILED
+        return True
+
+    def pending_reads(self) -> list[str]:
+        return [n for n, c in self.tier.items() if c is Copy.PENDING]
+
+    def remove_request(self, rid) -> None:
+        """Tear ``rid`` down: give back its slot; drop its adapter's copy (and forget the
+        adapter, if unloaded) once no live request names it."""
+        r = self.requests.pop(rid, None)
+        if r is None:
+            raise RequestStateError(f"request {rid!r} removed but never ingested (pool {self.name})")
+        if r.slot is not None:
+            self.slots.release(r.slot)
+        self._set_reserved(r, False)
+        if r.adapter is not None:
+            self._named[r.adapter] -= 1
+            if not self._named[r.adapter]:
+                del self._named[r.adapter]
+        if r.adapter is not None and not self.named(r.adapter):
+            self.tier.pop(r.adapter, None)
+            a = self.adapters.get(r.adapter)
+            if a is not None and not a.serving:
+                self._forget(r.adapter)
+
+    def _request(self, rid) -> SimRequest:
+        r = self.requests.get(rid)
+        if r is None:
+            raise RequestStateError(f"request {rid!r} is not live in pool {self.name}")
+        return r
+
+    # -- admission -----------------------------------------------------------------------------
+    def _needs(self, r: SimRequest) -> bool:
+        return r.touches and r.slot is None
+
+    def _lost_read(self, r: SimRequest) -> bool:
+        return self.tier.get(r.adapter) is Copy.FAILED and self.slots.slot_of(r.adapter) is None
+
+    def ask(self, rid) -> Ask | None:
+        """What a row will need: None on a follower, for a base row, a row holding its slot or a
+        reservation, an adapter with nothing here; FAIL for a failed read in no slot."""
+        r = self._request(rid)
+        if not self.decides or not self._needs(r) or r.reserved:
+            return None
+        return Ask.FAIL if self._lost_read(r) else Ask.NEED
+
+    def demand(self) -> set[str]:
+        """Adapters that reserved rows still need a slot for: those in no held slot."""
+        return {a for a in self._reserved if not self.slots.held(a)}
+
+    def reserve(self, rid) -> Reserve:
+        """Count ``rid``'s adapter against the unheld slots once its copy is in."""
+        r = self._request(rid)
+        if not self.decides or not self._needs(r) or r.reserved:
+            return Reserve.NONE
+        if self._lost_read(r):
+            return Reserve.THROUGH
+        if self.tier.get(r.adapter) is not Copy.OK:
+            return Reserve.WAIT
+        need = self.demand()
+        if not self.slots.held(r.adapter):
+            need.add(r.adapter)
+        if len(need) > self.slots.unheld_count():
+            return Reserve.WAIT
+        self._set_reserved(r, True)
+        return Reserve.GRANTED
+
+    def admit(self, rids, failed: set[str] | None = None) -> AdmitResult:
+        """Give each row of the step that holds no slot yet its adapter's slot, loading misses.
+
+        ``failed``: adapters the instance agreed failed to read on some rank (default: this
+        rank's own failed copies). Nothing changes if the admit raises.
+        """
+        rows = [self._request(rid) for rid in rids]
+        if len({id(r) for r in rows}) != len(rows):
+            raise RequestStateError(f"a request appears twice in one step: {list(rids)}")
+        new = [r for r in rows if self._needs(r)]
+        if not new:
+            return AdmitResult()
+        hits = [r for r in new if self.slots.slot_of(r.adapter) is not None]
+        misses = [r for r in new if self.slots.slot_of(r.adapter) is None]
+        miss_adapters = list(dict.fromkeys(r.adapter for r in misses))
+        if failed is None:
+            failed = {a for a in miss_adapters if self.tier.get(a) is Copy.FAILED}
+        for a in miss_adapters:
+            c = self.tier.get(a)
+            if a in failed:
+                continue
+            if c is Copy.PENDING:
+                raise ReadInFlightError(f"adapter {a!r}: admit needs its copy, still being read "
+                                        f"(pool {self.name})")
+            if c is not Copy.OK:
+                raise SimError(f"adapter {a!r}: copy is {c} here but the instance agreed it read")
+        load = [a for a in miss_adapters if a not in failed]
+        hit_slots = {self.slots.slot_of(r.adapter) for r in hits}
+        free = self.slots.unheld_count() - sum(1 for s in hit_slots if self.slots.refcounts[s] == 0)
+        if len(load) > free:
+            raise SlotsExhaustedError(f"pool {self.name}: {len(load)} adapters to load "
+                                      f"({load}) but {free} unheld slots")
+        # Resident first: hits hold their slots before any miss picks a victim.
+        taken: list[tuple[object, int]] = []
+        for r in hits:
+            r.slot = self.slots.slot_of(r.adapter)
+            self.slots.take(r.slot)
+            taken.append((r.rid, r.slot))
+        loads = []
+        for a, s in zip(load, self.slots.pick(len(load))):
+            loads.append((a, s, self.slots.install(s, a)))
+        failed_rows = []
+        for r in misses:
+            if r.adapter in failed:
+                r.failed = True
+                failed_rows.append(r.rid)
+            else:
+                r.slot = self.slots.slot_of(r.adapter)
+                self.slots.take(r.slot)
+                taken.append((r.rid, r.slot))
+            self._set_reserved(r, False)
+        for r in hits:
+            self._set_reserved(r, False)
+        self.slots.tick()
+        for _, s in taken:
+            self.slots.stamp(s)
+        order = {id(r): i for i, r in enumerate(rows)}
+        taken.sort(key=lambda t: order[id(self.requests[t[0]])])
+        self._pending = _Pending(list(taken))
+        return AdmitResult(tuple(taken), tuple(r.rid for r in hits), tuple(loads), tuple(failed_rows))
+
+    def commit(self) -> None:
+        """The step ran: its admit can no longer be rolled back."""
+        self._pending = None
+
+    def rollback_admit(self) -> list[tuple[object, int]]:
+        """Give back the slots the last admit took; what it loaded stays resident, unheld."""
+        pending, self._pending = self._pending, None
+        given = []
+        for rid, s in (pending.taken if pending else []):
+            r = self.requests.get(rid)
+            if r is not None and r.slot == s:
+                r.slot = None
+                self.slots.release(s)
+                given.append((rid, s))
+        return given
+
+    def plan(self, rids) -> np.ndarray:
+        """``[rows]`` int32: the slot each row addresses (0: base, failed or nothing here)."""
+        out = np.zeros(len(rids), np.int32)
+        for i, rid in enumerate(rids):
+            s = self._request(rid).slot
+            out[i] = 0 if s is None else s
+        return out
+
+    # -- checking ------------------------------------------------------------------------------
+    def snapshot(self) -> SlotSnapshot:
+        return self.slots.snapshot()
+
+    def holders(self) -> dict[object, int]:
+        return {rid: r.slot for rid, r in self.requests.items() if r.slot is not None}
+
+    def check_valid(self) -> None:
+        """Every invariant the model keeps (AssertionError naming the broken one)."""
+        self.slots.check_valid()
+        counts = np.zeros(self.num_slots, np.int64)
+        for r in self.requests.values():
+            if r.slot is not None:
+                assert r.slot > 0, f"request {r.rid!r} holds slot 0"
+                assert self.slots.adapters[r.slot] == r.adapter, (
+                    f"request {r.rid!r} on {r.adapter!r} holds slot {r.slot} "
+                    f"({self.slots.adapters[r.slot]!r})")
+                assert not r.reserved, f"request {r.rid!r} holds a slot and a reservation"
+                counts[r.slot] += 1
+            if r.adapter is not None:
+                assert r.adapter in self.adapters, f"live request {r.rid!r} names forgotten {r.adapter!r}"
+            assert not (r.reserved and not self.decides), "a follower keeps a reservation"
+        assert (counts == self.slots.refcounts).all(), (
+            f"refcounts {self.slots.refcounts.tolist()} != holders {counts.tolist()}")
+        count: dict[str, int] = {}
+        res: dict[str, int] = {}
+        for r in self.requests.values():
+            if r.adapter is not None:
+                count[r.adapter] = count.get(r.adapter, 0) + 1
+            if r.reserved:
+                res[r.adapter] = res.get(r.adapter, 0) + 1
+        assert count == self._named and res == self._reserved, "request indices out of date"
+        named = {r.adapter for r in self.requests.values() if r.touches}
+        assert set(self.tier) == named, f"host tier {sorted(self.tier)} != named {sorted(named)}"
+        for a in self.adapters.values():
+            if not a.serving:
+                assert self.named(a.name), f"retiring {a.name!r} is named by no live request"
+        for name in self.slots.entries:
+            assert name in self.adapters, f"slot entry for forgotten adapter {name!r}"
+        assert len(self.demand()) <= self.slots.unheld_count(), (
+            f"reservations promise {len(self.demand())} slots, {self.slots.unheld_count()} unheld")
