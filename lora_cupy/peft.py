@@ -298,8 +298,8 @@ def read_header(path: str | os.PathLike, adapter: str | None = None) -> dict[str
             raise bad(f"tensor {name!r}: entry must hold exactly dtype, shape and data_offsets")
         dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
         if dtype not in FLOAT_DTYPES:
-            raise AdapterFileError(f"tensor {name!r} has dtype {dtype!r}: weights must be a float type "
-                                   f"({', '.join(FLOAT_DTYPES)})", adapter=adapter, path=path)
+            raise AdapterFileError(f"tensor {name!r}: dtype {dtype!r} is not a float type lora-cupy "
+                                   f"reads ({', '.join(FLOAT_DTYPES)})", adapter=adapter, path=path)
         if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             raise bad(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
