@@ -56,3 +56,7 @@ class DigestMismatchError(LoraError):
 
 class AdapterStateError(LoraError):
     """A load or unload that the adapter's current state refuses (served already, retiring)."""
+
+
+class CapacityError(LoraError):
+    """No room for it: every slot is held or promised, or a host copy larger than the host tier."""

@@ -16,10 +16,12 @@ restates the same rules independently and hypothesis compares the two through
   written) by index, then the unheld slots by ``(last_use, index)``. The victims are fixed
   from the table at :meth:`begin_admit`; a miss that fails (its read failed on some rank)
   takes none, so the next surviving miss gets the victim it would have had.
-- Reservations count slots and pin none: ``sum(reserved) <= free`` always, where ``free`` is
-  the number of unheld slots ``s >= 1``. A row that takes an unheld slot spends its
-  reservation; a row without one may take an unheld slot only while another slot stays free
-  for every reservation (the admit's backstop).
+- Reservations count adapters against slots and pin none. ``reserved`` maps a waiting rid to
+  its adapter; ``need`` is the number of distinct reserved adapters that sit in no held slot
+  (each will take a slot at its admit), ``free`` the number of unheld slots ``s >= 1``, and
+  ``need <= free`` always. A reservation for an adapter that is held, or counted already,
+  costs nothing more. A row spends its reservation when it takes a slot; a row of an adapter
+  nobody counted may take an unheld slot only while ``need < free`` (the admit's backstop).
 - :meth:`forget` drops a name -> slot entry (an unload); the slot keeps the weights, unheld,
   and ``resident`` keeps the stale name, until a miss reuses it.
 """
@@ -39,7 +41,7 @@ class SlotSnapshot:
     resident: tuple[str | None, ...]  # [S] the adapter whose weights a slot holds (None: empty)
     last_use: tuple[int, ...]  # [S] clock of the last take or release
     held: dict[Hashable, int]  # rid -> the slot it holds
-    reserved: dict[Hashable, int]  # rid -> slots counted for it
+    reserved: dict[Hashable, str]  # rid -> the adapter counted for it
     clock: int
 
 
@@ -64,6 +66,7 @@ class AdmitPicks:
     misses: list[MissGroup] = field(default_factory=list)
     victims: list[int] = field(default_factory=list)
     refused: dict[Hashable, str] = field(default_factory=dict)
+    spent: list[tuple[Hashable, str]] = field(default_factory=list)  # (rid, adapter) reservations spent
     next_victim: int = 0
 
 
@@ -79,10 +82,10 @@ class SlotTable:
         self.last_use = [0] * num_slots
         self.slot_of: dict[str, int] = {}
         self.held: dict[Hashable, int] = {}
-        self.reserved: dict[Hashable, int] = {}
+        self.reserved: dict[Hashable, str] = {}
         self.clock = 0
         self._free = num_slots - 1  # unheld slots s >= 1
-        self._reserved_total = 0
+        self._res_count: dict[str, int] = {}  # adapter -> reserved rids naming it
 
     # -- queries -------------------------------------------------------------------------
     def lookup(self, name: str) -> int | None:
@@ -97,58 +100,58 @@ class SlotTable:
         """Unheld slots (slot 0 aside): what reservations may count against."""
         return self._free
 
-    @property
-    def reserved_total(self) -> int:
-        return self._reserved_total
+    def _is_held(self, name: str) -> bool:
+        s = self.slot_of.get(name)
+        return s is not None and self.refcount[s] > 0
 
-    def can_reserve(self, n: int = 1) -> bool:
-        return self._reserved_total + n <= self._free
+    @property
+    def need(self) -> int:
+        """Distinct reserved adapters in no held slot: slots the reservations promise."""
+        return sum(1 for name in self._res_count if not self._is_held(name))
+
+    def can_reserve(self, name: str) -> bool:
+        """Whether a reservation for ``name`` keeps ``need <= free``."""
+        return self._is_held(name) or name in self._res_count or self.need < self._free
 
     # -- reservations ----------------------------------------------------------------------
-    def reserve(self, rid: Hashable, n: int = 1) -> None:
-        """Count ``n`` more slots for ``rid``; the caller checked :meth:`can_reserve`."""
-        if not self.can_reserve(n):
-            raise ValueError(f"reserving {n} for {rid!r} would promise more than {self._free} free slots")
-        self.reserved[rid] = self.reserved.get(rid, 0) + n
-        self._reserved_total += n
+    def reserve(self, rid: Hashable, name: str) -> None:
+        """Count ``name`` for ``rid``; the caller checked :meth:`can_reserve`."""
+        if rid in self.reserved:
+            raise ValueError(f"request {rid!r} has a reservation already")
+        if not self.can_reserve(name):
+            raise ValueError(f"reserving {name!r} for {rid!r} would promise more than {self._free} free slots")
+        self.reserved[rid] = name
+        self._res_count[name] = self._res_count.get(name, 0) + 1
 
-    def unreserve(self, rid: Hashable) -> int:
-        """Drop ``rid``'s reservation; returns how many slots it counted."""
-        n = self.reserved.pop(rid, 0)
-        self._reserved_total -= n
-        return n
-
-    def _spend(self, rid: Hashable) -> bool:
-        n = self.reserved.get(rid, 0)
-        if not n:
-            return False
-        if n == 1:
-            del self.reserved[rid]
-        else:
-            self.reserved[rid] = n - 1
-        self._reserved_total -= 1
-        return True
+    def unreserve(self, rid: Hashable) -> str | None:
+        """Drop ``rid``'s reservation; returns the adapter it counted, or None."""
+        name = self.reserved.pop(rid, None)
+        if name is not None:
+            n = self._res_count[name] - 1
+            if n:
+                self._res_count[name] = n
+            else:
+                del self._res_count[name]
+        return name
 
     # -- holds ---------------------------------------------------------------------------
-    def _take(self, rids: Sequence[Hashable], slot: int) -> tuple[list[Hashable], list[Hashable]]:
-        """Rows of one adapter take ``slot``; returns (taken, refused for want of a free slot).
+    def _take(self, name: str, rids: Sequence[Hashable], slot: int, spent: list | None = None
+              ) -> tuple[list[Hashable], list[Hashable]]:
+        """Rows of adapter ``name`` take ``slot``; returns (taken, refused for want of a free slot).
 
-        The first row to take an unheld slot pays with a reservation from the group if any
-        row has one, else only if a slot stays free for every outstanding reservation.
+        Taking an unheld slot for an adapter no reservation counted is allowed only while
+        ``need < free``; the rows' reservations are spent (appended to ``spent``).
         """
-        taken: list[Hashable] = []
         if self.refcount[slot] == 0:
-            payer = next((r for r in rids if self.reserved.get(r)), None)
-            if payer is None and self._reserved_total >= self._free:
+            if name not in self._res_count and self.need >= self._free:
                 return [], list(rids)
-            if payer is not None:
-                self._spend(payer)
             self._free -= 1
+        taken: list[Hashable] = []
         for rid in rids:
             if rid in self.held:
                 raise ValueError(f"request {rid!r} holds slot {self.held[rid]} already")
-            if self.refcount[slot] and rid in self.reserved:
-                self._spend(rid)  # its reservation is no longer needed: the slot is held
+            if self.unreserve(rid) is not None and spent is not None:
+                spent.append((rid, name))
             self.refcount[slot] += 1
             self.held[rid] = slot
             taken.append(rid)
@@ -181,8 +184,8 @@ class SlotTable:
         """Advance the clock, give hits their slots and fix the misses' victims.
 
         ``rows`` are ``(rid, adapter name)`` of the step's rows that hold no slot yet, in
-        step order. Hits are held on return; misses are grouped by adapter and wait for
-        :meth:`finish_miss` or :meth:`drop_miss`.
+        step order. Hits are held on return; misses are grouped by adapter and each waits
+        for :meth:`finish_miss` (a miss whose read failed just never calls it).
         """
         self.clock += 1
         picks = AdmitPicks(clock=self.clock)
@@ -196,7 +199,7 @@ class SlotTable:
             if slot is None:
                 picks.misses.append(MissGroup(name, rids))
                 continue
-            taken, refused = self._take(rids, slot)
+            taken, refused = self._take(name, rids, slot, picks.spent)
             picks.hits += [(rid, slot) for rid in taken]
             for rid in refused:
                 picks.refused[rid] = "no free slot outside the reservations"
@@ -219,8 +222,7 @@ class SlotTable:
         slot = picks.victims[picks.next_victim]
         if self.refcount[slot]:
             raise ValueError(f"victim slot {slot} was taken between begin_admit and finish_miss")
-        has_payer = any(self.reserved.get(r) for r in rids)
-        if not has_payer and self._reserved_total >= self._free:
+        if miss.name not in self._res_count and self.need >= self._free:
             for rid in rids:
                 picks.refused[rid] = "no free slot outside the reservations"
             return None
@@ -231,21 +233,22 @@ class SlotTable:
         self.resident[slot] = miss.name
         self.slot_of[miss.name] = slot
         if rids:
-            self._take(rids, slot)
+            self._take(miss.name, rids, slot, picks.spent)
         else:
             self.last_use[slot] = self.clock
         return slot
 
-    def rollback(self, rids: Iterable[Hashable], reserved: Iterable[Hashable] = ()) -> list[Hashable]:
-        """Undo an admit's takes: ``rids`` release their slots, then ``reserved`` get back the
-        reservation their admit spent, while it fits (``sum(reserved) <= free``). Adapters
-        the admit loaded stay resident, unheld (a cache). Returns the rids not re-reserved."""
+    def rollback(self, rids: Iterable[Hashable], spent: Iterable[tuple[Hashable, str]] = ()
+                 ) -> list[Hashable]:
+        """Undo an admit's takes: ``rids`` release their slots, then the ``(rid, adapter)``
+        reservations it spent come back, while they fit (``need <= free``). Adapters the admit
+        loaded stay resident, unheld (a cache). Returns the rids not re-reserved."""
         for rid in rids:
             self.release(rid)
         left = []
-        for rid in reserved:
-            if self.can_reserve():
-                self.reserve(rid)
+        for rid, name in spent:
+            if rid not in self.held and rid not in self.reserved and self.can_reserve(name):
+                self.reserve(rid, name)
             else:
                 left.append(rid)
         return left
@@ -284,9 +287,11 @@ class SlotTable:
             assert 0 <= self.last_use[s] <= self.clock, f"slot {s} last_use {self.last_use[s]} > clock (invariant 4)"
         free = sum(1 for s in range(1, S) if self.refcount[s] == 0)
         assert free == self._free, f"free count {self._free} != {free}"
-        total = sum(self.reserved.values())
-        assert total == self._reserved_total, "reservation total out of step"
-        assert all(n > 0 for n in self.reserved.values()), "an empty reservation is kept"
-        assert total <= free, f"{total} slots reserved but only {free} free (invariant 6)"
+        counts: dict[str, int] = {}
+        for name in self.reserved.values():
+            counts[name] = counts.get(name, 0) + 1
+        assert counts == self._res_count, "reservation counts out of step"
+        need = sum(1 for name in counts if not self._is_held(name))
+        assert need <= free, f"reservations promise {need} slots but only {free} are free (invariant 6)"
         both = set(self.reserved) & set(self.held)
         assert not both, f"requests {sorted(map(repr, both))} both hold a slot and keep a reservation (invariant 6)"
