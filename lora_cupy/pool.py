@@ -56,10 +56,9 @@ class _Request:
 
 @dataclass
 class _AdmitRecord:
-    """What one admit took, for rollback_admit: rows that took a slot, reservations spent."""
+    """What one admit took, for rollback_admit: the rows that took a slot."""
 
     taken: list = field(default_factory=list)
-    spent: list = field(default_factory=list)
 
 
 # -- the slot weights -----------------------------------------------------------------------
@@ -424,6 +423,9 @@ class LoraAdapterPool:
             if err is not None:
                 for rid in m.rids:
                     failed[rid] = err
+                with self._lock:  # a failed row holds nothing, and no reservation
+                    for rid in m.rids:
+                        self.slots.unreserve(rid)
             else:
                 survivors.append((m, e))
         with self._lock:
@@ -444,14 +446,14 @@ class LoraAdapterPool:
             for rid, why in picks.refused.items():
                 name = self._requests[rid].adapter if rid in self._requests else None
                 failed[rid] = CapacityError(f"request {rid!r} gets no slot: {why}", adapter=name)
-            rec.spent = list(picks.spent)
         ctx.state[self] = rec
         self.stats["admits"] += 1
         return AdmitOutcome.fail(failed) if failed else AdmitOutcome.OK
 
     def rollback_admit(self, step: LoraStep, ctx: StepContext) -> None:
-        """Give back the slots this step's admit took (and the reservations it spent); an
-        adapter it loaded stays resident in its now-unheld slot, as a cache."""
+        """Give back the slots this step's admit took; an adapter it loaded stays resident in
+        its now-unheld slot, as a cache. The rows hold nothing afterwards, no reservation
+        either: the runner queues them at admission again."""
         rec = ctx.state.pop(self, None)
         if rec is None:
             return
@@ -460,7 +462,7 @@ class LoraAdapterPool:
             for rid in taken:
                 self._settled.pop(rid)
                 self._settled_set.discard(rid)
-            self.slots.rollback(taken, [(r, n) for r, n in rec.spent if r in self._requests])
+            self.slots.rollback(taken)
 
     def plan(self, step: LoraStep, ctx: StepContext) -> LoraAddressing | None:
         """Build the step's addressing (token_order / slot_indptr per row grouping) into the

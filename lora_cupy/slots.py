@@ -7,9 +7,10 @@ restates the same rules independently and hypothesis compares the two through
 - Slot 0 is the zero adapter: never handed out, never held, never resident.
 - ``refcount[s]`` is the number of live requests holding ``s``; a request holds at most one
   slot (its adapter's), from the admit that first gives it one until it is released.
-- The clock is logical: each :meth:`begin_admit` advances it by one (the pool's steady-state
-  admit, where every row holds its slot already, does not call the table at all).
-  ``last_use[s]`` is the clock when a row last took ``s`` and when its last holder released it.
+- The clock is logical: an admit that takes at least one slot advances it by one, and every
+  slot that admit takes is stamped with the new value (``last_use[s]``; -1: never taken).
+  Releases stamp nothing. The pool's steady-state admit (every row holds its slot
+  already) does not call the table at all.
 - An admit gives rows whose adapter is resident their slot first (hits), so no miss can evict
   an unheld adapter a later row of the same admit names. Each adapter that misses then takes,
   in the order of its first row, the next of the admit's victims: the empty slots (never
@@ -31,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+NEVER = -1  # last_use of a slot no admit has taken yet
+
 
 @dataclass(frozen=True)
 class SlotSnapshot:
@@ -39,7 +42,7 @@ class SlotSnapshot:
     slot_of: dict[str, int]  # adapter name -> slot (served, resident adapters)
     refcount: tuple[int, ...]  # [S] live requests holding each slot
     resident: tuple[str | None, ...]  # [S] the adapter whose weights a slot holds (None: empty)
-    last_use: tuple[int, ...]  # [S] clock of the last take or release
+    last_use: tuple[int, ...]  # [S] clock of the admit that last took it (-1: never)
     held: dict[Hashable, int]  # rid -> the slot it holds
     reserved: dict[Hashable, str]  # rid -> the adapter counted for it
     clock: int
@@ -61,13 +64,14 @@ class AdmitPicks:
     ``refused`` maps rids to why they could take no slot (the backstop).
     """
 
-    clock: int
+    clock: int  # the table's clock when the admit began
     hits: list[tuple[Hashable, int]] = field(default_factory=list)
     misses: list[MissGroup] = field(default_factory=list)
     victims: list[int] = field(default_factory=list)
     refused: dict[Hashable, str] = field(default_factory=dict)
     spent: list[tuple[Hashable, str]] = field(default_factory=list)  # (rid, adapter) reservations spent
     next_victim: int = 0
+    ticked: bool = False  # the clock advanced for this admit
 
 
 class SlotTable:
@@ -79,7 +83,7 @@ class SlotTable:
         self.num_slots = num_slots
         self.refcount = [0] * num_slots
         self.resident: list[str | None] = [None] * num_slots
-        self.last_use = [0] * num_slots
+        self.last_use = [NEVER] * num_slots
         self.slot_of: dict[str, int] = {}
         self.held: dict[Hashable, int] = {}
         self.reserved: dict[Hashable, str] = {}
@@ -135,12 +139,13 @@ class SlotTable:
         return name
 
     # -- holds ---------------------------------------------------------------------------
-    def _take(self, name: str, rids: Sequence[Hashable], slot: int, spent: list | None = None
+    def _take(self, name: str, rids: Sequence[Hashable], slot: int, picks: AdmitPicks
               ) -> tuple[list[Hashable], list[Hashable]]:
         """Rows of adapter ``name`` take ``slot``; returns (taken, refused for want of a free slot).
 
         Taking an unheld slot for an adapter no reservation counted is allowed only while
-        ``need < free``; the rows' reservations are spent (appended to ``spent``).
+        ``need < free``. The rows' reservations are spent (``picks.spent``); the admit's first
+        take advances the clock, and the slot is stamped.
         """
         if self.refcount[slot] == 0:
             if name not in self._res_count and self.need >= self._free:
@@ -150,11 +155,14 @@ class SlotTable:
         for rid in rids:
             if rid in self.held:
                 raise ValueError(f"request {rid!r} holds slot {self.held[rid]} already")
-            if self.unreserve(rid) is not None and spent is not None:
-                spent.append((rid, name))
+            if self.unreserve(rid) is not None:
+                picks.spent.append((rid, name))
             self.refcount[slot] += 1
             self.held[rid] = slot
             taken.append(rid)
+        if not picks.ticked:
+            self.clock += 1
+            picks.ticked = True
         self.last_use[slot] = self.clock
         return taken, []
 
@@ -166,7 +174,6 @@ class SlotTable:
         self.refcount[slot] -= 1
         if self.refcount[slot] == 0:
             self._free += 1
-            self.last_use[slot] = self.clock
         return slot
 
     # -- an admit --------------------------------------------------------------------------
@@ -181,13 +188,12 @@ class SlotTable:
         return empty + used
 
     def begin_admit(self, rows: Sequence[tuple[Hashable, str]]) -> AdmitPicks:
-        """Advance the clock, give hits their slots and fix the misses' victims.
+        """Give hits their slots and fix the misses' victims.
 
         ``rows`` are ``(rid, adapter name)`` of the step's rows that hold no slot yet, in
         step order. Hits are held on return; misses are grouped by adapter and each waits
         for :meth:`finish_miss` (a miss whose read failed just never calls it).
         """
-        self.clock += 1
         picks = AdmitPicks(clock=self.clock)
         by_name: dict[str, list[Hashable]] = {}
         for rid, name in rows:
@@ -199,7 +205,7 @@ class SlotTable:
             if slot is None:
                 picks.misses.append(MissGroup(name, rids))
                 continue
-            taken, refused = self._take(name, rids, slot, picks.spent)
+            taken, refused = self._take(name, rids, slot, picks)
             picks.hits += [(rid, slot) for rid in taken]
             for rid in refused:
                 picks.refused[rid] = "no free slot outside the reservations"
@@ -210,9 +216,9 @@ class SlotTable:
                     ) -> int | None:
         """Install ``miss.name`` in the admit's next victim and give it ``rids``; the slot or None.
 
-        ``rids`` (default: the group's) are the rows still to take it. None when no victim is
-        left, or when the rows have no reservation and the free slots are all promised: the
-        rows are then refused (``picks.refused``) and nothing changes.
+        ``rids`` (default: the group's, at least one) are the rows still to take it. None when
+        no victim is left, or when no reservation counted the adapter and every free slot is
+        promised: the rows are then refused (``picks.refused``) and nothing changes.
         """
         rids = list(miss.rids if rids is None else rids)
         if picks.next_victim >= len(picks.victims):
@@ -232,26 +238,14 @@ class SlotTable:
             del self.slot_of[old]
         self.resident[slot] = miss.name
         self.slot_of[miss.name] = slot
-        if rids:
-            self._take(miss.name, rids, slot, picks.spent)
-        else:
-            self.last_use[slot] = self.clock
+        self._take(miss.name, rids, slot, picks)
         return slot
 
-    def rollback(self, rids: Iterable[Hashable], spent: Iterable[tuple[Hashable, str]] = ()
-                 ) -> list[Hashable]:
-        """Undo an admit's takes: ``rids`` release their slots, then the ``(rid, adapter)``
-        reservations it spent come back, while they fit (``need <= free``). Adapters the admit
-        loaded stay resident, unheld (a cache). Returns the rids not re-reserved."""
-        for rid in rids:
-            self.release(rid)
-        left = []
-        for rid, name in spent:
-            if rid not in self.held and rid not in self.reserved and self.can_reserve(name):
-                self.reserve(rid, name)
-            else:
-                left.append(rid)
-        return left
+    def rollback(self, rids: Iterable[Hashable]) -> list[int]:
+        """Undo an admit's takes: ``rids`` release the slots it gave them (returned, in order).
+        Adapters the admit loaded stay resident, unheld (a cache). The reservations it spent
+        stay spent: a rolled-back row holds nothing and asks again at admission."""
+        return [s for s in map(self.release, rids) if s is not None]
 
     # -- unload ------------------------------------------------------------------------------
     def forget(self, name: str) -> int | None:
@@ -284,7 +278,8 @@ class SlotTable:
                 name = self.resident[s]
                 assert name is not None and self.slot_of.get(name) == s, \
                     f"held slot {s} has no served adapter (resident {name!r}) (invariants 3, 9)"
-            assert 0 <= self.last_use[s] <= self.clock, f"slot {s} last_use {self.last_use[s]} > clock (invariant 4)"
+            assert NEVER <= self.last_use[s] <= self.clock, \
+                f"slot {s} last_use {self.last_use[s]} outside [-1, clock {self.clock}] (invariant 4)"
         free = sum(1 for s in range(1, S) if self.refcount[s] == 0)
         assert free == self._free, f"free count {self._free} != {free}"
         counts: dict[str, int] = {}
