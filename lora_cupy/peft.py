@@ -34,10 +34,11 @@ from pathlib import Path
 import numpy as np
 
 from .adapter import AdapterWeights, TargetWeights
-from .dtypes import numpy_dtype
+from .dtypes import bfloat16, numpy_dtype
 from .errors import (
     AdapterFileError,
     AdapterNotFoundError,
+    LoraError,
     NonFiniteWeightsError,
     PickleRefusedError,
     RankTooLargeError,
@@ -56,6 +57,7 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_CONFIG_BYTES = 16 << 20
 #: Safetensors dtypes read as weights, and their sizes in bytes.
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_NUMPY_DTYPES = {"F16": np.dtype("<f2"), "BF16": bfloat16, "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
 _PREFIX = "base_model.model."
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _KEY_RE = re.compile(
@@ -249,12 +251,14 @@ def read_config(path: str | os.PathLike, adapter: str | None = None) -> PeftLora
 # -- the safetensors file ------------------------------------------------------------------
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor's header entry: a float dtype, its shape and byte range in the data."""
+    """One tensor's header entry: a float dtype, its shape, its byte range in the data, and
+    where that range starts in the file."""
 
     dtype: str
     shape: tuple[int, ...]
     begin: int
     end: int
+    offset: int
 
 
 def read_header(path: str | os.PathLike, adapter: str | None = None) -> dict[str, TensorInfo]:
@@ -307,7 +311,7 @@ def read_header(path: str | os.PathLike, adapter: str | None = None) -> dict[str
             raise bad(f"tensor {name!r}: data_offsets {offsets!r} outside the {data_len} data bytes")
         if math.prod(shape) * FLOAT_DTYPES[dtype] != offsets[1] - offsets[0]:
             raise bad(f"tensor {name!r}: shape {shape} of {dtype} does not fill bytes {offsets}")
-        out[name] = TensorInfo(dtype, tuple(shape), offsets[0], offsets[1])
+        out[name] = TensorInfo(dtype, tuple(shape), offsets[0], offsets[1], 8 + n + offsets[0])
     pos = 0
     for name, t in sorted(out.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if t.begin != pos:
@@ -330,21 +334,47 @@ def _is_count(v) -> bool:
 
 
 def _read_tensors(path, header: Mapping[str, TensorInfo], names, adapter) -> dict[str, np.ndarray]:
-    """Read ``names`` with safetensors' NumPy API (bf16 arrives as ``ml_dtypes.bfloat16``)."""
+    """Read ``names`` with safetensors' NumPy API. BF16, which NumPy lacks, arrives from recent
+    safetensors as ``ml_dtypes.bfloat16``; where safetensors cannot give it, its bytes are
+    decoded from the file at the checked offsets instead."""
     from safetensors import safe_open
 
     out = {}
     try:
         with safe_open(os.fspath(path), framework="np") as f:
             for name in names:
-                out[name] = f.get_tensor(name)
+                try:
+                    arr = f.get_tensor(name)
+                except Exception:
+                    if header[name].dtype != "BF16":
+                        raise
+                    arr = None
+                if header[name].dtype == "BF16" and (arr is None or arr.dtype != bfloat16):
+                    arr = _read_raw(path, header[name], adapter)
+                out[name] = arr
+    except LoraError:
+        raise
     except Exception as e:  # SafetensorError, or anything else its parser raises
         raise AdapterFileError(f"corrupt safetensors: {e}", adapter=adapter, path=path) from None
     for name in names:
-        if out[name].shape != header[name].shape:
-            raise AdapterFileError(f"corrupt safetensors: tensor {name!r} read as {out[name].shape}, "
-                                   f"header says {header[name].shape}", adapter=adapter, path=path)
+        info, arr = header[name], out[name]
+        if arr.shape != info.shape or arr.dtype != _NUMPY_DTYPES[info.dtype]:
+            raise AdapterFileError(f"corrupt safetensors: tensor {name!r} read as {arr.dtype} {arr.shape}, "
+                                   f"header says {info.dtype} {info.shape}", adapter=adapter, path=path)
     return out
+
+
+def _read_raw(path, info: TensorInfo, adapter) -> np.ndarray:
+    """One tensor decoded from the file's little-endian bytes."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            raw = f.read(info.end - info.begin)
+    except OSError as e:
+        raise AdapterFileError(f"cannot read {WEIGHTS_NAME}: {e.strerror or e}", adapter=adapter, path=path) from None
+    if len(raw) != info.end - info.begin:
+        raise AdapterFileError("corrupt safetensors: the file changed while it was read", adapter=adapter, path=path)
+    return np.frombuffer(raw, _NUMPY_DTYPES[info.dtype]).reshape(info.shape)
 
 
 def canonical_key(key: str) -> str:

@@ -11,16 +11,13 @@ import pytest
 
 from lora_cupy.dtypes import numpy_dtype
 from lora_cupy.peft import digest_of, parse_config, pattern_key, read_config, read_peft_adapter
-from lora_cupy.spec import LoraSpec, LoraTarget
+from lora_cupy.spec import LoraSlice, LoraSpec, LoraTarget
 from tests.peft_helpers import (
-    HIDDEN, lora_module_paths, make_peft_adapter, module_path, peft_delta, random_tensors, tiny_llama,
-    write_adapter)
+    make_peft_adapter, module_path, peft_delta, random_tensors, tiny_llama, write_adapter)
 
 
 def small_spec(**kw) -> LoraSpec:
     """q_proj and v_proj (2 layers) and a fused gate_up_proj, small features."""
-    from lora_cupy.spec import LoraSlice
-
     targets = (LoraTarget("q_proj", 24, 24, 2, sharding=kw.pop("q_sharding", None)),
                LoraTarget("v_proj", 24, 8, 2),
                LoraTarget("gate_up_proj", 24, 40, 2, (LoraSlice("gate_proj", 20), LoraSlice("up_proj", 20)),
@@ -255,3 +252,41 @@ def test_whole_fused_module_splits_b_by_slice(tmp_path):
     np.testing.assert_array_equal(gu.a[1, 1], a)
     np.testing.assert_array_equal(gu.b[1], b)
     assert not gu.a[0].any() and not gu.b[0].any()
+
+
+def test_bf16_decoded_where_safetensors_numpy_cannot(tmp_path, monkeypatch):
+    """Older safetensors give NumPy no bf16: the reader decodes those bytes itself, the same."""
+    import safetensors
+
+    spec = small_spec(dtype="bfloat16")
+    tensors = {k: v.astype(numpy_dtype("bfloat16"))
+               for k, v in random_tensors(spec, np.random.default_rng(), r=3).items()}
+    d = write_adapter(tmp_path / "a", tensors, r=3)
+    direct = read_peft_adapter(d, spec)
+    real = safetensors.safe_open
+    refused = []
+
+    class NoBf16:
+        def __init__(self, *args, **kw):
+            self._f = real(*args, **kw)
+
+        def __enter__(self):
+            self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            if self._f.get_slice(name).get_dtype() == "BF16":
+                refused.append(name)
+                raise TypeError("data type 'bfloat16' not understood")
+            return self._f.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", NoBf16)
+    decoded = read_peft_adapter(d, spec)
+    assert sorted(refused) == sorted(tensors)
+    assert decoded.digest == direct.digest == digest_of(d)
+    for t in direct.targets:
+        np.testing.assert_array_equal(decoded.targets[t].a, direct.targets[t].a)
+        np.testing.assert_array_equal(decoded.targets[t].b, direct.targets[t].b)

@@ -70,6 +70,11 @@ def test_directory_without_adapter_files(tmp_path):
     refused(tmp_path / "empty", AdapterNotFoundError, "empty", "neither")
 
 
+def test_path_that_is_not_a_directory(tmp_path):
+    (tmp_path / "adapter.safetensors").write_bytes(b"0" * 16)
+    refused(tmp_path / "adapter.safetensors", AdapterNotFoundError, "adapter.safetensors", "not a directory")
+
+
 def test_missing_config(tmp_path):
     d, _ = good(tmp_path)
     (d / CONFIG).unlink()
