@@ -513,9 +513,11 @@ def _map_modules(header, config: PeftLoraConfig, spec: LoraSpec, adapter, path) 
                              f"(targets: {', '.join(spec.target_names)})")
             layer = layer_index(module)
             target, j = found
-            if layer is None or layer >= target.num_layers:
-                where = "no stack layer index" if layer is None else f"stack layer {layer}"
-                raise refuse(TargetMismatchError, f"module {module!r}: {where} outside target "
+            if layer is None:
+                raise refuse(TargetMismatchError, f"module {module!r} names no stack layer (no 'layers.<i>.' "
+                             f"in its path) of target {target.name!r}")
+            if layer >= target.num_layers:
+                raise refuse(TargetMismatchError, f"module {module!r}: stack layer {layer} is outside target "
                              f"{target.name!r}'s {target.num_layers} layers")
             if not _selects(config, module, adapter, path):
                 raise refuse(AdapterFileError, f"module {module!r} holds weights but {CONFIG_NAME} does not "

@@ -253,14 +253,17 @@ def test_module_without_target(tmp_path):
     refused(d, TargetMismatchError, WEIGHTS, "has no target")
 
 
-@pytest.mark.parametrize("module", ["model.layers.2.self_attn.q_proj", "model.self_attn.q_proj"])
-def test_layer_outside_stack(tmp_path, module):
+@pytest.mark.parametrize("module, reason", [
+    ("model.layers.2.self_attn.q_proj", "stack layer 2 is outside target 'q_proj'"),
+    ("model.self_attn.q_proj", "no stack layer"),
+])
+def test_layer_outside_stack(tmp_path, module, reason):
     d, tensors = good(tmp_path)
     rng = np.random.default_rng()
     tensors[f"base_model.model.{module}.lora_A.weight"] = rng.standard_normal((2, 16))
     tensors[f"base_model.model.{module}.lora_B.weight"] = rng.standard_normal((16, 2))
     write_adapter(d, tensors, r=2)
-    refused(d, TargetMismatchError, WEIGHTS, "outside target 'q_proj'")
+    refused(d, TargetMismatchError, WEIGHTS, reason)
 
 
 @pytest.mark.parametrize("part, shape", [
