@@ -64,6 +64,10 @@ class GatedReader:
     def open(self, name: str) -> None:
         self.gates[name].set()
 
+    def close(self, name: str) -> None:
+        """Hold the next reads of ``name`` until :meth:`open`."""
+        self.gates[name] = threading.Event()
+
     def wait_started(self, name: str, count: int = 1, timeout: float = 5.0) -> None:
         """Block until ``name`` has been read ``count`` times (its read has begun)."""
         with self.started:
