@@ -1,7 +1,7 @@
 """LoraAdapterStore: the host tier, and the one reader thread that fills it.
 
-A request names an adapter; the pool :meth:`~LoraAdapterStore.acquire`\\ s its host copy as it
-ingests the request, which queues the read, and releases it as the request is removed. The
+A request names an adapter; the pool acquires its host copy (:meth:`~LoraAdapterStore.acquire`)
+as it ingests the request, which queues the read, and releases it as the request is removed. The
 tier holds exactly what live requests name: a copy goes with the last request naming it.
 
 Files are read only on the reader thread. Nobody else ever waits on a file: ``acquire`` and

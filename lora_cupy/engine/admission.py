@@ -1,17 +1,23 @@
-"""The runner's admission queue: one FIFO for every resource that asks.
+"""The runner's admission queue: one queue for every resource that asks.
 
-A request that wants to run on a node is submitted here. :meth:`AdmissionQueue.pump` takes
-requests from the head while every resource lets them through: each resource is asked
-(``ask``); those that ask get ``reserve``\\ d. A reservation of 0 means "not yet": the
-reservations this request got from the others in that pass are given back, so it waits
-holding nothing, and so does everyone behind it (strict FIFO: a waiting request is never
-overtaken, so none starves). A resource whose answer fails the row lets it through at
-once: the step's admit fails it on every rank alike, before any slot is handed out.
+A request that wants to run on a node is submitted here. :meth:`AdmissionQueue.pump` lets
+requests through in order while every resource lets them: each resource is asked (``ask``),
+and those that ask are asked to ``reserve``. A reservation of 0 means "not yet": what the
+request got from the others in that pass is given back, so it waits holding nothing. A
+resource whose answer fails the row lets it through at once: the step's admit fails it on
+every rank alike, before any slot is handed out.
 
-With pools on several nodes the queue also keeps waits acyclic: given ``node_order``
-(e.g. ``("encoder", "llm")``), a request may wait on a node only while it holds nothing on
-a later one. A request that walks the encoder before the LLM always does, so a request
-holding an LLM slot never waits on the encoder's pool and no cycle of waits can form.
+Order. New requests pass in arrival order: one that must wait holds back every new request
+behind it, so none starves. A request that already runs (let through on an earlier node of
+its walk, or submitted ``published``) is not held back by new requests ahead of it, only by
+running ones: it may hold a slot a waiting new request needs, so waiting behind that request
+would close a cycle.
+
+With pools on several nodes the queue also keeps the pools' waits acyclic: given
+``node_order`` (e.g. ``("encoder", "llm")``), a request may wait on a node only while it holds
+nothing on a later one. A request that walks the encoder before the LLM always does, so a
+request holding an LLM slot never waits on the encoder's pool; LLM holders wait on nothing,
+encoder holders only on LLM holders, and no cycle of waits can form.
 """
 
 from __future__ import annotations
@@ -87,36 +93,50 @@ class AdmissionQueue:
         self._queue = deque(w for w in self._queue if w.rid != rid)
         self._holds.pop(rid, None)
 
+    def _published(self, w: Waiting) -> bool:
+        return w.published or w.rid in self._holds
+
     def pump(self, limit: int | None = None) -> list[Granted]:
-        """Let requests through from the head, in order, until one must wait (or ``limit``)."""
+        """Let requests through, in order, until nothing more may pass (or ``limit``)."""
         out: list[Granted] = []
-        while self._queue and (limit is None or len(out) < limit):
-            w = self._queue[0]
-            failed: dict = {}
-            asking = []
-            for r in self.resources:
-                o = r.ask(w.rid, w.node, w.graph_walk)
-                if o is None:
-                    continue
-                if o.failed:
-                    failed[r] = o.failed.get(w.rid, next(iter(o.failed.values())))
-                elif o.asks:
-                    asking.append(r)
-            got = []
-            blocked = False
-            for r in asking:
-                n = r.reserve(w.rid, w.node, w.graph_walk, w.published)
-                if n is None:
-                    continue  # let through: its admit fails the row
-                if n == 0:
-                    blocked = True
-                    break
-                got.append(r)
-            if blocked:
-                for r in got:
-                    r.unreserve(w.rid)
+        held_back_new = False
+        for w in list(self._queue):
+            if limit is not None and len(out) >= limit:
                 break
-            self._queue.popleft()
+            published = self._published(w)
+            if held_back_new and not published:
+                continue
+            granted = self._try(w)
+            if granted is None:
+                if published:
+                    break  # a running request waits: everything behind it waits too
+                held_back_new = True
+                continue
+            self._queue.remove(w)
             self._holds.setdefault(w.rid, set()).add(w.node)
-            out.append(Granted(w.rid, w.node, failed))
+            out.append(granted)
         return out
+
+    def _try(self, w: Waiting) -> Granted | None:
+        """Ask and reserve ``w`` at every resource; None (holding nothing) if it must wait."""
+        failed: dict = {}
+        asking = []
+        for r in self.resources:
+            o = r.ask(w.rid, w.node, w.graph_walk)
+            if o is None:
+                continue
+            if o.failed:
+                failed[r] = o.failed.get(w.rid, next(iter(o.failed.values())))
+            elif o.asks:
+                asking.append(r)
+        got = []
+        for r in asking:
+            n = r.reserve(w.rid, w.node, w.graph_walk, self._published(w))
+            if n is None:
+                continue  # let through: its admit fails the row
+            if n == 0:
+                for g in got:
+                    g.unreserve(w.rid)
+                return None
+            got.append(r)
+        return Granted(w.rid, w.node, failed)
