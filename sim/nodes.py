@@ -4,8 +4,9 @@ A request holds a slot in each pool whose targets its adapter touches until it i
 With ``order="encoder-first"`` (the order the graph runs, DESIGN.md invariant 11) a request
 takes its encoder slot, runs the encoder once, then waits for its LLM slot, so a row holding
 an LLM slot never waits on the encoder's pool and waits cannot form a cycle: every history
-drains. ``order="llm-first"`` takes them the other way round, to show what the order buys:
-it can deadlock.
+drains. ``order="as-walked"`` lets a request whose walk reaches the encoder after the LLM
+(``encoder_after_llm``: an image that comes mid-decode) take them in that order, to show what
+the rule buys: two such orders in one pool pair can wait on each other for ever.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ from dataclasses import dataclass, field
 
 from .pool import Reserve, SimPool
 
-ORDERS = ("encoder-first", "llm-first")
+ORDERS = ("encoder-first", "as-walked")
 
 
 @dataclass(frozen=True)
 class NodeRequest:
-    """One request: its adapter (None: base), whether it has an image, its LLM steps, arrival tick."""
+    """One request: its adapter (None: base), whether it has an image, its LLM steps, arrival
+    tick, and whether its walk reaches the encoder only after the LLM (used by "as-walked")."""
 
     rid: int
     adapter: str | None
     image: bool
     llm_steps: int
     arrival: int = 0
+    encoder_after_llm: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def drain(requests: Sequence[NodeRequest], adapters: Sequence[NodeAdapter], *, e
                 if pool.ingest_request(r.rid, r.adapter):
                     pool.complete_read(r.adapter, ok=True)
             stages = (["encoder"] if r.image else []) + ["llm"]
-            if order == "llm-first":
+            if order == "as-walked" and r.encoder_after_llm:
                 stages.reverse()
             states[r.rid] = _State(r, stages, max(1, r.llm_steps))
         waiting = [s for s in states.values() if not s.running]

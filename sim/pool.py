@@ -234,8 +234,8 @@ class SimPool:
             return Reserve.NONE
         if self._lost_read(r):
             return Reserve.THROUGH
-        if self.tier.get(r.adapter) is not Copy.OK:
-            return Reserve.WAIT
+        if self.tier.get(r.adapter) is Copy.PENDING:
+            return Reserve.WAIT  # a failed copy whose adapter is resident counts like any other
         need = self.demand()
         if not self.slots.held(r.adapter):
             need.add(r.adapter)
@@ -297,7 +297,8 @@ class SimPool:
             self._set_reserved(r, False)
         for r in hits:
             self._set_reserved(r, False)
-        self.slots.tick()
+        if taken:  # the clock counts admits that take slots
+            self.slots.tick()
         for _, s in taken:
             self.slots.stamp(s)
         order = {id(r): i for i, r in enumerate(rows)}
