@@ -20,6 +20,7 @@ from lora_cupy.dtypes import numpy_dtype
 from lora_cupy.engine.resource import LoraStep, ResourceReqConfig, StepContext
 from lora_cupy.peft import read_peft_adapter
 from lora_cupy.spec import LoraSlice, LoraSpec, LoraTarget
+from lora_cupy.store import READING
 from tests.peft_helpers import write_random_adapter
 
 
@@ -213,3 +214,108 @@ def check_delta(pool, rids, num_tokens, rng, targets=None, atol_scale: float = 2
             tol = atol_scale * (1 + np.abs(want).max())
             np.testing.assert_allclose(got, want, atol=tol, rtol=0,
                                        err_msg=f"{t.name} layer {layer}: delta differs from the float64 oracle")
+
+
+def oracle_weights(spec: LoraSpec, images: Mapping, target: str, layer: int, slot_adapter: Mapping[int, str]):
+    """Host LayerWeights with each slot holding the expected image of ``slot_adapter[slot]``:
+    the reference a step's delta is checked against, independent of what the device holds."""
+    from lora_cupy.backends.base import LayerWeights
+
+    t = spec.target(target)
+    dt = numpy_dtype(spec.dtype)
+    S, n, R = spec.num_slots, t.num_slices, spec.max_rank
+    inl, outl = t.local_in_features(spec.tp_size), t.local_out_features(spec.tp_size)
+    a, b = np.zeros((S, n, R, inl), dt), np.zeros((S, outl, R), dt)
+    ranks, scaling = np.zeros((S, n), np.int32), np.zeros((S, n), np.float32)
+    for s, name in slot_adapter.items():
+        img = images[name].targets.get(target)
+        if img is not None:
+            a[s], b[s], ranks[s], scaling[s] = img.a[layer], img.b[layer], img.ranks[layer], img.scaling[layer]
+    return LayerWeights(a, b, scaling, ranks, t.out_offsets(spec.tp_size))
+
+
+def eviction_stress(device: str, root, steps: int = 60, seed: int | None = None, dtype: str = "float32",
+                    rtol: float = 2e-4) -> dict:
+    """Requests come and go over 3 adapter slots and 7 adapters, so slots are evicted and reused
+    many times; reads are slow and start at ingest, right before the admit that needs them (a
+    follower pool: its admit waits for a copy in flight). Every step, every target and layer:
+    the delta through the pool equals the float64 oracle built from the adapters' files, and
+    no live request's slot ever changes. Returns counters for the caller to check."""
+    import random
+
+    seed = random.randrange(1 << 30) if seed is None else seed
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    spec = small_spec(num_slots=4, num_layers=2, dtype=dtype)
+    names = make_adapters(root, spec, 7, seed=seed)
+    from lora_cupy.pool import LoraAdapterPool
+
+    pool = LoraAdapterPool(spec, device, adapters=names, reader=GatedReader(delay=0.003), decides=False)
+    images = {n: pool.store.build_image(read_peft_adapter(p, spec, name=n)) for n, p in names.items()}
+    xp = pool.device.xp
+    live: dict[int, str | None] = {}
+    slot_of_rid: dict[int, int] = {}
+    nxt, waited, checked = 0, 0, 0
+    try:
+        for seq in range(steps):
+            for _ in range(rng.randint(1, 3)):
+                name = rng.choice([None, *names])
+                ingest(pool, nxt, name)
+                live[nxt] = name
+                nxt += 1
+            snap = pool.snapshot()
+            held = {snap.resident[s] for s in range(1, spec.num_slots) if snap.refcount[s]}
+            free = snap.refcount.count(0) - 1
+            rows, new = [], set()
+            for rid in rng.sample(sorted(live), len(live)):
+                name = live[rid]
+                if rid in snap.held or name is None or name in held or name in new:
+                    rows.append(rid)
+                elif len(new) < free:
+                    new.add(name)
+                    rows.append(rid)
+            rows = rows[:12]
+            waited += sum(1 for r in rows if live[r] and pool.store.get(live[r]).outcome() == READING)
+            step, ctx = LoraStep(rows, nrng.integers(1, 4, len(rows)), seq=seq), StepContext(seq=seq)
+            out = pool.admit(step, ctx)
+            assert out.ok, f"seed {seed} step {seq}: {out.failed}"
+            pool.plan(step, ctx)
+            snap = pool.snapshot()
+            for rid in rows:
+                if rid in snap.held:
+                    s = snap.held[rid]
+                    assert slot_of_rid.setdefault(rid, s) == s, f"seed {seed}: request {rid} moved slots"
+                    assert snap.resident[s] == live[rid]
+            slot_adapter = {snap.held[r]: live[r] for r in rows if r in snap.held}
+            counts = np.asarray(step.rows_for(spec.node).num_tokens)
+            slots = np.array([snap.held.get(r, 0) for r in rows])
+            for t in spec.targets:
+                per = (counts + t.row_grouping - 1) // t.row_grouping
+                T = int(per.sum())
+                for layer in range(t.num_layers):
+                    x = nrng.standard_normal((T, t.in_features)).astype(numpy_dtype(dtype))
+                    y0 = nrng.standard_normal((T, t.out_features)).astype(numpy_dtype(dtype))
+                    y = xp.asarray(y0.copy()) if pool.device.is_cuda else y0.copy()
+                    pool.layer_delta(t.name, layer)(y, xp.asarray(x) if pool.device.is_cuda else x)
+                    got = (pool.device.to_host(y) if pool.device.is_cuda else y).astype(np.float64) \
+                        - y0.astype(np.float64)
+                    want = dense_delta64(x, oracle_weights(spec, images, t.name, layer, slot_adapter),
+                                         np.repeat(slots, per))
+                    tol = rtol * (1 + np.abs(want).max() + np.abs(y0.astype(np.float64)).max())
+                    np.testing.assert_allclose(got, want, atol=tol, rtol=0,
+                                               err_msg=f"seed {seed} step {seq} {t.name}[{layer}]")
+                    checked += 1
+            pool.commit(step, ctx)
+            for rid in rng.sample(sorted(live), rng.randint(0, max(1, len(live) // 3))):
+                pool.remove_request(rid)
+                live.pop(rid)
+                slot_of_rid.pop(rid, None)
+            pool.check_valid()
+        for rid in list(live):
+            pool.remove_request(rid)
+        pool.check_valid()
+        snap = pool.snapshot()
+        assert not any(snap.refcount) and not snap.held
+        return {"loads": pool.stats["loads"], "waited": waited, "checked": checked, "seed": seed}
+    finally:
+        pool.close()
