@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--read-base", type=_nonneg_float, default=0.005, help="seconds per read (0.005)")
     pool.add_argument("--read-per-rank", type=_nonneg_float, default=0.0005,
                       help="extra read seconds per unit of rank (0.0005)")
+    pool.add_argument("--admission", choices=("fifo", "pass"), default="fifo",
+                      help="fifo: a request waiting for a slot holds back those behind it; "
+                           "pass: they may pass it (fifo)")
     out = p.add_argument_group("output")
     out.add_argument("--plot", default="sim-report.png", metavar="PNG", help="plot file (sim-report.png)")
     out.add_argument("--json", metavar="FILE", help="write the summary and series as JSON")
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
         if args.save_trace:
             trace.write(args.save_trace)
         config = PlayerConfig(args.slots[-1], args.max_batch, args.step_time, args.read_base,
-                              args.read_per_rank)
+                              args.read_per_rank, args.admission)
     except TraceError as e:
         print(f"python -m sim: error: {e}", file=sys.stderr)
         return 2

@@ -4,13 +4,16 @@ Time runs in steps of ``step_time`` seconds. A request is ingested at its arriva
 starts the read of its adapter's host copy (``read_base + read_per_rank * rank`` seconds,
 shared by every live request on that adapter). At each step the runner removes the requests
 that finished, then walks its admission queue in arrival order: a request is admitted when the
-batch has room and ``reserve`` grants it (its copy is in and a slot can take its adapter);
-one that must wait lets later ones pass. The admitted rows go through one ``admit`` and then
-run ``tokens`` steps. Steps where nothing can change are skipped, so long traces stay cheap.
+batch has room and ``reserve`` grants it (its copy is in and a slot can take its adapter).
+A request still waiting for its copy lets later ones pass; one waiting for a slot stops the
+walk (``admission="fifo"``, so a popular adapter's stream of hits cannot starve it) or lets
+later ones pass too (``"pass"``). The admitted rows go through one ``admit`` and then run
+``tokens`` steps. Steps where nothing can change are skipped, so long traces stay cheap.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import math
@@ -21,9 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from .errors import TraceError
-from .pool import Reserve, SimPool
+from .pool import Copy, Reserve, SimPool
 from .workload import Trace
 
+ADMISSION = ("fifo", "pass")
 PROGRESS_MIN_REQUESTS = 5000  # a progress bar is shown by default from this many requests
 
 
@@ -36,8 +40,11 @@ class PlayerConfig:
     step_time: float = 0.02
     read_base: float = 0.005
     read_per_rank: float = 0.0005
+    admission: str = "fifo"  # or "pass": later requests may pass one waiting for a slot
 
     def __post_init__(self):
+        if self.admission not in ADMISSION:
+            raise TraceError(f"admission must be one of {ADMISSION}, got {self.admission!r}")
         if int(self.num_slots) < 2:
             raise TraceError(f"num_slots must be >= 2 (slot 0 is the zero adapter), got {self.num_slots}")
         if int(self.max_batch) < 1:
@@ -164,7 +171,13 @@ def play(trace: Trace, config: PlayerConfig | None = None, *, progress: bool | N
                 left.extend(queue[k:])
                 break
             got = pool.reserve(i)
-            (left if got is Reserve.WAIT else rows).append(i)
+            if got is not Reserve.WAIT:
+                rows.append(i)
+            elif config.admission == "fifo" and pool.tier.get(trace.adapter_name(i)) is not Copy.PENDING:
+                left.extend(queue[k:])  # waits for a slot: everyone behind it waits too
+                break
+            else:
+                left.append(i)
         queue = left
         if rows:
             res = pool.admit(rows)
@@ -204,8 +217,7 @@ def sweep_slots(trace: Trace, slot_counts: Iterable[int], config: PlayerConfig |
     config = config or PlayerConfig()
     out = []
     for s in slot_counts:
-        c = PlayerConfig(int(s), config.max_batch, config.step_time, config.read_base,
-                         config.read_per_rank)
+        c = dataclasses.replace(config, num_slots=int(s))
         out.append(play(trace, c, progress=progress))
     return out
 

@@ -50,6 +50,8 @@ def plot_hit_rate(results: Sequence[PlayResult], ax=None):
     ax2 = ax.twinx()
     ax2.plot(slots, [r.p99_wait for r in results], "s--", color="tab:orange", label="p99 wait")
     ax2.set_ylabel("p99 admission wait (s)", color="tab:orange")
+    if all(r.p99_wait > 0 for r in results):
+        ax2.set_yscale("log")  # waits span orders of magnitude between a small pool and a big one
     ax.set_title("hit rate against slot count")
     return ax
 

@@ -31,8 +31,8 @@ class SlotSnapshot:
 
     def eviction_order(self) -> tuple[int, ...]:
         """The unheld slots in the order misses take them: empty first, then least recently used."""
-        return tuple(eviction_order(np.array([a is None for a in self.adapters]),
-                                    np.array(self.refcounts), np.array(self.last_used)))
+        return tuple(int(s) for s in eviction_order(np.array([a is None for a in self.adapters]),
+                                                    np.array(self.refcounts), np.array(self.last_used)))
 
 
 def eviction_order(empty: np.ndarray, refcounts: np.ndarray, last_used: np.ndarray) -> np.ndarray:
