@@ -37,7 +37,26 @@ class KernelFamily:
     name_expressions: tuple[str, ...] = ()
 
 
-_DTYPES = ("float", "__half", "__nv_bfloat16")
+#: CUDA element type of each dtype the pool serves.
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+_DTYPES = tuple(CUDA_TYPES.values())
+
+#: Tile heights (positions per block) of the tensor-core shrink.
+MMA_SHRINK_BM = (16, 32, 64)
+#: (tile height, column block) pairs of the tensor-core expand and of the fused kernel.
+MMA_TILES = ((16, 64), (32, 128), (64, 128))
+
+
+def _mma_names(ctype: str) -> tuple[str, ...]:
+    return (tuple(f"lora_shrink<{ctype}, {bm}>" for bm in MMA_SHRINK_BM)
+            + tuple(f"lora_expand<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
+            + tuple(f"lora_fused<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES))
+
+
+def mma_family(dtype: str) -> str:
+    """The tensor-core family of one dtype: each dtype is its own module, compiled on first use."""
+    return f"lora_mma_{dtype}"
+
 
 #: Every kernel family the backends load; the compile check builds each of them.
 FAMILIES: dict[str, KernelFamily] = {
@@ -45,6 +64,7 @@ FAMILIES: dict[str, KernelFamily] = {
         "lora_delta.cu",
         tuple(f"lora_shrink_simt<{t}>" for t in _DTYPES) + tuple(f"lora_expand_simt<{t}>" for t in _DTYPES),
     ),
+    **{mma_family(d): KernelFamily("lora_mma.cu", _mma_names(t)) for d, t in CUDA_TYPES.items()},
 }
 
 

@@ -1,4 +1,5 @@
-// Shared helpers of the lora-cupy kernels: element conversions and the slot lookup.
+// Shared helpers of the lora-cupy kernels: element conversions, the slot lookup, cp.async,
+// and the m16n8k16 tensor-core step with its operand packing (inline PTX, no header needed).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -26,6 +27,117 @@ __device__ __forceinline__ int slot_of_position(const int* __restrict__ slot_ind
     if (slot_indptr[mid] <= p) lo = mid; else hi = mid;
   }
   return lo;
+}
+
+// ---- cp.async: 16-byte global -> shared copies; bytes past src_bytes (0..16) are zero-filled.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Bytes of dynamic shared memory this launch was given (a launch given too few traps).
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+  unsigned r;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void require_smem(unsigned bytes) {
+  if (dynamic_smem_size() < bytes) __trap();
+}
+
+// ---- acquire / release flags between blocks of one launch (the fused kernel's ready counts).
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// ---- tensor-core operands. Op<T>::type is the MMA element type for inputs of type T; fp32
+// inputs run as bfloat16 pairs hi + lo (x*a ~ xh*ah + xh*al + xl*ah: about 16 mantissa bits).
+template <typename T> struct Op;
+template <> struct Op<__half> { using type = __half; static constexpr bool SPLIT = false; };
+template <> struct Op<__nv_bfloat16> { using type = __nv_bfloat16; static constexpr bool SPLIT = false; };
+template <> struct Op<float> { using type = __nv_bfloat16; static constexpr bool SPLIT = true; };
+
+// Two values as one MMA register: the lower k index in the lower half.
+template <typename M> __device__ __forceinline__ unsigned pack2(float a, float b);
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, float b) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) {
+  __half2 h = __floats2half2_rn(a, b);
+  return *reinterpret_cast<unsigned*>(&h);
+}
+template <typename M> __device__ __forceinline__ float round_to(float a) { return to_float(from_float<M>(a)); }
+
+// One MMA register (hi) and, for split operands, the rounding residue (lo) of two consecutive
+// shared-memory elements; fp32 elements are multiplied by scale first.
+template <typename M, bool SPLIT>
+__device__ __forceinline__ void pair(const __half* p, float, unsigned& hi, unsigned&) {
+  hi = *reinterpret_cast<const unsigned*>(p);
+}
+template <typename M, bool SPLIT>
+__device__ __forceinline__ void pair(const __nv_bfloat16* p, float, unsigned& hi, unsigned&) {
+  hi = *reinterpret_cast<const unsigned*>(p);
+}
+template <typename M, bool SPLIT>
+__device__ __forceinline__ void pair(const float* p, float scale, unsigned& hi, unsigned& lo) {
+  const float2 f = *reinterpret_cast<const float2*>(p);
+  const float a = f.x * scale, b = f.y * scale;
+  hi = pack2<M>(a, b);
+  if constexpr (SPLIT) lo = pack2<M>(a - round_to<M>(a), b - round_to<M>(b));
+}
+
+// d += a (16x16, row-major) * b (16x8, column-major), fp32 accumulators.
+template <typename M> __device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4],
+                                                               const unsigned (&b)[2]);
+template <> __device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4],
+                                                                    const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> __device__ __forceinline__ void mma16816<__half>(float (&d)[4], const unsigned (&a)[4],
+                                                             const unsigned (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Fragments of one 16x16 A tile (rows m0.., k0..) and one 16x8 B tile (rows n0.. of a [n][k]
+// array, k0..) from shared memory with row strides lda / ldb elements. lane = 4 * g + tq.
+template <typename M, bool SPLIT, typename E>
+struct Frags {
+  unsigned a[4], al[4], b[2], bl[2];
+  __device__ __forceinline__ void load_a(const E* s, int lda, int m0, int k0, int g, int tq, float scale) {
+    const E* p = s + (m0 + g) * lda + k0 + 2 * tq;
+    pair<M, SPLIT>(p, scale, a[0], al[0]);
+    pair<M, SPLIT>(p + 8 * lda, scale, a[1], al[1]);
+    pair<M, SPLIT>(p + 8, scale, a[2], al[2]);
+    pair<M, SPLIT>(p + 8 * lda + 8, scale, a[3], al[3]);
+  }
+  __device__ __forceinline__ void load_b(const E* s, int ldb, int n0, int k0, int g, int tq) {
+    const E* p = s + (n0 + g) * ldb + k0 + 2 * tq;
+    pair<M, SPLIT>(p, 1.f, b[0], bl[0]);
+    pair<M, SPLIT>(p + 8, 1.f, b[1], bl[1]);
+  }
+};
+
+// d += A * B for the fragments held; split operands add the two cross terms of hi and lo.
+template <typename M, bool SA, bool SB, typename EA, typename EB>
+__device__ __forceinline__ void mma_frags(float (&d)[4], const Frags<M, SA, EA>& fa, const Frags<M, SB, EB>& fb) {
+  mma16816<M>(d, fa.a, fb.b);
+  if constexpr (SA) mma16816<M>(d, fa.al, fb.b);
+  if constexpr (SB) mma16816<M>(d, fa.a, fb.bl);
 }
 
 }  // namespace lora

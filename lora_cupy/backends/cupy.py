@@ -1,0 +1,495 @@
+"""The CUDA backend: the slot-grouped delta in the RawKernels of ``raw_kernels/``.
+
+``CupyBackend(spec)`` runs ``y += delta(x)`` on CuPy arrays or torch CUDA tensors, in place and
+with no copy. Everything a call needs on the device is made when the backend is built: the
+float32 workspace (``v`` and the split-K partials, sized from the spec), the self-resetting
+counters, and the slice-offset tables of the spec's targets. A call validates its arguments on
+the host, then only launches: no allocation, no host sync, and a launch shape that depends on
+the capture bucket ``spec.bucket_for(T)`` alone, so a CUDA graph captured once replays for every
+later addressing that fits its bucket.
+
+bfloat16 on the device: CuPy 14 has a ``bfloat16`` dtype (``ml_dtypes.bfloat16``), and torch
+tensors of ``torch.bfloat16`` cross as they are. A ``uint16`` CuPy array is also taken as raw
+bfloat16 bits, for code that holds bf16 that way. Kernels only ever see pointers.
+
+One backend's workspace serves one stream at a time: steps that run concurrently on two
+streams (a side lane beside the main chain) each need a backend of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import normalize_dtype
+from ..kernels import CUDA_TYPES, MMA_SHRINK_BM, MMA_TILES, load_module, mma_family
+from ..spec import LoraSpec
+from .base import LayerWeights
+
+#: Threads per block of every tensor-core kernel.
+THREADS = 128
+#: Largest number of output slices one target may have (``MAX_SLICES`` in lora_mma.cu).
+MAX_SLICES = 8
+#: Largest number of slots (slot 0 included) a launch takes: slot_indptr is staged in shared memory.
+MAX_SLOTS = 4096
+#: Ranks per shrink block; larger pool ranks add blocks that stop at once past an adapter's rank.
+RANK_BLOCK = 64
+#: Cap on the split-K partials of the workspace; a plan that would need more takes fewer splits.
+WORKSPACE_CAP_BYTES = 32 << 20
+#: H200 multiprocessors, the default when planning with no device at hand.
+DEFAULT_SMS = 132
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+#: ||y - ref|| / ||ref|| the kernels stay under per dtype, ref = y + delta in float64: bf16 / fp16
+#: carry the output's own rounding and v rounded to the operand type; fp32 runs its operands as
+#: bfloat16 hi + lo pairs (three tensor-core products), about 16 mantissa bits.
+TOLERANCE = {"bfloat16": 1e-2, "float16": 1.5e-3, "float32": 5e-5}
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def rank_width(max_rank: int) -> int:
+    """Floats per (position, slice) row of v: the pool's rank rounded up to 16."""
+    return _ceil(max_rank, 16) * 16
+
+
+# -- shared-memory sizes: these mirror Shrink / Expand in lora_mma.cu (a launch given less traps) --
+def shrink_smem(dtype: str, bm: int) -> int:
+    size = _ITEMSIZE[dtype]
+    ldk = 128 // size + 8
+    return 3 * (bm + RANK_BLOCK) * ldk * size
+
+
+def expand_smem(dtype: str, bm: int, bn: int) -> int:
+    size = _ITEMSIZE[dtype]
+    stages = 2 if bm >= 64 else 3
+    stage = bn * 40 * size + bm * 40 * 4
+    return stages * stage + bm * (bn + 16 // size) * size
+
+
+def fused_smem(dtype: str, bm: int, bn: int) -> int:
+    return max(shrink_smem(dtype, bm), expand_smem(dtype, bm, bn))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one target's delta runs for one capture bucket: a function of shapes, never of counts.
+
+    ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per expand
+    block, ``splits`` blocks over ``in`` per shrink tile (``k_split`` features each).
+    """
+
+    bucket: int
+    bm: int
+    bn: int
+    splits: int
+    k_split: int
+    fused: bool
+    tiles: int
+    rank_blocks: int
+    col_blocks: int
+    n_slices: int
+
+    @property
+    def shrink_blocks(self) -> int:
+        return self.tiles * self.splits * self.n_slices * self.rank_blocks
+
+    @property
+    def expand_blocks(self) -> int:
+        return self.tiles * self.col_blocks
+
+    def workspace_floats(self, rw: int) -> int:
+        return self.splits * self.bucket * self.n_slices * rw
+
+    def counter_ints(self) -> int:
+        return 2 + self.tiles + self.tiles * self.n_slices * self.rank_blocks
+
+
+def default_tile(bucket: int) -> int:
+    """Positions per tile for a bucket: small tiles while tokens are few, so blocks are many."""
+    if bucket <= 64:
+        return 16
+    if bucket <= 512:
+        return 32
+    return 64
+
+
+def default_fused(bucket: int) -> bool:
+    """Whether one fused launch beats two: it saves a launch, which pays while the work is small."""
+    return bucket <= 256
+
+
+def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
+                dtype: str, *, num_sms: int = DEFAULT_SMS, workspace_floats: int | None = None,
+                tile: int | None = None, fused: bool | None = None) -> LaunchPlan:
+    """The launch plan of one target shape at one capture bucket.
+
+    Split-K aims at about four shrink blocks per multiprocessor, never past one stage of ``in``
+    per block, and never past ``workspace_floats`` of partials (``None``: no cap).
+    """
+    dtype = normalize_dtype(dtype)
+    bm = default_tile(bucket) if tile is None else int(tile)
+    bn = dict(MMA_TILES).get(bm)
+    if bn is None:
+        raise ValueError(f"tile {bm} is not one of {[t for t, _ in MMA_TILES]}")
+    fused = default_fused(bucket) if fused is None else bool(fused)
+    tiles = _ceil(bucket, bm)
+    rank_blocks = _ceil(max_rank, RANK_BLOCK)
+    rw = rank_width(max_rank)
+    kc = 128 // _ITEMSIZE[dtype]
+    nchunks = max(1, _ceil(in_features, kc))
+    base = tiles * n_slices * rank_blocks
+    want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
+    per = _ceil(nchunks, want)
+    splits = _ceil(nchunks, per)
+    if workspace_floats is not None:
+        while splits > 1 and splits * bucket * n_slices * rw > workspace_floats:
+            per += 1
+            splits = _ceil(nchunks, per)
+    return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
+                      tiles=tiles, rank_blocks=rank_blocks, col_blocks=_ceil(out_features, bn),
+                      n_slices=n_slices)
+
+
+def plan_workspace(spec: LoraSpec, *, num_sms: int = DEFAULT_SMS, tile: int | None = None,
+                   fused: bool | None = None) -> tuple[int, int]:
+    """``(floats, ints)`` the workspace and counters take for every target and bucket of a spec.
+
+    The partials are capped at ``WORKSPACE_CAP_BYTES`` (or one split at the largest bucket,
+    whichever is more); the plans then take fewer splits where they would need more.
+    """
+    rw = rank_width(spec.max_rank)
+    n_max = max(t.num_slices for t in spec.targets)
+    cap = max(WORKSPACE_CAP_BYTES // 4, spec.max_tokens * n_max * rw)
+    floats, ints = 0, 0
+    for t in spec.targets:
+        for b in spec.capture_buckets:
+            p = plan_launch(b, t.local_in_features(spec.tp_size), t.local_out_features(spec.tp_size),
+                            t.num_slices, spec.max_rank, spec.dtype, num_sms=num_sms,
+                            workspace_floats=cap, tile=tile, fused=fused)
+            floats = max(floats, p.workspace_floats(rw))
+            ints = max(ints, p.counter_ints())
+    # ad-hoc plans of smaller tiles: counters for 16-position tiles at the largest bucket
+    tiles16 = _ceil(spec.max_tokens, 16)
+    ints = max(ints, 2 + tiles16 + tiles16 * n_max * _ceil(spec.max_rank, RANK_BLOCK))
+    return max(floats, cap), ints
+
+
+# -- argument inspection (CuPy arrays, torch tensors, any __cuda_array_interface__) --------------
+@dataclass(frozen=True)
+class DeviceArg:
+    """One device argument as the kernels see it: a pointer, a shape and an element type."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    dtype: str  # "float32", "float16", "bfloat16", "int32", ...
+    device: int | None  # None where the object does not say
+    contiguous: bool
+    is_torch: bool
+
+
+_TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "bfloat16", "<V2": "bfloat16", "<i4": "int32",
+            "<i8": "int64", "<f8": "float64"}
+
+
+def inspect_arg(name: str, a) -> DeviceArg:
+    """Pointer, shape, dtype, device and contiguity of a CuPy array or torch CUDA tensor.
+
+    A ``uint16`` array is taken as raw bfloat16 bits. Other objects are read through
+    ``__cuda_array_interface__``; host arrays are refused with a TypeError.
+    """
+    mod = type(a).__module__
+    if mod.startswith("torch"):
+        if not a.is_cuda:
+            raise TypeError(f"{name}: a torch tensor on {a.device}; the cupy backend needs CUDA tensors")
+        dt = str(a.dtype).removeprefix("torch.")
+        return DeviceArg(a.data_ptr(), tuple(a.shape), dt, a.device.index, a.is_contiguous(), True)
+    if mod.startswith("cupy"):
+        dt = a.dtype.name
+        return DeviceArg(a.data.ptr, tuple(a.shape), "bfloat16" if dt == "uint16" else dt, a.device.id,
+                         bool(a.flags.c_contiguous), False)
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is None:
+        raise TypeError(f"{name}: {type(a).__name__} is not a CuPy array or torch CUDA tensor "
+                        f"(host arrays go to the reference backend)")
+    shape = tuple(int(d) for d in cai["shape"])
+    dt = _TYPESTR.get(cai["typestr"], cai["typestr"])
+    strides = cai.get("strides")
+    if strides is None:
+        contiguous = True
+    else:
+        size = int(cai["typestr"][2:])
+        want, acc = [], size
+        for d in reversed(shape):
+            want.append(acc)
+            acc *= d
+        contiguous = tuple(strides) == tuple(reversed(want))
+    return DeviceArg(int(cai["data"][0]), shape, dt, None, contiguous, False)
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What a backend was built for; checking and planning a call reads only this."""
+
+    spec: LoraSpec
+    device_id: int
+    num_sms: int
+    workspace_floats: int
+    counter_ints: int
+    offset_ptrs: Mapping[tuple[int, ...], int]
+    tile: int | None = None
+    fused: bool | None = None
+
+    def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
+             dtype: str) -> LaunchPlan:
+        return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
+                           max_rank, dtype, num_sms=self.num_sms, workspace_floats=self.workspace_floats,
+                           tile=self.tile, fused=self.fused)
+
+
+@dataclass(frozen=True)
+class LaunchArgs:
+    """One checked call: its plan, pointers (y, x, a, b, scaling, ranks, out_offsets, token_order,
+    slot_indptr), dims ``(S, n, R, in, out)`` and the 16-byte access flags."""
+
+    dtype: str
+    plan: LaunchPlan
+    rw: int
+    flags: int
+    ptrs: tuple[int, ...]
+    dims: tuple[int, int, int, int, int]
+    torch: bool
+
+
+def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indptr) -> LaunchArgs | None:
+    """Validate every argument of a delta call (TypeError / ValueError) before any launch.
+
+    Returns what the launch needs, or None when there are no positions at all.
+    """
+    Y, X = inspect_arg("y", y), inspect_arg("x", x)
+    A, B = inspect_arg("w.a", w.a), inspect_arg("w.b", w.b)
+    SC, RK = inspect_arg("w.scaling", w.scaling), inspect_arg("w.ranks", w.ranks)
+    TO, IP = inspect_arg("token_order", token_order), inspect_arg("slot_indptr", slot_indptr)
+    named = (("y", Y), ("x", X), ("w.a", A), ("w.b", B), ("w.scaling", SC), ("w.ranks", RK),
+             ("token_order", TO), ("slot_indptr", IP))
+    for nm, d in named:
+        if d.device is not None and d.device != limits.device_id:
+            raise ValueError(f"{nm} is on device {d.device}, the backend on {limits.device_id}")
+        if not d.contiguous:
+            raise ValueError(f"{nm} must be C-contiguous")
+    if X.dtype not in CUDA_TYPES:
+        raise TypeError(f"x has dtype {X.dtype}; use float16, bfloat16 or float32")
+    for nm, d in (("y", Y), ("w.a", A), ("w.b", B)):
+        if d.dtype != X.dtype:
+            raise TypeError(f"{nm} has dtype {d.dtype}, x has {X.dtype}")
+    for nm, d, want in (("w.scaling", SC, "float32"), ("w.ranks", RK, "int32"),
+                        ("token_order", TO, "int32"), ("slot_indptr", IP, "int32")):
+        if d.dtype != want:
+            raise TypeError(f"{nm} must be {want}, got {d.dtype}")
+    if len(X.shape) != 2 or len(Y.shape) != 2 or X.shape[0] != Y.shape[0]:
+        raise ValueError(f"x [rows, in] and y [rows, out] must share rows, got {X.shape} and {Y.shape}")
+    if len(A.shape) != 4:
+        raise ValueError(f"w.a must be [S, n, R, in], got {A.shape}")
+    S, n, R, in_f = A.shape
+    out = Y.shape[1]
+    if X.shape[1] != in_f:
+        raise ValueError(f"x has {X.shape[1]} features, w.a has {in_f}")
+    if B.shape != (S, out, R):
+        raise ValueError(f"w.b must be [S, out, R] = {(S, out, R)}, got {B.shape}")
+    if SC.shape != (S, n) or RK.shape != (S, n):
+        raise ValueError(f"w.scaling and w.ranks must be [S, n] = {(S, n)}, got {SC.shape} and {RK.shape}")
+    if len(TO.shape) != 1 or len(IP.shape) != 1 or IP.shape[0] != S + 1:
+        raise ValueError(f"token_order must be [T] and slot_indptr [S + 1] = [{S + 1}], "
+                         f"got {TO.shape} and {IP.shape}")
+    if not 1 <= S <= MAX_SLOTS:
+        raise ValueError(f"{S} slots; a launch takes 1..{MAX_SLOTS}")
+    if not 1 <= n <= MAX_SLICES:
+        raise ValueError(f"{n} slices; a target has 1..{MAX_SLICES}")
+    if in_f < 1 or out < 1 or R < 1:
+        raise ValueError(f"empty weights: in={in_f}, out={out}, R={R}")
+    offs = tuple(int(o) for o in w.out_offsets)
+    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != out or any(b < a for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"out_offsets {offs} must rise from 0 to out={out} in {n + 1} steps")
+    off_ptr = 0
+    if n > 1:
+        off_ptr = limits.offset_ptrs.get(offs)
+        if off_ptr is None:
+            raise ValueError(f"out_offsets {offs} belong to no target of the backend's spec")
+    T = TO.shape[0]
+    if T == 0:
+        return None
+    if T > limits.spec.max_tokens:
+        raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
+    rw = rank_width(R)
+    plan = limits.plan(T, in_f, out, n, R, X.dtype)
+    if plan.workspace_floats(rw) > limits.workspace_floats or plan.counter_ints() > limits.counter_ints:
+        raise ValueError(f"a target of {n} slices at rank {R} exceeds the workspace built for the spec "
+                         f"(max_rank {limits.spec.max_rank}, "
+                         f"{max(t.num_slices for t in limits.spec.targets)} slices)")
+    ch = 16 // _ITEMSIZE[X.dtype]
+    flags = ((1 if in_f % ch == 0 and X.ptr % 16 == 0 and A.ptr % 16 == 0 else 0)
+             | (2 if R % ch == 0 and B.ptr % 16 == 0 else 0)
+             | (4 if out % ch == 0 and Y.ptr % 16 == 0 else 0))
+    return LaunchArgs(dtype=X.dtype, plan=plan, rw=rw, flags=flags,
+                      ptrs=(Y.ptr, X.ptr, A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr, TO.ptr, IP.ptr),
+                      dims=(S, n, R, in_f, out), torch=Y.is_torch or X.is_torch)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` under the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+class CupyBackend:
+    """Runs the slot-grouped delta on one CUDA device with the tensor-core kernels.
+
+    ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile`` and
+    ``fused`` override the per-bucket choices of :func:`plan_launch` (for benchmarks);
+    ``num_sms`` defaults to the device's multiprocessor count.
+    """
+
+    name = "cupy"
+
+    def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
+                 fused: bool | None = None, num_sms: int | None = None):
+        import cupy
+
+        if kernel not in ("mma", "simt"):
+            raise ValueError(f"kernel must be 'mma' or 'simt', got {kernel!r}")
+        if spec.num_slots > MAX_SLOTS:
+            raise ValueError(f"num_slots={spec.num_slots} above the {MAX_SLOTS} a launch takes")
+        if device is None:
+            dev_id = cupy.cuda.runtime.getDevice()
+        elif isinstance(device, int):
+            dev_id = device
+        else:
+            text = str(device)
+            dev_id = int(text.split(":")[1]) if ":" in text else 0
+        self.spec = spec
+        self.kernel = kernel
+        self._cupy = cupy
+        self._device = cupy.cuda.Device(dev_id)
+        self._streams: dict[int, Any] = {}
+        self._fns: dict[tuple, Any] = {}
+        with self._device:
+            sms = int(num_sms or self._device.attributes["MultiProcessorCount"])
+            floats, ints = plan_workspace(spec, num_sms=sms, tile=tile, fused=fused)
+            self.workspace = cupy.empty(floats, np.float32)  # [splits, bucket, n, rw]
+            self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
+            self._offsets, offset_ptrs = self._offset_table(cupy)
+            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused)
+            self._load(spec.dtype)
+
+    def _offset_table(self, cupy):
+        """One device array holding the slice offsets of every multi-slice target of the spec."""
+        tuples = sorted({t.out_offsets(self.spec.tp_size) for t in self.spec.targets if t.num_slices > 1})
+        table = cupy.asarray(np.asarray([v for tup in tuples for v in tup] or [0], np.int32))
+        ptrs, at = {}, 0
+        for tup in tuples:
+            ptrs[tup] = table.data.ptr + 4 * at
+            at += len(tup)
+        return table, ptrs
+
+    def _load(self, dtype: str) -> None:
+        """Compile (or fetch from CuPy's cache) and load every kernel of one dtype."""
+        ct = CUDA_TYPES[dtype]
+        extra = 4 * (MAX_SLOTS + 1)
+        if self.kernel == "simt":
+            mod = load_module("lora_delta")
+            for kind in ("shrink", "expand"):
+                self._fns[(dtype, kind)] = mod.get_function(f"lora_{kind}_simt<{ct}>")
+            return
+        mod = load_module(mma_family(dtype))
+        for bm in MMA_SHRINK_BM:
+            fn = mod.get_function(f"lora_shrink<{ct}, {bm}>")
+            fn.max_dynamic_shared_size_bytes = shrink_smem(dtype, bm) + extra
+            self._fns[(dtype, "shrink", bm)] = fn
+        for bm, bn in MMA_TILES:
+            fn = mod.get_function(f"lora_expand<{ct}, {bm}, {bn}>")
+            fn.max_dynamic_shared_size_bytes = expand_smem(dtype, bm, bn) + extra
+            self._fns[(dtype, "expand", bm)] = fn
+            fn = mod.get_function(f"lora_fused<{ct}, {bm}, {bn}>")
+            fn.max_dynamic_shared_size_bytes = fused_smem(dtype, bm, bn) + extra
+            self._fns[(dtype, "fused", bm)] = fn
+
+    def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
+        """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
+        S, n, R, in_f = w.a.shape
+        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, R, normalize_dtype(dtype or self.spec.dtype))
+
+    def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
+        """``y[t, cols_j] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T`` for each
+        position p of slot s's range of ``token_order`` (s >= 1), t = token_order[p], r = ranks[s, j].
+
+        x ``[rows, in]`` and y ``[rows, out]`` (float16, bfloat16 or float32), weights as
+        :class:`LayerWeights` (``a[S, n, R, in]``, ``b[S, out, R]`` of x's dtype, ``scaling[S, n]``
+        float32, ``ranks[S, n]`` int32), ``token_order[T]`` and ``slot_indptr[S + 1]`` int32. y is
+        changed in place; rows of slot 0 and positions past ``slot_indptr[S]`` are left untouched.
+        Launches on torch's current stream when x or y is a torch tensor, else on CuPy's.
+        """
+        call = check_call(self.limits, y, x, w, token_order, slot_indptr)
+        if call is None:
+            return
+        if call.torch:
+            import torch
+
+            ptr = torch.cuda.current_stream(self.limits.device_id).cuda_stream
+            stream = self._streams.get(ptr)
+            if stream is None:
+                stream = self._streams[ptr] = self._external_stream(ptr)
+            with self._device, stream:
+                self._launch(call)
+        else:
+            with self._device:
+                self._launch(call)
+
+    def _external_stream(self, ptr: int):
+        try:
+            return self._cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        except (AttributeError, TypeError):  # a CuPy before the stream protocol
+            return self._cupy.cuda.ExternalStream(ptr, self.limits.device_id)
+
+    def _launch(self, call: LaunchArgs) -> None:
+        dtype, plan = call.dtype, call.plan
+        if not any(k[0] == dtype for k in self._fns):
+            self._load(dtype)  # a dtype other than the spec's: compiled on its first (eager) call
+        S, n, R, in_f, out = call.dims
+        y, x, a, b, sc, rk, offs, to, ip = (np.uint64(p) for p in call.ptrs)
+        ws, ctr = np.uint64(self.workspace.data.ptr), np.uint64(self.counters.data.ptr)
+        i32 = np.int32
+        if self.kernel == "simt":
+            rows, per = 8, 16
+            self._fns[(dtype, "shrink")](
+                (_ceil(plan.bucket, rows), n), (32, rows),
+                (ws, x, a, rk, to, ip, i32(S), i32(n), i32(R), i32(in_f), i32(plan.bucket), i32(call.rw)))
+            self._fns[(dtype, "expand")](
+                (_ceil(out, 128), _ceil(plan.bucket, per)), (128,),
+                (y, ws, b, sc, rk, offs, to, ip, i32(S), i32(n), i32(R), i32(out), i32(plan.bucket),
+                 i32(call.rw), i32(per)))
+            return
+        args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
+                i32(plan.bucket), i32(call.rw), i32(plan.splits), i32(plan.k_split), i32(plan.col_blocks),
+                i32(call.flags))
+        extra = 4 * (S + 1)
+        if plan.fused:
+            self._fns[(dtype, "fused", plan.bm)](
+                (plan.shrink_blocks + plan.expand_blocks,), (THREADS,), args,
+                shared_mem=fused_smem(dtype, plan.bm, plan.bn) + extra)
+        else:
+            self._fns[(dtype, "shrink", plan.bm)](
+                (plan.shrink_blocks,), (THREADS,), args, shared_mem=shrink_smem(dtype, plan.bm) + extra)
+            self._fns[(dtype, "expand", plan.bm)](
+                (plan.expand_blocks,), (THREADS,), args,
+                shared_mem=expand_smem(dtype, plan.bm, plan.bn) + extra)

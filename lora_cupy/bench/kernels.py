@@ -1,0 +1,466 @@
+"""``lora-cupy bench kernels [--json FILE]``: the CUDA delta checked, then timed against baselines.
+
+Each row is checked against a float64 oracle first, then timed with CUDA events inside a CUDA
+graph of 20 calls, a 256 MB L2 flush before each call, median over many replays. Baselines are
+timed the same way in the same run: a torch loop over slot segments (PEFT's way), torch bmm on
+equal segments, and one adapter's two cuBLAS GEMMs over every token. The device-to-device copy
+bandwidth is measured in the same run, and each row's byte floor (x read once, y read and
+written once, each active slot's A and B read once at its rank) is taken at that bandwidth.
+Progress goes to stderr, the table to stdout, every number to the JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from ..dtypes import itemsize
+
+CALLS_PER_GRAPH = 20
+FLUSH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark shape. ``ranks`` are the active slots' ranks; ``pool_rank`` the pool's maximum."""
+
+    group: str
+    T: int  # tokens with an adapter or on slot 0 (the rows that are real)
+    in_f: int
+    slices: tuple[int, ...]
+    ranks: tuple[int, ...]
+    pool_rank: int
+    dtype: str = "bfloat16"
+    mix: str = "uniform"  # uniform | skew
+    bucket: int | None = None  # rows of the capture bucket when it is larger than T (padding)
+
+    @property
+    def out(self) -> int:
+        return sum(self.slices)
+
+    @property
+    def slots(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def label(self) -> str:
+        r = f"r{self.ranks[0]}" if len(set(self.ranks)) == 1 else f"r{min(self.ranks)}-{max(self.ranks)}"
+        shape = f"{self.in_f}->{self.out}" + (f"/{len(self.slices)}" if len(self.slices) > 1 else "")
+        pad = f" in {self.bucket}" if self.bucket else ""
+        pool = f" pool{self.pool_rank}" if self.pool_rank != max(self.ranks) else ""
+        short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[self.dtype]
+        return f"{self.group} T{self.T}{pad} {shape} {r}{pool} s{self.slots} {short}"
+
+
+def rows() -> list[Row]:
+    """The shapes of the issue: core, skew, mixed ranks, shapes, dtypes, padding, pool rank."""
+    out: list[Row] = []
+    for T in (1, 16, 64, 256, 1024, 4096):
+        for r in (16, 64):
+            for s in (1, 8, 32):
+                if s <= T:
+                    out.append(Row("core", T, 4096, (4096,), (r,) * s, r))
+    for T in (64, 4096):
+        out.append(Row("skew", T, 4096, (4096,), (16,) * 32, 16, mix="skew"))
+    mixed = (8, 16, 32, 64, 128, 24, 48, 96)
+    for T in (16, 4096):
+        for s in (8, 32):
+            s = min(s, T)  # at most one slot per token
+            out.append(Row("mixed", T, 4096, (4096,), tuple(mixed[k % len(mixed)] for k in range(s)), 128))
+    for T in (1, 64, 1024):
+        for in_f, slices in ((4096, (14336,)), (14336, (4096,)), (4096, (4096, 1024, 1024))):
+            for r in (16, 64):
+                out.append(Row("shapes", T, in_f, slices, (r,) * min(8, T), r))
+    for dt in ("float16", "float32"):
+        for T in (64, 4096):
+            out.append(Row("dtypes", T, 4096, (4096,), (16,) * 8, 16, dtype=dt))
+    out.append(Row("padding", 100, 4096, (4096,), (16,) * 8, 16, bucket=128))
+    out.append(Row("padding", 3000, 4096, (4096,), (16,) * 8, 16, bucket=4096))
+    for T in (64, 1024, 4096):
+        out.append(Row("poolrank", T, 4096, (4096,), (16,) * 32, 128))
+    return out
+
+
+def byte_floor(row: Row, tokens_on_adapters: int) -> int:
+    """Bytes the delta must move: x read once, adapter rows of y read and written once, and each
+    active slot's A and B read once at its rank."""
+    isz = itemsize(row.dtype)
+    weights = sum(r * row.in_f * len(row.slices) + row.out * r for r in row.ranks)
+    return isz * (tokens_on_adapters * row.in_f + 2 * tokens_on_adapters * row.out + weights)
+
+
+def targets_met(row: Row, us: float, floor_us: float, best_baseline_us: float | None) -> bool:
+    """The issue's bars: T <= 256 within max(5 us, 1.5x floor); T >= 1024 at >= 70% of floor
+    bandwidth; and faster than the best baseline of the same run."""
+    ok = True
+    if row.T <= 256:
+        ok &= us <= max(5.0, 1.5 * floor_us)
+    if row.T >= 1024:
+        ok &= floor_us / us >= 0.7
+    if best_baseline_us is not None:
+        ok &= us < best_baseline_us
+    return bool(ok)
+
+
+# ---- device side ---------------------------------------------------------------------------------
+@dataclass
+class Built:
+    """One row's device data: torch tensors, the spec, the addressing and host-side segments."""
+
+    row: Row
+    spec: object
+    x: object
+    y: object
+    y0: object
+    a: object
+    b: object
+    scaling: object
+    ranks: object
+    token_order: object
+    slot_indptr: object
+    offsets: tuple[int, ...]
+    segments: list = field(default_factory=list)  # (slot, row index tensor) per active slot
+    adapter_rows: int = 0
+
+
+def build(row: Row, seed: int) -> Built:
+    import torch
+
+    from ..addressing import group_by_slot
+    from ..dtypes import torch_dtype
+    from ..spec import LoraSlice, LoraSpec, LoraTarget
+
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch_dtype(row.dtype)
+    S, n, R = row.slots + 1, len(row.slices), row.pool_rank
+    target = LoraTarget("t", row.in_f, row.out, 1, tuple(LoraSlice(f"s{j}", o) for j, o in enumerate(row.slices)))
+    spec = LoraSpec((target,), num_slots=S, max_rank=R, dtype=row.dtype)
+    ranks = np.zeros((S, n), np.int32)
+    ranks[1:] = np.asarray(row.ranks, np.int32)[:, None]
+    a = torch.randn(S, n, R, row.in_f, device="cuda", generator=gen) / math.sqrt(row.in_f)
+    b = torch.randn(S, row.out, R, device="cuda", generator=gen) / math.sqrt(8)
+    for s in range(S):  # a slot's weights beyond its rank are zero, slot 0 all zero
+        a[s, :, ranks[s, 0]:] = 0
+        b[s, :, ranks[s, 0]:] = 0
+    rows_ = row.bucket or row.T
+    if row.mix == "skew":
+        k = np.minimum(rng.zipf(1.5, row.T), row.slots)
+        slots = k.astype(np.int64)
+        slots[rng.random(row.T) < 0.25] = 0
+        slots = np.sort(slots)
+    else:  # equal contiguous segments where T divides
+        slots = 1 + (np.arange(row.T) * row.slots) // row.T
+    token_order, indptr = group_by_slot(slots, S)
+    if row.bucket:
+        token_order = np.concatenate([token_order, np.arange(row.T, row.bucket, dtype=np.int32)])
+    scaling = np.full((S, n), 2.0, np.float32)
+    scaling[0] = 0
+    x = torch.randn(rows_, row.in_f, device="cuda", generator=gen).to(dt)
+    y0 = (torch.randn(rows_, row.out, device="cuda", generator=gen) * 0.1).to(dt)
+    segs = []
+    for s in range(1, S):
+        lo, hi = int(indptr[s]), int(indptr[s + 1])
+        if hi > lo:
+            segs.append((s, torch.as_tensor(token_order[lo:hi].astype(np.int64), device="cuda")))
+    return Built(row, spec, x, y0.clone(), y0, a.to(dt), b.to(dt), torch.as_tensor(scaling, device="cuda"),
+                 torch.as_tensor(ranks, device="cuda"), torch.as_tensor(token_order, device="cuda"),
+                 torch.as_tensor(indptr, device="cuda"), target.out_offsets(), segs,
+                 int(indptr[-1] - indptr[1]))
+
+
+def oracle_error(d: Built, y) -> float:
+    """||y - (y0 + delta64)|| / ||y0 + delta64|| over the rows on adapters, in float64 on the device."""
+    import torch
+
+    ref = d.y0.double().clone()
+    x64 = d.x.double()
+    for s, idx in d.segments:
+        for j in range(len(d.offsets) - 1):
+            r, c0, c1 = int(d.row.ranks[s - 1]), d.offsets[j], d.offsets[j + 1]
+            v = x64[idx] @ d.a[s, j, :r].double().T
+            ref[idx, c0:c1] += float(d.scaling[s, j]) * (v @ d.b[s, c0:c1, :r].double().T)
+    idx = torch.cat([i for _, i in d.segments])
+    return float(torch.linalg.norm(y.double()[idx] - ref[idx]) / torch.linalg.norm(ref[idx]))
+
+
+def baselines(d: Built):
+    """``{name: fn}`` of the torch baselines that apply to this row, each ``y += delta`` in place."""
+    row, offs = d.row, d.offsets
+    n = len(offs) - 1
+    segs = [(s, idx, int(row.ranks[s - 1])) for s, idx in d.segments]
+
+    def loop():  # PEFT: each adapter's rows gathered, through its two linears, added back
+        for s, idx, r in segs:
+            xs = d.x.index_select(0, idx)
+            for j in range(n):
+                c0, c1 = offs[j], offs[j + 1]
+                delta = (xs @ d.a[s, j, :r].T) @ d.b[s, c0:c1, :r].T
+                d.y[idx, c0:c1] += delta * 2.0
+
+    fns = {"loop": loop}
+    counts = {int(i.numel()) for _, i in d.segments}
+    equal = (len(counts) == 1 and len(set(row.ranks)) == 1 and row.mix == "uniform" and not row.bucket
+             and sum(int(i.numel()) for _, i in d.segments) == row.T)
+    if equal:  # bmm over equal, contiguous segments
+        m, r, k = counts.pop(), row.ranks[0], row.slots
+        at = [d.a[1:, j, :r].transpose(1, 2) for j in range(n)]  # [k, in, r]
+        bt = [(d.b[1:, offs[j]:offs[j + 1], :r] * 2.0).transpose(1, 2) for j in range(n)]  # [k, r, out_j]
+        x3 = d.x.view(k, m, row.in_f)
+        y3 = d.y.view(k, m, row.out)
+
+        def bmm():
+            for j in range(n):
+                v = torch_bmm(x3, at[j])
+                y3[:, :, offs[j]:offs[j + 1]].baddbmm_(v, bt[j])
+
+        fns["bmm"] = bmm
+    r1 = int(row.ranks[0])
+
+    def gemm():  # one adapter over every token: two cuBLAS GEMMs per slice
+        for j in range(n):
+            c0, c1 = offs[j], offs[j + 1]
+            v = d.x @ d.a[1, j, :r1].T
+            d.y[:, c0:c1].addmm_(v, d.b[1, c0:c1, :r1].T, alpha=2.0)
+
+    fns["gemm"] = gemm
+    return fns
+
+
+def torch_bmm(a, b):
+    import torch
+
+    return torch.bmm(a, b)
+
+
+class Timer:
+    """Median time of one call: CUDA events around each call inside a graph of CALLS_PER_GRAPH calls,
+    an L2 flush before each; falls back to (graph of calls + flushes - graph of flushes) / calls."""
+
+    def __init__(self, replays: int = 10):
+        import torch
+
+        self.replays = replays
+        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        self.events_in_graphs = True
+
+    def __call__(self, fn) -> float:
+        import torch
+
+        fn()  # warm: compiles, loads, creates handles
+        torch.cuda.synchronize()
+        if self.events_in_graphs:
+            try:
+                return self._events(fn)
+            except Exception as e:  # noqa: BLE001 - fall back, say so
+                print(f"  events inside graphs failed ({e!r}); timing by difference", file=sys.stderr)
+                self.events_in_graphs = False
+        return self._difference(fn)
+
+    def _capture(self, body):
+        import torch
+
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            body()
+        return g
+
+    def _events(self, fn) -> float:
+        import torch
+
+        starts = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(CALLS_PER_GRAPH)]
+        ends = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(CALLS_PER_GRAPH)]
+
+        def body():
+            for s, e in zip(starts, ends):
+                self.flush.zero_()
+                s.record()
+                fn()
+                e.record()
+
+        g = self._capture(body)
+        samples = []
+        for _ in range(self.replays):
+            g.replay()
+            torch.cuda.synchronize()
+            samples += [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+        del g
+        if min(samples) <= 0:
+            raise RuntimeError("non-positive event times")
+        return statistics.median(samples)
+
+    def _difference(self, fn) -> float:
+        import torch
+
+        def with_calls():
+            for _ in range(CALLS_PER_GRAPH):
+                self.flush.zero_()
+                fn()
+
+        def flushes():
+            for _ in range(CALLS_PER_GRAPH):
+                self.flush.zero_()
+
+        totals = []
+        for body in (with_calls, flushes):
+            g = self._capture(body)
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            ts = []
+            for _ in range(self.replays):
+                t0.record()
+                g.replay()
+                t1.record()
+                torch.cuda.synchronize()
+                ts.append(t0.elapsed_time(t1) * 1e3)
+            totals.append(statistics.median(ts))
+            del g
+        return (totals[0] - totals[1]) / CALLS_PER_GRAPH
+
+
+def copy_bandwidth() -> float:
+    """Bytes read plus written per second of a 1 GiB device-to-device copy (median of 20)."""
+    import torch
+
+    src = torch.empty(1 << 28, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ts = []
+    for _ in range(20):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        dst.copy_(src)
+        t1.record()
+        torch.cuda.synchronize()
+        ts.append(t0.elapsed_time(t1) * 1e-3)
+    del src, dst
+    return 2 * (1 << 30) / statistics.median(ts)
+
+
+# ---- the run --------------------------------------------------------------------------------------
+VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
+                              for t in (16, 32, 64) for f in (False, True)}}
+
+
+def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
+    import torch
+
+    from ..backends.base import LayerWeights
+    from ..backends.cupy import TOLERANCE, CupyBackend
+
+    d = build(row, seed)
+    w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
+    result = {"row": asdict(row), "label": row.label, "adapter_rows": d.adapter_rows}
+    floor_bytes = byte_floor(row, d.adapter_rows)
+    result["floor_bytes"] = floor_bytes
+    result["floor_us"] = floor_us = floor_bytes / bw * 1e6
+    kernels = {}
+    for name, kw in (VARIANTS.items() if sweep else [("default", {})]):
+        be = CupyBackend(d.spec, **kw)
+        d.y.copy_(d.y0)
+        be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+        torch.cuda.synchronize()
+        err = oracle_error(d, d.y)
+        plan = be.plan(d.token_order.shape[0], w, row.dtype)
+        us = timer(lambda: be.delta(d.y, d.x, w, d.token_order, d.slot_indptr))
+        kernels[name] = {"us": us, "err": err, "ok": err < TOLERANCE[row.dtype],
+                         "plan": {k: getattr(plan, k) for k in ("bm", "bn", "splits", "k_split", "fused")}}
+        del be
+    result["kernels"] = kernels
+    base = {}
+    for name, fn in baselines(d).items():
+        base[name] = timer(fn)
+    result["baselines"] = base
+    k = kernels["default"]
+    best = min(base.values()) if base else None
+    result["us"] = k["us"]
+    result["share_of_floor"] = floor_us / k["us"]
+    result["best_baseline_us"] = best
+    result["target_ok"] = targets_met(row, k["us"], floor_us, best) and k["ok"]
+    return result
+
+
+def _table(results: list[dict], bw: float) -> str:
+    head = (f"{'row':44s} {'plan':>12s} {'us':>7s} {'floor':>6s} {'%fl':>4s} {'loop':>7s} {'bmm':>7s} "
+            f"{'gemm':>7s} {'err':>8s} ok")
+    lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s", head, "-" * len(head)]
+    for r in results:
+        k = r["kernels"]["default"]
+        p = k["plan"]
+        plan = f"{p['bm']}{'f' if p['fused'] else ''}/s{p['splits']}"
+        b = r["baselines"]
+        bs = [f"{b[n]:7.1f}" if n in b else f"{'-':>7s}" for n in ("loop", "bmm", "gemm")]
+        lines.append(f"{r['label']:44s} {plan:>12s} {r['us']:7.1f} {r['floor_us']:6.1f} "
+                     f"{100 * r['share_of_floor']:4.0f} {' '.join(bs)} {k['err']:8.1e} "
+                     f"{'yes' if r['target_ok'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def _sweep_table(results: list[dict]) -> str:
+    names = list(VARIANTS)
+    lines = [f"{'row':44s} " + " ".join(f"{n:>7s}" for n in names)]
+    for r in results:
+        ks = r["kernels"]
+        lines.append(f"{r['label']:44s} " + " ".join(
+            f"{ks[n]['us']:7.1f}" if ks[n]["ok"] else f"{'ERR':>7s}" for n in names))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Check, time and tabulate every row; returns 0 when every row passed its check."""
+    ap = argparse.ArgumentParser(prog="lora-cupy bench kernels", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", metavar="FILE", help="write every number here")
+    ap.add_argument("--groups", default="", help="comma-separated row groups to run (default: all)")
+    ap.add_argument("--sweep", action="store_true", help="also time every tile / fused variant")
+    ap.add_argument("--replays", type=int, default=10, help="graph replays per timing")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA device", file=sys.stderr)
+        return 2
+    todo = [r for r in rows() if not args.groups or r.group in args.groups.split(",")]
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {len(todo)} rows", file=sys.stderr)
+    timer = Timer(args.replays)
+    results = []
+    t0 = time.time()
+    for i, row in enumerate(todo):
+        res = run_row(row, timer, bw, args.seed + i, args.sweep)
+        results.append(res)
+        print(f"[{i + 1}/{len(todo)} {time.time() - t0:5.0f}s] {row.label}: {res['us']:.1f} us "
+              f"(floor {res['floor_us']:.1f}, best baseline {res['best_baseline_us']:.1f})", file=sys.stderr)
+    by_label = {r["label"]: r for r in results}
+    for r in results:  # a pool of max rank 128 against the same adapters in a pool of max 16
+        if r["row"]["group"] == "poolrank":
+            twin = by_label.get(r["label"].replace("poolrank", "core").replace(" pool128", ""))
+            if twin:
+                r["vs_pool16"] = r["us"] / twin["us"]
+    print(_table(results, bw))
+    pr = [f"T{r['row']['T']}: {r['vs_pool16']:.2f}x" for r in results if "vs_pool16" in r]
+    if pr:
+        print("pool max 128 vs max 16, rank-16 adapters: " + ", ".join(pr))
+    if args.sweep:
+        print(_sweep_table(results))
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw": bw,
+                "events_in_graphs": timer.events_in_graphs}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": results}, f, indent=1)
+    return 0 if all(k["ok"] for r in results for k in r["kernels"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

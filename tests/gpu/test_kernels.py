@@ -1,0 +1,235 @@
+"""The CUDA backend against the float64 oracle: every kernel variant, dtype, awkward size and mix,
+torch tensors and CuPy arrays alike, and CUDA graphs replayed under new addressing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lora_cupy.backends.base import LayerWeights
+from lora_cupy.dtypes import bfloat16
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
+
+DTYPES = ("bfloat16", "float16", "float32")
+VARIANTS = {f"mma{t}{'-fused' if f else ''}": dict(kernel="mma", tile=t, fused=f)
+            for t in (16, 32, 64) for f in (False, True)}
+VARIANTS["simt"] = dict(kernel="simt")
+CASES = {
+    "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
+    "T3-odd": dict(T=3, in_f=77, slices=(61,), max_rank=13, ranks=(1, 8, 13), mix="distinct"),
+    "T7-qkv": dict(T=7, in_f=200, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64), mix="uniform"),
+    "T133-zipf": dict(T=133, in_f=320, slices=(64, 72), max_rank=128, ranks=(1, 8, 13, 64, 128), mix="zipf",
+                      num_slots=17, active=12),
+    "T133-skew": dict(T=133, in_f=200, slices=(200,), max_rank=128, ranks=(8, 13, 128), mix="skewed"),
+    "T1000": dict(T=1000, in_f=512, slices=(136, 248), max_rank=64, ranks=(16, 64), mix="uniform",
+                  num_slots=33, active=8),
+    "pad100": dict(T=100, in_f=256, slices=(256,), max_rank=16, ranks=(16,), mix="uniform", pad_to=128),
+}
+
+
+def cp():
+    import cupy
+
+    return cupy
+
+
+def dev(a: np.ndarray):
+    """A host array on the device (bfloat16 as CuPy's bfloat16, else as raw uint16 bits)."""
+    if a.dtype == bfloat16:
+        try:
+            return cp().asarray(a)
+        except Exception:
+            return cp().asarray(a.view(np.uint16))
+    return cp().asarray(a)
+
+
+def put(buf, h: np.ndarray) -> None:
+    """Raw host-to-device bytes into an existing buffer (no dtype-specific CuPy kernels)."""
+    h = np.ascontiguousarray(h)
+    assert buf.nbytes == h.nbytes
+    buf.data.copy_from_host(h.ctypes.data, h.nbytes)
+
+
+def host(a, dtype) -> np.ndarray:
+    h = cp().asnumpy(a)
+    return h.view(bfloat16) if h.dtype == np.uint16 else h
+
+
+def dev_weights(w: LayerWeights) -> LayerWeights:
+    return LayerWeights(dev(w.a), dev(w.b), dev(w.scaling), dev(w.ranks), w.out_offsets)
+
+
+def backend_for(spec, **kw):
+    from lora_cupy.backends.cupy import CupyBackend
+
+    be = CupyBackend(spec, **kw)
+    be.workspace.fill(np.nan)  # v read where it was never written shows as NaN
+    return be
+
+
+def run_cupy(be, case):
+    y = dev(case.y0)
+    be.delta(y, dev(case.x), dev_weights(case.w), dev(case.token_order), dev(case.slot_indptr))
+    cp().cuda.get_current_stream().synchronize()
+    return host(y, case.spec.dtype)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_delta_matches_oracle(make_case, check, name, dtype, variant):
+    case = make_case(dtype=dtype, **CASES[name])
+    be = backend_for(case.spec, **VARIANTS[variant])
+    check(case, run_cupy(be, case), dtype)
+    # a second call on the same backend (its counters must have reset) with fresh data
+    case2 = make_case(dtype=dtype, **CASES[name])
+    check(case2, run_cupy(be, case2), dtype)
+
+
+@pytest.mark.parametrize("mix", ["distinct", "uniform", "zipf", "identical", "skewed"])
+@pytest.mark.parametrize("T", [16, 64, 300, 4096])
+def test_popularity_mixes(make_case, check, mix, T):
+    case = make_case(T=T, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), dtype="bfloat16",
+                     mix=mix, num_slots=33, active=min(32, T))
+    check(case, run_cupy(backend_for(case.spec), case), "bfloat16")
+
+
+def test_rank16_adapters_in_rank128_pool(make_case, check):
+    """Rank-16 adapters in a pool of max rank 128, the rest of every slot poisoned with NaN."""
+    case = make_case(T=64, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
+                     mix="uniform", poison_beyond_rank=True)
+    check(case, run_cupy(backend_for(case.spec), case), "bfloat16")
+
+
+def test_torch_tensors_and_cupy_arrays_agree(make_case, check):
+    torch = pytest.importorskip("torch")
+    from lora_cupy.dtypes import from_torch, to_torch
+
+    case = make_case(T=133, in_f=256, slices=(96, 40, 24), max_rank=64, ranks=(8, 64), dtype="bfloat16",
+                     mix="zipf")
+    be = backend_for(case.spec)
+    y_cupy = run_cupy(be, case)
+
+    def td(a):
+        return to_torch(np.ascontiguousarray(a)).cuda()
+
+    y = td(case.y0)
+    w = LayerWeights(td(case.w.a), td(case.w.b), td(case.w.scaling), td(case.w.ranks), case.w.out_offsets)
+    be.delta(y, td(case.x), w, td(case.token_order), td(case.slot_indptr))
+    torch.cuda.synchronize()
+    y_torch = from_torch(y)
+    check(case, y_torch, "bfloat16")
+    np.testing.assert_array_equal(y_torch.view(np.uint16), y_cupy.view(np.uint16))
+
+
+def _new_addressing(make_case, spec_case, T, mix):
+    """A fresh case of the same spec and bucket-sized buffers: T real tokens, padding after them."""
+    c = spec_case
+    bucket = c.x.shape[0]
+    return make_case(T=T, in_f=c.x.shape[1], slices=tuple(int(v) for v in np.diff(c.w.out_offsets)),
+                     max_rank=c.w.a.shape[2],
+                     ranks=(1, 8, 16), dtype=c.spec.dtype, mix=mix, num_slots=c.w.a.shape[0], active=6,
+                     pad_to=bucket if T < bucket else None)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cupy_graph_replays_new_addressing(make_case, check, fused):
+    cupy = cp()
+    first = make_case(T=128, in_f=264, slices=(96, 40, 24), max_rank=16, ranks=(1, 8, 16),
+                      dtype="bfloat16", mix="uniform", active=6)
+    be = backend_for(first.spec, fused=fused)
+    x, y = dev(first.x), dev(first.y0)
+    w = dev_weights(first.w)
+    to, ip = dev(first.token_order), dev(first.slot_indptr)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        be.delta(y, x, w, to, ip)  # eager first: nothing is compiled or loaded under capture
+        stream.synchronize()
+        stream.begin_capture()
+        be.delta(y, x, w, to, ip)
+        graph = stream.end_capture()
+    for T, mix in ((128, "zipf"), (57, "skewed"), (1, "identical"), (128, "distinct")):
+        case = _new_addressing(make_case, first, T, mix)
+        for buf, h in ((x, case.x), (y, case.y0), (to, case.token_order), (ip, case.slot_indptr),
+                       (w.a, case.w.a), (w.b, case.w.b), (w.scaling, case.w.scaling), (w.ranks, case.w.ranks)):
+            put(buf, h)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        y_graph = host(y, "bfloat16")
+        check(case, y_graph, "bfloat16")
+        np.testing.assert_array_equal(y_graph.view(np.uint16), run_cupy(be, case).view(np.uint16))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_graph_replays_new_addressing(make_case, check, fused):
+    torch = pytest.importorskip("torch")
+    from lora_cupy.dtypes import from_torch, to_torch
+
+    first = make_case(T=64, in_f=512, slices=(384,), max_rank=64, ranks=(8, 64), dtype="bfloat16",
+                      mix="uniform", active=6)
+    be = backend_for(first.spec, fused=fused)
+
+    def td(a):
+        return to_torch(np.ascontiguousarray(a)).cuda()
+
+    x, y = td(first.x), td(first.y0)
+    w = LayerWeights(td(first.w.a), td(first.w.b), td(first.w.scaling), td(first.w.ranks), first.w.out_offsets)
+    to, ip = td(first.token_order), td(first.slot_indptr)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        be.delta(y, x, w, to, ip)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        be.delta(y, x, w, to, ip)
+    for T, mix in ((64, "zipf"), (33, "skewed"), (64, "identical")):
+        case = _new_addressing(make_case, first, T, mix)
+        for buf, h in ((x, case.x), (y, case.y0), (to, case.token_order), (ip, case.slot_indptr),
+                       (w.a, case.w.a), (w.b, case.w.b), (w.scaling, case.w.scaling), (w.ranks, case.w.ranks)):
+            buf.copy_(td(h))
+        graph.replay()
+        torch.cuda.synchronize()
+        y_graph = from_torch(y)
+        check(case, y_graph, "bfloat16")
+        np.testing.assert_array_equal(y_graph.view(np.uint16), run_cupy(be, case).view(np.uint16))
+
+
+def test_no_positions_and_base_rows_only_leave_y_untouched(make_case):
+    case = make_case(T=40, in_f=128, slices=(64,), max_rank=16, ranks=(16,), dtype="float16", mix="uniform")
+    be = backend_for(case.spec)
+    y = dev(case.y0)
+    w = dev_weights(case.w)
+    be.delta(y, dev(case.x), w, dev(case.token_order[:0]), dev(case.slot_indptr))
+    base = np.zeros_like(case.slot_indptr)
+    base[1:] = case.x.shape[0]  # every row on slot 0
+    be.delta(y, dev(case.x), w, dev(np.arange(case.x.shape[0], dtype=np.int32)), dev(base))
+    np.testing.assert_array_equal(host(y, "float16"), case.y0)
+
+
+def test_bad_arguments_refused_before_launch(make_case):
+    case = make_case(T=8, in_f=64, slices=(32,), max_rank=16, ranks=(16,), dtype="float32", mix="uniform")
+    be = backend_for(case.spec)
+    y, x, w = dev(case.y0), dev(case.x), dev_weights(case.w)
+    to, ip = dev(case.token_order), dev(case.slot_indptr)
+    with pytest.raises(ValueError, match="contiguous"):
+        be.delta(y, cp().asfortranarray(x), w, to, ip)
+    with pytest.raises(TypeError, match="dtype"):
+        be.delta(y, x.astype(np.float16), w, to, ip)
+    with pytest.raises(TypeError, match="int32"):
+        be.delta(y, x, w, to.astype(np.int64), ip)
+    with pytest.raises(TypeError, match="host"):
+        be.delta(case.y0, x, w, to, ip)
+    np.testing.assert_array_equal(host(y, "float32"), case.y0)

@@ -1,0 +1,252 @@
+"""Host-side logic of the CUDA backend, with no GPU: kernel families, shared-memory sizes against
+the CUDA source, launch plans per bucket, workspace sizing, and argument validation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lora_cupy import kernels
+from lora_cupy.backends import cupy as cb
+from lora_cupy.backends.base import LayerWeights
+from lora_cupy.bench import kernels as bench
+from lora_cupy.spec import DEFAULT_CAPTURE_BUCKETS, LoraSlice, LoraSpec, LoraTarget
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _nvrtc_ready() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc  # noqa: F401
+    except Exception:
+        return False
+    return bool(kernels.cuda_include_dirs())
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_ready(), reason="NVRTC or the CUDA headers are not installed")
+
+
+# -- families --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
+    names = set(kernels.FAMILIES[kernels.mma_family(dtype)].name_expressions)
+    ct = kernels.CUDA_TYPES[dtype]
+    wanted = {f"lora_shrink<{ct}, {bm}>" for bm in kernels.MMA_SHRINK_BM}
+    wanted |= {f"lora_{k}<{ct}, {bm}, {bn}>" for k in ("expand", "fused") for bm, bn in kernels.MMA_TILES}
+    assert wanted <= names
+    simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
+    assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
+    # every tile the planner can pick has a shrink of the same height (fused needs both)
+    assert {bm for bm, _ in kernels.MMA_TILES} <= set(kernels.MMA_SHRINK_BM)
+
+
+@needs_nvrtc
+def test_tensor_core_family_compiles_to_mma_and_cp_async():
+    ptx = kernels.compile_family(kernels.mma_family("bfloat16"), "sm_90")
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    assert ".local" not in ptx, "a register array was demoted to local memory"
+
+
+@needs_nvrtc
+def test_python_shared_memory_sizes_match_the_cuda_source():
+    """The launch's dynamic shared memory comes from Python: NVRTC checks it against the source."""
+    lines = ['#include "lora_mma.cu"']
+    for dtype in DTYPES:
+        ct = kernels.CUDA_TYPES[dtype]
+        for bm in kernels.MMA_SHRINK_BM:
+            lines.append(f"static_assert(lora::Shrink<{ct}, {bm}>::SMEM == {cb.shrink_smem(dtype, bm)}, "
+                         f"\"shrink {dtype} {bm}\");")
+        for bm, bn in kernels.MMA_TILES:
+            lines.append(f"static_assert(lora::Expand<{ct}, {bm}, {bn}>::SMEM == "
+                         f"{cb.expand_smem(dtype, bm, bn)}, \"expand {dtype} {bm}\");")
+            lines.append(f"static_assert(lora::fused_smem<{ct}, {bm}, {bn}>() == "
+                         f"{cb.fused_smem(dtype, bm, bn)}, \"fused {dtype} {bm}\");")
+    lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
+    lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
+    kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
+    extra = 4 * (cb.MAX_SLOTS + 1)
+    for bm, bn in kernels.MMA_TILES:
+        assert cb.fused_smem(dtype, bm, bn) + extra <= 227 * 1024
+        assert cb.fused_smem(dtype, bm, bn) >= max(cb.shrink_smem(dtype, bm), cb.expand_smem(dtype, bm, bn))
+
+
+# -- plans -------------------------------------------------------------------------------------------
+SHAPES = [(4096, 4096, 1, 16), (4096, 14336, 1, 64), (14336, 4096, 1, 16), (4096, 6144, 3, 64),
+          (77, 61, 1, 13), (200, 160, 3, 128), (4096, 4096, 1, 256)]
+
+
+@pytest.mark.parametrize("in_f,out,n,R", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
+    target = LoraTarget("t", in_f, out, 1, tuple(LoraSlice(f"s{j}", out // n + (j < out % n)) for j in range(n)))
+    spec = LoraSpec((target,), num_slots=33, max_rank=R, dtype=dtype)
+    floats, ints = cb.plan_workspace(spec)
+    prev = None
+    for T in range(1, spec.max_tokens + 1, 7):
+        b = spec.bucket_for(T)
+        p = cb.plan_launch(b, in_f, out, n, R, dtype, workspace_floats=floats)
+        if prev is not None and prev.bucket == b:
+            assert p == prev  # same bucket, same launch: a graph captured for it replays
+        prev = p
+        kc = 128 // cb._ITEMSIZE[dtype]
+        assert p.k_split % kc == 0
+        assert (p.splits - 1) * p.k_split < in_f <= p.splits * p.k_split  # no empty split
+        assert p.tiles * p.bm >= b and p.col_blocks * p.bn >= out
+        assert p.workspace_floats(cb.rank_width(R)) <= floats and p.counter_ints() <= ints
+        assert p.rank_blocks == -(-R // cb.RANK_BLOCK)
+
+
+def test_few_tokens_split_the_shrink_and_many_do_not_need_to():
+    small = cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16")
+    assert small.splits > 16 and small.shrink_blocks >= cb.DEFAULT_SMS // 4
+    big = cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16")
+    assert big.splits < small.splits and big.expand_blocks >= 4 * cb.DEFAULT_SMS
+    assert small.fused and not big.fused
+
+
+def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
+    """Only the rank blocks differ: the extra ones stop at once past a rank-16 adapter."""
+    for b in DEFAULT_CAPTURE_BUCKETS:
+        p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16")
+        p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", workspace_floats=cb.WORKSPACE_CAP_BYTES // 4)
+        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks) == (p128.bm, p128.bn, p128.fused, p128.col_blocks)
+        assert p128.splits * p128.rank_blocks >= p16.splits
+
+
+def test_workspace_respects_its_cap_and_shrinks_splits_to_fit():
+    qkv = LoraTarget("qkv", 4096, 6144, 32, (LoraSlice("q", 4096), LoraSlice("k", 1024), LoraSlice("v", 1024)))
+    down = LoraTarget("down", 14336, 4096, 32)
+    spec = LoraSpec((qkv, down), num_slots=65, max_rank=128)
+    floats, ints = cb.plan_workspace(spec)
+    one_split = spec.max_tokens * 3 * cb.rank_width(128)
+    assert floats == max(cb.WORKSPACE_CAP_BYTES // 4, one_split)
+    tight = cb.plan_launch(4096, 4096, 6144, 3, 128, "bfloat16", workspace_floats=one_split)
+    assert tight.splits == 1
+    roomy = cb.plan_launch(4096, 4096, 6144, 3, 128, "bfloat16")
+    assert roomy.splits > 1
+
+
+def test_tile_and_fused_overrides():
+    p = cb.plan_launch(4096, 4096, 4096, 1, 16, "float16", tile=16, fused=True)
+    assert (p.bm, p.bn, p.fused, p.tiles) == (16, 64, True, 256)
+    with pytest.raises(ValueError, match="tile"):
+        cb.plan_launch(64, 4096, 4096, 1, 16, "float16", tile=48)
+
+
+# -- argument checks ---------------------------------------------------------------------------------
+class FakeDeviceArray:
+    """Just a ``__cuda_array_interface__``: what check_call reads of a device array."""
+
+    _next = 1 << 20
+
+    def __init__(self, shape, typestr, strides=None, ptr=None):
+        if ptr is None:
+            ptr = FakeDeviceArray._next
+            FakeDeviceArray._next += 1 << 24
+        self.__cuda_array_interface__ = dict(shape=tuple(shape), typestr=typestr, data=(ptr, False),
+                                             strides=strides, version=3)
+
+
+_TS = {"bfloat16": "<u2", "float16": "<f2", "float32": "<f4"}
+
+
+def _call(T=10, in_f=64, out=96, n=1, R=16, S=5, dtype="bfloat16", **over):
+    slices = tuple(LoraSlice(f"s{j}", out // n) for j in range(n))
+    spec = LoraSpec((LoraTarget("t", in_f, out, 1, slices),), num_slots=S, max_rank=R, dtype=dtype)
+    offs = spec.targets[0].out_offsets()
+    floats, ints = cb.plan_workspace(spec)
+    limits = cb.CallLimits(spec, 0, cb.DEFAULT_SMS, floats, ints, {offs: 4096} if n > 1 else {})
+    ts = _TS[dtype]
+    args = dict(y=FakeDeviceArray((T, out), ts), x=FakeDeviceArray((T, in_f), ts),
+                a=FakeDeviceArray((S, n, R, in_f), ts), b=FakeDeviceArray((S, out, R), ts),
+                scaling=FakeDeviceArray((S, n), "<f4"), ranks=FakeDeviceArray((S, n), "<i4"),
+                token_order=FakeDeviceArray((T,), "<i4"), slot_indptr=FakeDeviceArray((S + 1,), "<i4"),
+                offsets=offs)
+    args.update(over)
+    w = LayerWeights(args["a"], args["b"], args["scaling"], args["ranks"], args["offsets"])
+    return cb.check_call(limits, args["y"], args["x"], w, args["token_order"], args["slot_indptr"])
+
+
+def test_a_valid_call_gives_pointers_dims_and_flags():
+    call = _call(T=100, in_f=64, out=96, n=3, R=16)
+    assert call.dims == (5, 3, 16, 64, 96)
+    assert call.plan.bucket == 128 and call.rw == 16
+    assert call.flags == 7
+    assert call.ptrs[6] == 4096  # the slice-offset table of the target
+    assert not call.torch
+    assert _call(T=100).plan == _call(T=128).plan  # the bucket, not the count
+
+
+def test_awkward_sizes_and_misaligned_pointers_take_the_element_paths():
+    assert _call(in_f=77).flags == 6
+    assert _call(R=13).flags == 5
+    assert _call(out=90).flags == 3
+    assert _call(y=FakeDeviceArray((10, 96), "<u2", ptr=(1 << 30) + 2)).flags == 3
+    assert _call(dtype="float32", in_f=66).flags == 6  # 4 floats per 16 bytes
+
+
+def test_no_positions_is_no_launch():
+    assert _call(T=0) is None
+
+
+@pytest.mark.parametrize("over,err,match", [
+    (dict(x=FakeDeviceArray((10, 64), "<f2")), TypeError, "dtype"),
+    (dict(x=np.zeros((10, 64), np.float16)), TypeError, "host"),
+    (dict(ranks=FakeDeviceArray((5, 1), "<i8")), TypeError, "int32"),
+    (dict(scaling=FakeDeviceArray((5, 1), "<f2")), TypeError, "float32"),
+    (dict(token_order=FakeDeviceArray((10,), "<i8")), TypeError, "int32"),
+    (dict(y=FakeDeviceArray((10, 96), "<u2", strides=(2, 20))), ValueError, "contiguous"),
+    (dict(y=FakeDeviceArray((11, 96), "<u2")), ValueError, "share rows"),
+    (dict(x=FakeDeviceArray((10, 65), "<u2")), ValueError, "features"),
+    (dict(b=FakeDeviceArray((5, 95, 16), "<u2")), ValueError, "w.b"),
+    (dict(ranks=FakeDeviceArray((4, 1), "<i4")), ValueError, r"\[S, n\]"),
+    (dict(slot_indptr=FakeDeviceArray((5,), "<i4")), ValueError, "slot_indptr"),
+    (dict(offsets=(0, 95)), ValueError, "out_offsets"),
+    (dict(token_order=FakeDeviceArray((5000,), "<i4")), ValueError, "bucket"),
+])
+def test_bad_arguments_are_refused(over, err, match):
+    with pytest.raises(err, match=match):
+        _call(**over)
+
+
+def test_unknown_slices_and_oversized_weights_are_refused():
+    with pytest.raises(ValueError, match="no target"):
+        _call(n=2, offsets=(0, 40, 96))
+    with pytest.raises(ValueError, match="slices"):
+        _call(n=9, out=99)
+
+
+# -- bench arithmetic ----------------------------------------------------------------------------------
+def test_byte_floor_counts_x_y_and_each_slots_weights_once():
+    row = bench.Row("core", 64, 4096, (4096,), (16,) * 8, 16)
+    want = 2 * (64 * 4096 + 2 * 64 * 4096 + 8 * (16 * 4096 + 4096 * 16))
+    assert bench.byte_floor(row, 64) == want
+    qkv = bench.Row("shapes", 1, 4096, (4096, 1024, 1024), (64,), 64, dtype="float32")
+    assert bench.byte_floor(qkv, 1) == 4 * (4096 + 2 * 6144 + 64 * 4096 * 3 + 6144 * 64)
+
+
+def test_targets():
+    small = bench.Row("core", 64, 4096, (4096,), (16,) * 8, 16)
+    assert bench.targets_met(small, 4.9, 2.0, 10.0)
+    assert not bench.targets_met(small, 5.1, 2.0, 10.0)
+    assert not bench.targets_met(small, 4.0, 2.0, 3.9)
+    big = bench.Row("core", 4096, 4096, (4096,), (16,) * 32, 16)
+    assert bench.targets_met(big, 34.0, 24.0, 40.0)
+    assert not bench.targets_met(big, 36.0, 24.0, 40.0)
+
+
+def test_rows_cover_the_issue():
+    rs = bench.rows()
+    groups = {r.group for r in rs}
+    assert groups == {"core", "skew", "mixed", "shapes", "dtypes", "padding", "poolrank"}
+    core = [r for r in rs if r.group == "core"]
+    assert {r.T for r in core} == {1, 16, 64, 256, 1024, 4096}
+    assert all(r.slots <= r.T for r in rs)
+    labels = [r.label for r in rs]
+    assert len(labels) == len(set(labels))
