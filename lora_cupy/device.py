@@ -253,7 +253,7 @@ class Device:
             return ReferenceBackend()
         from .backends.cupy import CupyBackend
 
-        return CupyBackend(spec)
+        return CupyBackend(spec, device=self.index)
 
     def close(self) -> None:
         if self.kind == "cpu":

@@ -14,6 +14,7 @@ follower whose read is still in flight) waits outside the lock, after the agreem
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import threading
 from collections import Counter
@@ -121,14 +122,19 @@ class _AddressingBuffers:
         self.dev = {(b, p): device.zeros(b + self.S + 1, np.int32) for b in self.buckets for p in range(2)}
         self.fence: list[Any] = [None, None]
         self._arange = np.arange(self.buckets[-1], dtype=np.int32)
-        self._slot_ids = np.arange(self.S + 1, dtype=np.int32)
+        self._slot_ids = np.arange(self.S + 1, dtype=slot_dtype(self.S))
+        self._views: dict[tuple, LoraAddressing] = {}  # (bucket, parity, rows, active) -> views
 
-    def stage(self, rows: StepRows, slots: np.ndarray, parity: int, spec: LoraSpec) -> LoraAddressing:
+    def stage(self, rows: StepRows, slots: np.ndarray, parity: int) -> LoraAddressing:
         """Group ``rows`` (row i on ``slots[i]``) by slot into host buffer ``parity`` and queue
-        its copy to the bucket's device buffer. Vectorized; allocates only small temporaries."""
+        its copy to the bucket's device buffer; the caller records the fence after it.
+        Vectorized; allocates only small temporaries, and the returned views are cached."""
         per, starts, total = rows.grouped(self.grouping)
-        bucket = spec.bucket_for(max(total, 1))
-        S = self.S
+        k = bisect.bisect_left(self.buckets, max(total, 1))
+        if k == len(self.buckets):
+            raise ValueError(f"{total} rows at grouping {self.grouping} exceed the largest capture bucket "
+                             f"{self.buckets[-1]}")
+        bucket, S = self.buckets[k], self.S
         fence = self.fence[parity]
         if fence is not None and not fence.done:
             fence.synchronize()
@@ -148,8 +154,17 @@ class _AddressingBuffers:
             indptr[...] = cum[row_ptr]
         dev = self.dev[(bucket, parity)]
         self.device.copy_to_device(dev, h[:bucket + S + 1])
-        self.fence[parity] = self.device.record()
-        return LoraAddressing(dev[:total], dev[bucket:bucket + S + 1], active=bool(slots.any()))
+        active = bool(row_ptr[1] != len(per))  # some row is past slot 0
+        key = (bucket, parity, total, active)
+        addr = self._views.get(key)
+        if addr is None:
+            addr = self._views[key] = LoraAddressing(dev[:total], dev[bucket:bucket + S + 1], active=active)
+        return addr
+
+
+def slot_dtype(num_slots: int) -> np.dtype:
+    """The narrowest dtype of a step's row slots: int16 lets a stable argsort take radix sort."""
+    return np.dtype(np.int16 if num_slots < 32767 else np.int32)
 
 
 @dataclass
@@ -213,6 +228,7 @@ class LoraAdapterPool:
         groupings = sorted({1, *(t.row_grouping for t in spec.targets)})
         self._buffers = {g: _AddressingBuffers(spec, self.device, g) for g in groupings}
         self._parity = 0
+        self._slot_dtype = slot_dtype(spec.num_slots)
         self._requests: dict[Hashable, _Request] = {}
         self._settled: dict[Hashable, int] = {}  # rid -> its slot (0: needs none here)
         self._settled_set: set[Hashable] = set()
@@ -480,15 +496,18 @@ class LoraAdapterPool:
         with self._step_lock:
             with self._lock:
                 try:
-                    slots = np.fromiter(map(self._settled.__getitem__, rows.rids), np.int32, len(rows))
+                    slots = np.fromiter(map(self._settled.__getitem__, rows.rids), self._slot_dtype, len(rows))
                 except KeyError as e:
                     raise ValueError(f"row {e.args[0]!r} of step {ctx.seq} was not admitted here") from None
             if self._force_double_buffer or ctx.preplanned:
                 self._parity ^= 1
             parity = self._parity
-            addressing = {g: b.stage(rows, slots, parity, self.spec) for g, b in self._buffers.items()}
-            plan = LoraStepPlan(ctx.seq, addressing, addressing[1].active, self.device.record()
-                                if not self.device.is_cuda else None)
+            addressing = {g: b.stage(rows, slots, parity) for g, b in self._buffers.items()}
+            fence = self.device.record()
+            for b in self._buffers.values():
+                b.fence[parity] = fence
+            plan = LoraStepPlan(ctx.seq, addressing, addressing[1].active,
+                                None if self.device.is_cuda else fence)
         ctx.plan_results[self] = plan
         if not ctx.preplanned:
             self._current = plan

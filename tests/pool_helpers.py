@@ -306,7 +306,7 @@ def eviction_stress(device: str, root, steps: int = 60, seed: int | None = None,
                                                err_msg=f"seed {seed} step {seq} {t.name}[{layer}]")
                     checked += 1
             pool.commit(step, ctx)
-            for rid in rng.sample(sorted(live), rng.randint(0, max(1, len(live) // 3))):
+            for rid in rng.sample(sorted(live), rng.randint(len(live) // 4, max(1, len(live) // 2))):
                 pool.remove_request(rid)
                 live.pop(rid)
                 slot_of_rid.pop(rid, None)

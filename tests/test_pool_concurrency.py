@@ -191,6 +191,6 @@ def test_threads_load_unload_ingest_remove_while_steps_run(tmp_path):
 
 def test_eviction_stress_cpu_twin_of_the_gpu_test(tmp_path):
     got = eviction_stress("cpu", tmp_path, steps=50)
-    assert got["loads"] > 8, got  # slots were evicted and rewritten many times
+    assert got["loads"] >= 12, got  # 3 slots: evicted and rewritten many times
     assert got["waited"] > 0, got  # admits met copies still being read
     assert got["checked"] == 50 * 4

@@ -1,0 +1,113 @@
+"""``lora-cupy bench pool``: the pool's host-side cost per step, in the steady state.
+
+Every row already holds its slot, as on every step after a request's first, so ``admit`` is
+one set check and ``plan`` groups the rows by slot into the fixed host buffer and queues its
+copy to the device (the copy's issue counts; its transfer does not). Medians over many steps.
+Adapters are random weights made in memory (no files), served from startup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from ..adapter import AdapterWeights, TargetWeights
+from ..dtypes import numpy_dtype
+from ..engine.resource import LoraStep, ResourceReqConfig, StepContext
+from ..spec import LoraSpec, LoraTarget
+
+#: The targets of the benchmark: what a layer's weights are does not change host time.
+_TARGETS = (LoraTarget("qkv_proj", 256, 384, 2), LoraTarget("o_proj", 256, 256, 2))
+
+
+def _reader(rank: int):
+    """Random adapters of ``rank`` at every target, made in memory (seeded by name)."""
+
+    def read(path, spec: LoraSpec, name=None) -> AdapterWeights:
+        rng = np.random.default_rng(abs(hash(name)) % (1 << 32))
+        dt = numpy_dtype(spec.dtype)
+        targets = {}
+        for t in spec.targets:
+            L, n = t.num_layers, t.num_slices
+            inl, outl = t.local_in_features(spec.tp_size), t.local_out_features(spec.tp_size)
+            targets[t.name] = TargetWeights(
+                a=(rng.standard_normal((L, n, rank, inl)) / np.sqrt(inl)).astype(dt),
+                b=(rng.standard_normal((L, outl, rank)) / np.sqrt(rank)).astype(dt),
+                ranks=np.full((L, n), rank, np.int32), scaling=np.ones((L, n), np.float32))
+        return AdapterWeights(str(name), str(path), f"bench-{name}", targets)
+
+    return read
+
+
+def measure(device: str = "cpu", rows: int = 256, slots: int = 32, steps: int = 2000, tokens: int = 1,
+            rank: int = 16, warmup: int = 50) -> dict:
+    """Medians (microseconds) of a steady-state admit and plan; ``slots`` adapters, each in a slot."""
+    from ..pool import LoraAdapterPool
+
+    spec = LoraSpec(_TARGETS, num_slots=slots + 1, max_rank=rank, dtype="float16")
+    adapters = {f"a{i}": f"memory://a{i}" for i in range(slots)}
+    pool = LoraAdapterPool(spec, device, adapters=adapters, reader=_reader(rank))
+    try:
+        rids = list(range(rows))
+        for rid in rids:
+            pool.ingest_request(rid, ResourceReqConfig(f"a{rid % slots}"))
+        for name in adapters:
+            pool.store.get(name).wait(60)
+        for rid in rids:
+            pool.reserve(rid, spec.node, (spec.node,), False)
+        step = LoraStep(rids, np.full(rows, tokens), node=spec.node)
+        out = pool.admit(step, StepContext())
+        if not out.ok:
+            raise RuntimeError(f"the benchmark's first admit failed: {out.failed}")
+        admit_ns, plan_ns = [], []
+        clock = time.perf_counter_ns
+        for i in range(warmup + steps):
+            ctx = StepContext(seq=i)
+            t0 = clock()
+            pool.admit(step, ctx)
+            t1 = clock()
+            pool.plan(step, ctx)
+            t2 = clock()
+            pool.commit(step, ctx)
+            if i >= warmup:
+                admit_ns.append(t1 - t0)
+                plan_ns.append(t2 - t1)
+        pool.device.synchronize()
+        return {
+            "device": device, "rows": rows, "slots": slots, "tokens_per_row": tokens, "steps": steps,
+            "admit_us_median": statistics.median(admit_ns) / 1e3,
+            "plan_us_median": statistics.median(plan_ns) / 1e3,
+            "admit_us_p90": statistics.quantiles(admit_ns, n=10)[-1] / 1e3,
+            "plan_us_p90": statistics.quantiles(plan_ns, n=10)[-1] / 1e3,
+        }
+    finally:
+        pool.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lora-cupy bench pool", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
+    p.add_argument("--rows", type=int, default=256, help="rows (requests) per step (default: 256)")
+    p.add_argument("--slots", type=int, default=32, help="adapter slots, all held (default: 32)")
+    p.add_argument("--tokens", type=int, default=1, help="tokens per row (default: 1, decode)")
+    p.add_argument("--steps", type=int, default=2000, help="measured steps (default: 2000)")
+    p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
+    args = p.parse_args(argv)
+    r = measure(args.device, args.rows, args.slots, args.steps, args.tokens)
+    print(f"pool on {r['device']}: {r['rows']} rows x {r['tokens_per_row']} token(s) over {r['slots']} slots, "
+          f"{r['steps']} steps")
+    print(f"  admit (steady state)      median {r['admit_us_median']:8.2f} us   p90 {r['admit_us_p90']:8.2f} us")
+    print(f"  plan (copy issue incl.)   median {r['plan_us_median']:8.2f} us   p90 {r['plan_us_p90']:8.2f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
