@@ -503,3 +503,16 @@ def test_snapshot_and_check_valid_see_the_pool(pool):
     pool._live["ad0"] += 1
     with pytest.raises(AssertionError):
         pool.check_valid()
+
+
+def test_bench_pool_reports_medians(tmp_path, capsys):
+    import json
+
+    from lora_cupy.bench.pool import main
+
+    out = tmp_path / "pool.json"
+    assert main(["--rows", "64", "--slots", "8", "--steps", "40", "--tokens", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["rows"] == 64 and r["slots"] == 8 and r["steps"] == 40
+    assert 0 < r["admit_us_median"] < r["plan_us_median"]
+    assert "admit" in capsys.readouterr().out
