@@ -242,13 +242,17 @@ class LoraAdapterPool:
         self._deltas: dict[tuple[str, int], Any] = {}
         self.stats = Counter()
         if adapters:
-            futures = []
-            for name, where in adapters.items():
-                path, digest = (where, None) if isinstance(where, (str, bytes)) or not isinstance(
-                    where, Sequence) else tuple(where)
-                futures.append(self.load_adapter_async(name, path, digest))
-            for f in futures:
-                f.result()
+            try:
+                futures = []
+                for name, where in adapters.items():
+                    path, digest = (where, None) if isinstance(where, (str, bytes)) or not isinstance(
+                        where, Sequence) else tuple(where)
+                    futures.append(self.load_adapter_async(name, path, digest))
+                for f in futures:
+                    f.result()
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def build(cls, spec: LoraSpec, info: EngineResourceInfo) -> "LoraAdapterPool":

@@ -271,3 +271,14 @@ def test_protocol_misuse_is_refused(pool):
     with pytest.raises(IndexError):
         pool.layer_delta("o_proj", 5)
     pool.check_valid()
+
+
+def test_a_startup_adapter_that_fails_fails_the_build(spec, paths, tmp_path):
+    bad = dict(paths, broken=str(tmp_path / "missing"))
+    with pytest.raises(LoraError, match="broken"):
+        LoraAdapterPool(spec, adapters=bad)
+    with pytest.raises(DigestMismatchError):
+        LoraAdapterPool(spec, adapters={"ad0": (paths["ad0"], "f" * 64)})
+    ok = LoraAdapterPool(spec, adapters={"ad0": (paths["ad0"], digest_of(paths["ad0"]))})
+    assert ok.served == {"ad0"}
+    ok.close()
