@@ -11,8 +11,8 @@ decision, and its workload player sizes a pool's slots from a trace.
   (``sim.workload``, ``sim.player``; plots in ``sim.plots``, CLI ``python -m sim``).
 """
 
-from .errors import (AdapterStateError, ReadInFlightError, RequestStateError, SimError,
-                     SlotsExhaustedError, TraceError, UnknownAdapterError)
+from .errors import (AdapterStateError, ReadInFlightError, RequestStateError, SimError, TraceError,
+                     UnknownAdapterError)
 from .nodes import DrainResult, NodeAdapter, NodeRequest, drain
 from .player import PlayerConfig, PlayResult, play, sweep_slots
 from .pool import AdmitResult, Ask, Copy, Reserve, SimPool
@@ -24,6 +24,6 @@ __all__ = [
     "AdapterStateError", "AdmitResult", "Ask", "Copy", "DivergenceError", "DrainResult",
     "NodeAdapter", "NodeRequest", "PlayResult", "PlayerConfig", "ReadInFlightError", "Reserve",
     "RequestStateError", "SimError", "SimInstance", "SimPool", "SimSlots", "SlotSnapshot",
-    "SlotsExhaustedError", "Teardown", "Trace", "TraceError", "UnknownAdapterError", "drain",
+    "Teardown", "Trace", "TraceError", "UnknownAdapterError", "drain",
     "generate_trace", "parse_rank_mix", "play", "read_trace", "sweep_slots",
 ]

@@ -30,9 +30,5 @@ class ReadInFlightError(SimError):
     """
 
 
-class SlotsExhaustedError(SimError):
-    """The admit backstop: more adapters to load than unheld slots. Nothing was changed."""
-
-
 class TraceError(SimError, ValueError):
     """A workload trace or player setting that cannot be played: the message says which and why."""

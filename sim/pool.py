@@ -7,7 +7,8 @@ The decisions and their order follow the pool's invariants (DESIGN.md 1-9):
   one; a miss takes an empty slot first, else the least recently used unheld slot, by a
   logical clock advanced by admits;
 * reservations count slots and pin none; the adapters that reserved rows still need a slot
-  for never outnumber the unheld slots; only the deciding rank keeps them;
+  for never outnumber the unheld slots; only the deciding rank keeps them; an admit refuses
+  a row that would spend a slot promised to another adapter (the backstop);
 * a miss whose adapter failed to read (on any rank) fails before any slot is handed out;
 * ``rollback_admit`` gives back exactly what the admit took, loaded adapters stay resident;
 * ``unload_adapter`` stops new requests at once and forgets the adapter (name, host copy,
@@ -25,7 +26,7 @@ from enum import Enum
 import numpy as np
 
 from .errors import (AdapterStateError, ReadInFlightError, RequestStateError, SimError,
-                     SlotsExhaustedError, UnknownAdapterError)
+                     UnknownAdapterError)
 from .slots import SimSlots, SlotSnapshot
 
 
@@ -77,13 +78,15 @@ class AdmitResult:
     ``slots``: each row that took a slot now and the slot, in row order; ``hits``: rows whose
     adapter was resident; ``loads``: ``(adapter, slot, overwritten)`` per miss, in miss order,
     ``overwritten`` the adapter whose weights the slot held (None: it was empty);
-    ``failed``: rows failed on a failed read, holding no slot.
+    ``failed``: rows failed on a failed read, holding no slot; ``refused``: rows the backstop
+    turned away (no unheld slot, or only slots reservations promised), holding no slot.
     """
 
     slots: tuple[tuple[object, int], ...] = ()
     hits: tuple[object, ...] = ()
     loads: tuple[tuple[str, int, str | None], ...] = ()
     failed: tuple[object, ...] = ()
+    refused: tuple[object, ...] = ()
 
     @property
     def evictions(self) -> int:
@@ -244,24 +247,45 @@ class SimPool:
         self._set_reserved(r, True)
         return Reserve.GRANTED
 
+    def _may_take(self, adapter: str, slot: int | None) -> bool:
+        """Whether rows of ``adapter`` may make ``slot`` (None: a victim) held: a slot held
+        already costs nothing, a counted adapter spends its count, an uncounted one only a
+        slot no reservation was promised (the admit's backstop)."""
+        if slot is not None and self.slots.refcounts[slot] > 0:
+            return True
+        return adapter in self._reserved or len(self.demand()) < self.slots.unheld_count()
+
+    def _take(self, rows: list[SimRequest], slot: int, taken: list) -> None:
+        for r in rows:
+            r.slot = slot
+            self.slots.take(slot)
+            self._set_reserved(r, False)
+            taken.append((r.rid, slot))
+
     def admit(self, rids, failed: set[str] | None = None) -> AdmitResult:
         """Give each row of the step that holds no slot yet its adapter's slot, loading misses.
 
-        ``failed``: adapters the instance agreed failed to read on some rank (default: this
-        rank's own failed copies). Nothing changes if the admit raises.
+        Rows are taken adapter by adapter, in the order of each adapter's first row: hits
+        first, then misses, each miss the next of the victims fixed once the hits hold their
+        slots (empty slots, then least recently used). ``failed``: adapters the instance agreed
+        failed to read on some rank (default: this rank's failed copies); their rows fail and
+        take nothing. A row that would spend a slot a reservation promised to another adapter,
+        or finds no unheld slot, is refused. Nothing changes if the admit raises.
         """
         rows = [self._request(rid) for rid in rids]
         if len({id(r) for r in rows}) != len(rows):
             raise RequestStateError(f"a request appears twice in one step: {list(rids)}")
-        new = [r for r in rows if self._needs(r)]
-        if not new:
+        groups: dict[str, list[SimRequest]] = {}
+        for r in rows:
+            if self._needs(r):
+                groups.setdefault(r.adapter, []).append(r)
+        if not groups:
             return AdmitResult()
-        hits = [r for r in new if self.slots.slot_of(r.adapter) is not None]
-        misses = [r for r in new if self.slots.slot_of(r.adapter) is None]
-        miss_adapters = list(dict.fromkeys(r.adapter for r in misses))
+        hit_groups = [(a, g) for a, g in groups.items() if self.slots.slot_of(a) is not None]
+        miss_groups = [(a, g) for a, g in groups.items() if self.slots.slot_of(a) is None]
         if failed is None:
-            failed = {a for a in miss_adapters if self.tier.get(a) is Copy.FAILED}
-        for a in miss_adapters:
+            failed = {a for a, _ in miss_groups if self.tier.get(a) is Copy.FAILED}
+        for a, _ in miss_groups:
             c = self.tier.get(a)
             if a in failed:
                 continue
@@ -270,41 +294,38 @@ class SimPool:
                                         f"(pool {self.name})")
             if c is not Copy.OK:
                 raise SimError(f"adapter {a!r}: copy is {c} here but the instance agreed it read")
-        load = [a for a in miss_adapters if a not in failed]
-        hit_slots = {self.slots.slot_of(r.adapter) for r in hits}
-        free = self.slots.unheld_count() - sum(1 for s in hit_slots if self.slots.refcounts[s] == 0)
-        if len(load) > free:
-            raise SlotsExhaustedError(f"pool {self.name}: {len(load)} adapters to load "
-                                      f"({load}) but {free} unheld slots")
-        # Resident first: hits hold their slots before any miss picks a victim.
         taken: list[tuple[object, int]] = []
-        for r in hits:
-            r.slot = self.slots.slot_of(r.adapter)
-            self.slots.take(r.slot)
-            taken.append((r.rid, r.slot))
-        loads = []
-        for a, s in zip(load, self.slots.pick(len(load))):
-            loads.append((a, s, self.slots.install(s, a)))
-        failed_rows = []
-        for r in misses:
-            if r.adapter in failed:
-                r.failed = True
-                failed_rows.append(r.rid)
+        hits, loads, failed_rows, refused = [], [], [], []
+        # Resident first: hits hold their slots before any miss picks a victim.
+        for a, g in hit_groups:
+            s = self.slots.slot_of(a)
+            if not self._may_take(a, s):
+                refused += [r.rid for r in g]
+                continue
+            self._take(g, s, taken)
+            hits += [r.rid for r in g]
+        victims = [int(s) for s in self.slots.eviction_order()]
+        for a, g in miss_groups:
+            if a in failed:
+                for r in g:
+                    r.failed = True
+                    self._set_reserved(r, False)
+                failed_rows += [r.rid for r in g]
+            elif not victims or not self._may_take(a, None):
+                refused += [r.rid for r in g]
             else:
-                r.slot = self.slots.slot_of(r.adapter)
-                self.slots.take(r.slot)
-                taken.append((r.rid, r.slot))
-            self._set_reserved(r, False)
-        for r in hits:
-            self._set_reserved(r, False)
+                s = victims.pop(0)
+                loads.append((a, s, self.slots.install(s, a)))
+                self._take(g, s, taken)
         if taken:  # the clock counts admits that take slots
             self.slots.tick()
         for _, s in taken:
             self.slots.stamp(s)
-        order = {id(r): i for i, r in enumerate(rows)}
-        taken.sort(key=lambda t: order[id(self.requests[t[0]])])
+        order = {rid: i for i, rid in enumerate(rids)}
+        taken.sort(key=lambda t: order[t[0]])
         self._pending = _Pending(list(taken))
-        return AdmitResult(tuple(taken), tuple(r.rid for r in hits), tuple(loads), tuple(failed_rows))
+        return AdmitResult(tuple(taken), tuple(sorted(hits, key=order.get)), tuple(loads),
+                           tuple(sorted(failed_rows, key=order.get)), tuple(sorted(refused, key=order.get)))
 
     def commit(self) -> None:
         """The step ran: its admit can no longer be rolled back."""

@@ -87,13 +87,6 @@ class SimSlots:
         empty = np.array([a is None for a in self.adapters])
         return eviction_order(empty, self.refcounts, self.last_used)
 
-    def pick(self, count: int) -> list[int]:
-        """The ``count`` slots the next ``count`` misses take, in miss order (no change made)."""
-        order = self.eviction_order()
-        if count > order.shape[0]:
-            raise ValueError(f"{count} misses but only {order.shape[0]} unheld slots")
-        return [int(s) for s in order[:count]]
-
     # -- changing ------------------------------------------------------------------------------
     def install(self, slot: int, name: str) -> str | None:
         """Load ``name`` into unheld ``slot``; returns the adapter whose weights it overwrote."""

@@ -47,7 +47,9 @@ def check_admit(before: sim.SlotSnapshot, holders_before: dict, pool: sim.SimPoo
             assert r not in taken and pool.requests[r].slot == holders_before[r]
     for r in new_rows:
         a = pool.requests[r].adapter
-        if r in res.failed:
+        if r in res.refused:
+            assert pool.requests[r].slot is None  # the backstop: refused rows take nothing
+        elif r in res.failed:
             assert pool.requests[r].slot is None
             # Invariant 7: only a miss whose copy failed fails.
             assert a not in entries_before and tiers_before[a] is Copy.FAILED
@@ -191,9 +193,15 @@ class SimPoolMachine(RuleBasedStateMachine):
         before = self.pool.snapshot()
         holders = self.pool.holders()
         tiers = dict(self.pool.tier)
+        counted = {r.adapter for r in self.pool.requests.values() if r.reserved}
         res = self.pool.admit(rows)
         check_admit(before, holders, self.pool, rows, res, tiers)
+        for rid in res.refused:
+            # Only an uncounted row is refused (a counted one always finds its slot), and
+            # only when no unheld slot is left that no reservation was promised.
+            assert self.pool.requests[rid].adapter not in counted
         self._finish(rows, res, before, rollback)
+        return res
 
     @precondition(lambda self: self.pool is not None and self.pool.requests)
     @rule(data=st.data(), rollback=st.sampled_from([False, False, False, True]))
@@ -204,19 +212,20 @@ class SimPoolMachine(RuleBasedStateMachine):
         # Invariant 6: every reserved row finds a slot at its admit.
         ready = self._ready()
         if ready:
-            self._admit(data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True)), rollback)
+            res = self._admit(data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True)), rollback)
+            assert not res.refused
 
-    @precondition(lambda self: self.pool is not None and self.pool.requests and not self.pool.demand())
+    @precondition(lambda self: self.pool is not None and self.pool.requests)
     @rule(data=st.data(), rollback=st.booleans())
     def admit_any(self, data, rollback):
-        """An admit of any rows, unreserved ones too (with no reservation outstanding that it
-        could break): the backstop refuses what the free slots cannot take."""
+        """An admit of any rows, unreserved ones too: the backstop refuses what would break a
+        reservation or finds no unheld slot (check_valid then shows every promise kept)."""
         rows = data.draw(st.lists(st.sampled_from(sorted(self.pool.requests)), min_size=1, unique=True))
         before = self.pool.snapshot()
         try:
             self._admit(rows, rollback)
-        except (sim.SlotsExhaustedError, sim.ReadInFlightError):
-            assert self.pool.snapshot() == before  # the backstop changes nothing
+        except sim.ReadInFlightError:
+            assert self.pool.snapshot() == before  # nothing changes
 
     @precondition(lambda self: self.pool is not None and self.pool.holders())
     @rule(count=st.integers(1, 3))
@@ -402,17 +411,21 @@ def test_follower_keeps_no_reservations():
     assert p.admit([0]).loads == (("a", 1, None),)
 
 
-def test_admit_backstop_and_read_in_flight_change_nothing():
-    p = _pool(2, "a", "b")
+def test_admit_backstop_keeps_every_promise_and_read_in_flight_changes_nothing():
+    p = _pool(3, "a", "b", "c")
     _run(p, 0, "a")
     p.ingest_request(1, "b")
     with pytest.raises(sim.ReadInFlightError):
         p.admit([1])
     p.complete_read("b")
+    assert p.reserve(1) is Reserve.GRANTED  # b is promised the one unheld slot
+    p.ingest_request(2, "c")
+    p.complete_read("c")
     before = p.snapshot()
-    with pytest.raises(sim.SlotsExhaustedError):
-        p.admit([1])
-    assert p.snapshot() == before
+    res = p.admit([2])  # uncounted: it may not take the slot b was promised
+    assert res.refused == (2,) and res.slots == () and p.snapshot() == before
+    res = p.admit([2, 1])  # b's row takes its slot; c's finds none left
+    assert res.slots == ((1, 2),) and res.refused == (2,)
 
 
 @given(st.lists(st.tuples(st.sampled_from("abcdef"), st.booleans()), min_size=1, max_size=40),

@@ -168,11 +168,14 @@ class LocalReadsInstance(sim.SimInstance):
         return results[0]
 
 
-def _forgotten_first_pick(self, count):
+_EVICTION_ORDER = SimSlots.eviction_order
+
+
+def _forgotten_first_order(self):
     """Planted fault: a slot whose adapter an unload forgot counts as empty."""
-    order = list(self.eviction_order())
+    order = list(_EVICTION_ORDER(self))
     order.sort(key=lambda s: self.adapters[s] is not None and self.entries.get(self.adapters[s]) == s)
-    return [int(s) for s in order[:count]]
+    return np.array(order, np.int64)
 
 
 def _machine_fails(machine) -> bool:
@@ -223,7 +226,7 @@ def test_unload_timing_changes_no_decision():
 
 
 def test_a_victim_rule_that_depends_on_unload_timing_diverges(monkeypatch):
-    monkeypatch.setattr(SimSlots, "pick", _forgotten_first_pick)
+    monkeypatch.setattr(SimSlots, "eviction_order", _forgotten_first_order)
     with pytest.raises(sim.DivergenceError):
         _unload_lag_history()
 
