@@ -214,10 +214,17 @@ class Device:
         with self.activate(), self.stream:
             dst.fill(0)
 
-    def record(self):
-        """An event that completes once the work queued on the stream so far has run."""
+    def record(self, reuse=None):
+        """An event that completes once the work queued on the stream so far has run.
+
+        ``reuse``: on cuda, an event this device made before, recorded again (no new event
+        is created: plan records one per step); a host event is never reused.
+        """
         if self.kind == "cpu":
             return self.stream.record()
+        if reuse is not None:
+            reuse.record(self.stream)
+            return reuse
         import cupy
 
         with self.activate():

@@ -228,6 +228,7 @@ class LoraAdapterPool:
         groupings = sorted({1, *(t.row_grouping for t in spec.targets)})
         self._buffers = {g: _AddressingBuffers(spec, self.device, g) for g in groupings}
         self._parity = 0
+        self._fences: list[Any] = [None, None]  # cuda: each parity's fence event, recorded again per plan
         self._slot_dtype = slot_dtype(spec.num_slots)
         self._requests: dict[Hashable, _Request] = {}
         self._settled: dict[Hashable, int] = {}  # rid -> its slot (0: needs none here)
@@ -507,7 +508,8 @@ class LoraAdapterPool:
                 self._parity ^= 1
             parity = self._parity
             addressing = {g: b.stage(rows, slots, parity) for g, b in self._buffers.items()}
-            fence = self.device.record()
+            fence = self.device.record(reuse=self._fences[parity])
+            self._fences[parity] = fence if self.device.is_cuda else None
             for b in self._buffers.values():
                 b.fence[parity] = fence
             plan = LoraStepPlan(ctx.seq, addressing, addressing[1].active,
