@@ -68,6 +68,19 @@ def test_host_copies_are_pinned_and_slots_hold_exact_weights(tmp_path):
                                                 spec.num_slots)
         np.testing.assert_array_equal(pool.device.to_host(addr.token_order), want_order)
         np.testing.assert_array_equal(pool.device.to_host(addr.slot_indptr), want_indptr)
+        # torch tensors cross without a copy and run on torch's current stream
+        torch = pytest.importorskip("torch")
+        images = {n: pool.store.build_image(read_peft_adapter(p, spec, name=n)) for n, p in paths.items()}
+        xt = torch.randn(6, 32, device="cuda")
+        yt = torch.randn(6, 48, device="cuda")
+        y0 = yt.clone()
+        pool.layer_delta("qkv_proj", 0)(yt, xt)
+        torch.cuda.synchronize()
+        slot_adapter = {snap.held[r]: n for r, n in enumerate(paths)}
+        want = dense_delta64(xt.cpu().numpy(), oracle_weights(spec, images, "qkv_proj", 0, slot_adapter),
+                             np.repeat([snap.held[r] for r in range(3)], [3, 1, 2]))
+        got = (yt - y0).double().cpu().numpy()
+        np.testing.assert_allclose(got, want, atol=4 * TOLERANCE["float32"] * (1 + np.abs(want).max()), rtol=0)
     finally:
         pool.close()
 
