@@ -206,6 +206,17 @@ class Device:
         runtime.memcpy2DAsync(dst.data.ptr, dst.strides[0], src.ctypes.data, width, width, rows,
                               runtime.memcpyHostToDevice, self.stream.ptr)
 
+    def copy_batch(self, pairs, reuse=None):
+        """Queue ``dst[...] = src`` for each ``(dst, src)`` (as :meth:`copy_to_device`), then an
+        event after them, which is returned; on cpu one job on the host stream does it all."""
+        if self.kind == "cpu":
+            ev = HostEvent()
+            self.stream.enqueue(_copy_all, pairs, ev)
+            return ev
+        for dst, src in pairs:
+            self.copy_to_device(dst, src)
+        return self.record(reuse=reuse)
+
     def fill_zero(self, dst) -> None:
         """Queue ``dst[...] = 0`` on the stream."""
         if self.kind == "cpu":
@@ -286,6 +297,12 @@ def _dtype(dtype) -> np.dtype:
 
 def _noop(*_args) -> None:
     return None
+
+
+def _copy_all(pairs, event: HostEvent) -> None:
+    for dst, src in pairs:
+        np.copyto(dst, src)
+    event._set()
 
 
 class _Null:

@@ -125,9 +125,9 @@ class _AddressingBuffers:
         self._slot_ids = np.arange(self.S + 1, dtype=slot_dtype(self.S))
         self._views: dict[tuple, LoraAddressing] = {}  # (bucket, parity, rows, active) -> views
 
-    def stage(self, rows: StepRows, slots: np.ndarray, parity: int) -> LoraAddressing:
-        """Group ``rows`` (row i on ``slots[i]``) by slot into host buffer ``parity`` and queue
-        its copy to the bucket's device buffer; the caller records the fence after it.
+    def stage(self, rows: StepRows, slots: np.ndarray, parity: int) -> tuple[LoraAddressing, tuple]:
+        """Group ``rows`` (row i on ``slots[i]``) by slot into host buffer ``parity``; returns the
+        addressing and the ``(device, host)`` copy the caller queues, with the fence after it.
         Vectorized; allocates only small temporaries, and the returned views are cached."""
         per, starts, total = rows.grouped(self.grouping)
         k = bisect.bisect_left(self.buckets, max(total, 1))
@@ -153,13 +153,12 @@ class _AddressingBuffers:
                    casting="unsafe")
             indptr[...] = cum[row_ptr]
         dev = self.dev[(bucket, parity)]
-        self.device.copy_to_device(dev, h[:bucket + S + 1])
         active = bool(row_ptr[1] != len(per))  # some row is past slot 0
         key = (bucket, parity, total, active)
         addr = self._views.get(key)
         if addr is None:
             addr = self._views[key] = LoraAddressing(dev[:total], dev[bucket:bucket + S + 1], active=active)
-        return addr
+        return addr, (dev, h[:bucket + S + 1])
 
 
 def slot_dtype(num_slots: int) -> np.dtype:
@@ -507,8 +506,11 @@ class LoraAdapterPool:
             if self._force_double_buffer or ctx.preplanned:
                 self._parity ^= 1
             parity = self._parity
-            addressing = {g: b.stage(rows, slots, parity) for g, b in self._buffers.items()}
-            fence = self.device.record(reuse=self._fences[parity])
+            addressing, copies = {}, []
+            for g, b in self._buffers.items():
+                addressing[g], copy = b.stage(rows, slots, parity)
+                copies.append(copy)
+            fence = self.device.copy_batch(copies, reuse=self._fences[parity])
             self._fences[parity] = fence if self.device.is_cuda else None
             for b in self._buffers.values():
                 b.fence[parity] = fence
