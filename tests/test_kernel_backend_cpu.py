@@ -90,23 +90,27 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
     prev = None
     for T in range(1, spec.max_tokens + 1, 7):
         b = spec.bucket_for(T)
-        p = cb.plan_launch(b, in_f, out, n, R, dtype, workspace_floats=floats)
+        p = cb.plan_launch(b, in_f, out, n, R, dtype)
         if prev is not None and prev.bucket == b:
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
         kc = 128 // cb._ITEMSIZE[dtype]
         assert p.k_split % kc == 0
         assert (p.splits - 1) * p.k_split < in_f <= p.splits * p.k_split  # no empty split
-        assert p.tiles * p.bm >= b and p.col_blocks * p.bn >= out
+        assert p.tiles * p.bm >= b and p.col_blocks * p.bn >= out and 1 <= p.cpb <= p.col_blocks
         assert p.workspace_floats(cb.rank_width(R)) <= floats and p.counter_ints() <= ints
+        for t in kernels.MMA_SHRINK_BM:  # any tile a caller may force fits the counters
+            assert cb.plan_launch(b, in_f, out, n, R, dtype, tile=t).counter_ints() <= ints
         assert p.rank_blocks == -(-R // cb.RANK_BLOCK)
 
 
-def test_few_tokens_split_the_shrink_and_many_do_not_need_to():
+def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
     small = cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16")
     assert small.splits > 16 and small.shrink_blocks >= cb.DEFAULT_SMS // 4
+    assert small.cpb == 1  # every column block its own block while blocks are few
     big = cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16")
-    assert big.splits < small.splits and big.expand_blocks >= 4 * cb.DEFAULT_SMS
+    assert big.splits < small.splits
+    assert big.cpb > 1 and 2 * cb.DEFAULT_SMS <= big.expand_blocks <= 8 * cb.DEFAULT_SMS
     assert small.fused and not big.fused
 
 
@@ -114,22 +118,19 @@ def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """Only the rank blocks differ: the extra ones stop at once past a rank-16 adapter."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16")
-        p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", workspace_floats=cb.WORKSPACE_CAP_BYTES // 4)
-        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks) == (p128.bm, p128.bn, p128.fused, p128.col_blocks)
-        assert p128.splits * p128.rank_blocks >= p16.splits
+        p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16")
+        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb) == (
+            p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb)
+        assert p128.rank_blocks == 2 and p128.splits * 2 >= p16.splits
 
 
-def test_workspace_respects_its_cap_and_shrinks_splits_to_fit():
+def test_workspace_is_v_at_the_largest_bucket():
     qkv = LoraTarget("qkv", 4096, 6144, 32, (LoraSlice("q", 4096), LoraSlice("k", 1024), LoraSlice("v", 1024)))
     down = LoraTarget("down", 14336, 4096, 32)
-    spec = LoraSpec((qkv, down), num_slots=65, max_rank=128)
+    spec = LoraSpec((qkv, down), num_slots=65, max_rank=120)
     floats, ints = cb.plan_workspace(spec)
-    one_split = spec.max_tokens * 3 * cb.rank_width(128)
-    assert floats == max(cb.WORKSPACE_CAP_BYTES // 4, one_split)
-    tight = cb.plan_launch(4096, 4096, 6144, 3, 128, "bfloat16", workspace_floats=one_split)
-    assert tight.splits == 1
-    roomy = cb.plan_launch(4096, 4096, 6144, 3, 128, "bfloat16")
-    assert roomy.splits > 1
+    assert floats == 4096 * 3 * 128  # [bucket, n, rw], rw = 120 rounded up to 16
+    assert ints == 2 + 2 * 4096 // 16
 
 
 def test_tile_and_fused_overrides():
@@ -175,7 +176,7 @@ def _call(T=10, in_f=64, out=96, n=1, R=16, S=5, dtype="bfloat16", **over):
 
 def test_a_valid_call_gives_pointers_dims_and_flags():
     call = _call(T=100, in_f=64, out=96, n=3, R=16)
-    assert call.dims == (5, 3, 16, 64, 96)
+    assert call.dims == (5, 3, 16, 64, 96) and call.positions == 100
     assert call.plan.bucket == 128 and call.rw == 16
     assert call.flags == 7
     assert call.ptrs[6] == 4096  # the slice-offset table of the target

@@ -2,8 +2,9 @@
 
 ``CupyBackend(spec)`` runs ``y += delta(x)`` on CuPy arrays or torch CUDA tensors, in place and
 with no copy. Everything a call needs on the device is made when the backend is built: the
-float32 workspace (``v`` and the split-K partials, sized from the spec), the self-resetting
-counters, and the slice-offset tables of the spec's targets. A call validates its arguments on
+float32 ``v`` (the shrink's output, sized from the spec; it is zero between launches, since the
+kernels zero what they used), the self-resetting counters, and the slice-offset tables of the
+spec's targets. A call validates its arguments on
 the host, then only launches: no allocation, no host sync, and a launch shape that depends on
 the capture bucket ``spec.bucket_for(T)`` alone, so a CUDA graph captured once replays for every
 later addressing that fits its bucket.
@@ -38,8 +39,6 @@ MAX_SLICES = 8
 MAX_SLOTS = 4096
 #: Ranks per shrink block; larger pool ranks add blocks that stop at once past an adapter's rank.
 RANK_BLOCK = 64
-#: Cap on the split-K partials of the workspace; a plan that would need more takes fewer splits.
-WORKSPACE_CAP_BYTES = 32 << 20
 #: H200 multiprocessors, the default when planning with no device at hand.
 DEFAULT_SMS = 132
 
@@ -69,9 +68,9 @@ def shrink_smem(dtype: str, bm: int) -> int:
 
 def expand_smem(dtype: str, bm: int, bn: int) -> int:
     size = _ITEMSIZE[dtype]
-    stages = 2 if bm >= 64 else 3
+    stages = 2 if bm >= 64 else 3  # pipeline stages, and y tiles in the ring
     stage = bn * 40 * size + bm * 40 * 4
-    return stages * stage + bm * (bn + 16 // size) * size
+    return stages * (stage + bm * (bn + 16 // size) * size)
 
 
 def fused_smem(dtype: str, bm: int, bn: int) -> int:
@@ -82,8 +81,9 @@ def fused_smem(dtype: str, bm: int, bn: int) -> int:
 class LaunchPlan:
     """How one target's delta runs for one capture bucket: a function of shapes, never of counts.
 
-    ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per expand
-    block, ``splits`` blocks over ``in`` per shrink tile (``k_split`` features each).
+    ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per column
+    block and ``cpb`` column blocks per expand block, ``splits`` blocks over ``in`` per shrink
+    tile (``k_split`` features each).
     """
 
     bucket: int
@@ -95,6 +95,7 @@ class LaunchPlan:
     tiles: int
     rank_blocks: int
     col_blocks: int
+    cpb: int
     n_slices: int
 
     @property
@@ -103,36 +104,37 @@ class LaunchPlan:
 
     @property
     def expand_blocks(self) -> int:
-        return self.tiles * self.col_blocks
+        return self.tiles * _ceil(self.col_blocks, self.cpb)
 
     def workspace_floats(self, rw: int) -> int:
-        return self.splits * self.bucket * self.n_slices * rw
+        return self.bucket * self.n_slices * rw
 
     def counter_ints(self) -> int:
-        return 2 + self.tiles + self.tiles * self.n_slices * self.rank_blocks
+        return 2 + 2 * self.tiles
 
 
 def default_tile(bucket: int) -> int:
     """Positions per tile for a bucket: small tiles while tokens are few, so blocks are many."""
-    if bucket <= 64:
+    if bucket <= 256:
         return 16
-    if bucket <= 512:
+    if bucket <= 1024:
         return 32
     return 64
 
 
 def default_fused(bucket: int) -> bool:
     """Whether one fused launch beats two: it saves a launch, which pays while the work is small."""
-    return bucket <= 256
+    return bucket <= 64
 
 
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
-                dtype: str, *, num_sms: int = DEFAULT_SMS, workspace_floats: int | None = None,
-                tile: int | None = None, fused: bool | None = None) -> LaunchPlan:
+                dtype: str, *, num_sms: int = DEFAULT_SMS, tile: int | None = None,
+                fused: bool | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket.
 
-    Split-K aims at about four shrink blocks per multiprocessor, never past one stage of ``in``
-    per block, and never past ``workspace_floats`` of partials (``None``: no cap).
+    Split-K aims at about four shrink blocks per multiprocessor, never below one stage of ``in``
+    per block; expand blocks take several column blocks each once there are more than about four
+    per multiprocessor, so each block's fixed start is spread over more of y.
     """
     dtype = normalize_dtype(dtype)
     bm = default_tile(bucket) if tile is None else int(tile)
@@ -142,44 +144,24 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     fused = default_fused(bucket) if fused is None else bool(fused)
     tiles = _ceil(bucket, bm)
     rank_blocks = _ceil(max_rank, RANK_BLOCK)
-    rw = rank_width(max_rank)
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     base = tiles * n_slices * rank_blocks
     want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
-    if workspace_floats is not None:
-        while splits > 1 and splits * bucket * n_slices * rw > workspace_floats:
-            per += 1
-            splits = _ceil(nchunks, per)
+    col_blocks = _ceil(out_features, bn)
+    cpb = max(1, min(col_blocks, (tiles * col_blocks) // (4 * num_sms)))
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
-                      tiles=tiles, rank_blocks=rank_blocks, col_blocks=_ceil(out_features, bn),
+                      tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
                       n_slices=n_slices)
 
 
-def plan_workspace(spec: LoraSpec, *, num_sms: int = DEFAULT_SMS, tile: int | None = None,
-                   fused: bool | None = None) -> tuple[int, int]:
-    """``(floats, ints)`` the workspace and counters take for every target and bucket of a spec.
-
-    The partials are capped at ``WORKSPACE_CAP_BYTES`` (or one split at the largest bucket,
-    whichever is more); the plans then take fewer splits where they would need more.
-    """
-    rw = rank_width(spec.max_rank)
+def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
+    """``(floats, ints)`` that v and the counters take for every target and bucket of a spec."""
     n_max = max(t.num_slices for t in spec.targets)
-    cap = max(WORKSPACE_CAP_BYTES // 4, spec.max_tokens * n_max * rw)
-    floats, ints = 0, 0
-    for t in spec.targets:
-        for b in spec.capture_buckets:
-            p = plan_launch(b, t.local_in_features(spec.tp_size), t.local_out_features(spec.tp_size),
-                            t.num_slices, spec.max_rank, spec.dtype, num_sms=num_sms,
-                            workspace_floats=cap, tile=tile, fused=fused)
-            floats = max(floats, p.workspace_floats(rw))
-            ints = max(ints, p.counter_ints())
-    # ad-hoc plans of smaller tiles: counters for 16-position tiles at the largest bucket
-    tiles16 = _ceil(spec.max_tokens, 16)
-    ints = max(ints, 2 + tiles16 + tiles16 * n_max * _ceil(spec.max_rank, RANK_BLOCK))
-    return max(floats, cap), ints
+    floats = spec.max_tokens * n_max * rank_width(spec.max_rank)
+    return floats, 2 + 2 * _ceil(spec.max_tokens, min(MMA_SHRINK_BM))
 
 
 # -- argument inspection (CuPy arrays, torch tensors, any __cuda_array_interface__) --------------
@@ -250,8 +232,7 @@ class CallLimits:
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
-                           max_rank, dtype, num_sms=self.num_sms, workspace_floats=self.workspace_floats,
-                           tile=self.tile, fused=self.fused)
+                           max_rank, dtype, num_sms=self.num_sms, tile=self.tile, fused=self.fused)
 
 
 @dataclass(frozen=True)
@@ -265,6 +246,7 @@ class LaunchArgs:
     flags: int
     ptrs: tuple[int, ...]
     dims: tuple[int, int, int, int, int]
+    positions: int
     torch: bool
 
 
@@ -330,7 +312,7 @@ def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indp
     rw = rank_width(R)
     plan = limits.plan(T, in_f, out, n, R, X.dtype)
     if plan.workspace_floats(rw) > limits.workspace_floats or plan.counter_ints() > limits.counter_ints:
-        raise ValueError(f"a target of {n} slices at rank {R} exceeds the workspace built for the spec "
+        raise ValueError(f"a target of {n} slices at rank {R} exceeds the v built for the spec "
                          f"(max_rank {limits.spec.max_rank}, "
                          f"{max(t.num_slices for t in limits.spec.targets)} slices)")
     ch = 16 // _ITEMSIZE[X.dtype]
@@ -339,7 +321,7 @@ def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indp
              | (4 if out % ch == 0 and Y.ptr % 16 == 0 else 0))
     return LaunchArgs(dtype=X.dtype, plan=plan, rw=rw, flags=flags,
                       ptrs=(Y.ptr, X.ptr, A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr, TO.ptr, IP.ptr),
-                      dims=(S, n, R, in_f, out), torch=Y.is_torch or X.is_torch)
+                      dims=(S, n, R, in_f, out), positions=T, torch=Y.is_torch or X.is_torch)
 
 
 class _StreamHandle:
@@ -385,8 +367,8 @@ class CupyBackend:
         self._fns: dict[tuple, Any] = {}
         with self._device:
             sms = int(num_sms or self._device.attributes["MultiProcessorCount"])
-            floats, ints = plan_workspace(spec, num_sms=sms, tile=tile, fused=fused)
-            self.workspace = cupy.empty(floats, np.float32)  # [splits, bucket, n, rw]
+            floats, ints = plan_workspace(spec)
+            self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
             self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused)
@@ -480,8 +462,8 @@ class CupyBackend:
                  i32(call.rw), i32(per)))
             return
         args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
-                i32(plan.bucket), i32(call.rw), i32(plan.splits), i32(plan.k_split), i32(plan.col_blocks),
-                i32(call.flags))
+                i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
+                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags))
         extra = 4 * (S + 1)
         if plan.fused:
             self._fns[(dtype, "fused", plan.bm)](

@@ -244,12 +244,12 @@ class Timer:
     """Median time of one call: CUDA events around each call inside a graph of CALLS_PER_GRAPH calls,
     an L2 flush before each; falls back to (graph of calls + flushes - graph of flushes) / calls."""
 
-    def __init__(self, replays: int = 10):
+    def __init__(self, replays: int = 10, method: str = "events"):
         import torch
 
         self.replays = replays
         self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-        self.events_in_graphs = True
+        self.events_in_graphs = method == "events"
 
     def __call__(self, fn) -> float:
         import torch
@@ -425,6 +425,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time every tile / fused variant")
     ap.add_argument("--replays", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--method", choices=("events", "diff"), default="events",
+                    help="events around each call inside the graph, or (calls + flushes - flushes) / calls")
     args = ap.parse_args(argv)
     import torch
 
@@ -434,7 +436,14 @@ def main(argv=None) -> int:
     todo = [r for r in rows() if not args.groups or r.group in args.groups.split(",")]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {len(todo)} rows", file=sys.stderr)
-    timer = Timer(args.replays)
+    timer = Timer(args.replays, args.method)
+    import torch as _t
+
+    calib = {}
+    for m in ("events", "diff"):  # what the method reads for nothing at all, and for an empty kernel
+        t = Timer(args.replays, m)
+        calib[m] = {"nothing": t(lambda: None), "empty_kernel": t(lambda: _t.cuda._sleep(0))}
+    print(f"calibration (us): {calib}", file=sys.stderr)
     results = []
     t0 = time.time()
     for i, row in enumerate(todo):
@@ -449,6 +458,8 @@ def main(argv=None) -> int:
             if twin:
                 r["vs_pool16"] = r["us"] / twin["us"]
     print(_table(results, bw))
+    print("timing calibration (us): " + "; ".join(
+        f"{m}: nothing {c['nothing']:.2f}, empty kernel {c['empty_kernel']:.2f}" for m, c in calib.items()))
     pr = [f"T{r['row']['T']}: {r['vs_pool16']:.2f}x" for r in results if "vs_pool16" in r]
     if pr:
         print("pool max 128 vs max 16, rank-16 adapters: " + ", ".join(pr))
@@ -456,7 +467,7 @@ def main(argv=None) -> int:
         print(_sweep_table(results))
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw": bw,
-                "events_in_graphs": timer.events_in_graphs}
+                "events_in_graphs": timer.events_in_graphs, "calibration_us": calib}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": results}, f, indent=1)
     return 0 if all(k["ok"] for r in results for k in r["kernels"].values()) else 1
