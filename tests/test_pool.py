@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from lora_cupy.addressing import group_by_slot
-from lora_cupy.engine.resource import (AdmitOutcome, EngineResourceInfo, LoraStep, ResourceReqConfig,
-                                       StepContext)
+from lora_cupy.engine.resource import AdmitOutcome, EngineResourceInfo, LoraStep, StepContext
 from lora_cupy.errors import LoraError
 from lora_cupy.pool import LoraAdapterPool
 from lora_cupy.store import FAILED, READING, READY, LoraAdapterStore
