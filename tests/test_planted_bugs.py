@@ -1,0 +1,95 @@
+"""The side-by-side suite catches bugs: each test plants one in the real pool's slot table and
+runs the pool-vs-simulator state machine under it, which must fail.
+
+The plants: a miss that may evict a held slot; a victim rule that picks the most recently
+used slot; an admit that lets a miss evict an unheld adapter a later row of the same step
+names (misses before hits). Each must be caught by the suite's own checks (its comparisons
+with the simulator and the check_valid invariants), not by an exception from deeper down.
+Each patch is undone after its test (monkeypatch).
+"""
+
+from __future__ import annotations
+
+from hypothesis import Phase
+from hypothesis.stateful import run_state_machine_as_test
+
+from lora_cupy.slots import SlotTable
+from sim.testing import hypothesis_settings
+from tests.test_stateful_pool import PoolVsSimMachine
+
+_BEGIN_ADMIT = SlotTable.begin_admit
+
+
+def _suite_fails() -> list[BaseException]:
+    """Run the machine (searching only: no shrinking, no example database); what it raised."""
+    try:
+        run_state_machine_as_test(PoolVsSimMachine, settings=hypothesis_settings(
+            max_examples=400, stateful_step_count=60, database=None, print_blob=False,
+            phases=[Phase.generate]))
+    except BaseException as e:  # noqa: BLE001  (one failure, or a group of distinct ones)
+        return list(e.exceptions) if isinstance(e, BaseExceptionGroup) else [e]
+    return []
+
+
+def _caught_by_the_suite(errors) -> bool:
+    """Failures the suite's own checks raise (comparisons, check_valid): AssertionErrors."""
+    return bool(errors) and all(isinstance(e, AssertionError) for e in errors)
+
+
+def _evict_held(self, picks, miss, rids=None):
+    """Planted: a miss takes the least recently used slot past 0, held or not (and nothing
+    checks that its victim is unheld)."""
+    rids = list(miss.rids if rids is None else rids)
+    slot = min(range(1, self.num_slots), key=lambda s: (self.resident[s] is not None, self.last_use[s], s))
+    old = self.resident[slot]
+    if old is not None and self.slot_of.get(old) == slot:
+        del self.slot_of[old]
+    self.resident[slot] = miss.name
+    self.slot_of[miss.name] = slot
+    self._take(miss.name, rids, slot, picks)
+    return slot
+
+
+def _most_recent_victims(self, exclude=()):
+    """Planted: unheld slots holding weights are taken most recently used first."""
+    skip = set(exclude)
+    empty = [s for s in range(1, self.num_slots)
+             if self.refcount[s] == 0 and self.resident[s] is None and s not in skip]
+    used = [s for s in range(1, self.num_slots)
+            if self.refcount[s] == 0 and self.resident[s] is not None and s not in skip]
+    return empty + sorted(used, key=lambda s: (-self.last_use[s], s))
+
+
+def _misses_before_hits(self, rows):
+    """Planted: misses pick their victims from the table before the hits hold their slots, so
+    an unheld adapter a later row names can be evicted (its row then misses as well)."""
+    names = []
+    for rid, name in rows:
+        if rid not in self.held and name not in names:
+            names.append(name)
+    misses = [n for n in names if n not in self.slot_of]
+    for s in self.victim_order()[: len(misses)]:
+        victim = self.resident[s]
+        if victim is not None and self.slot_of.get(victim) == s and victim in names:
+            del self.slot_of[victim]  # evicted by the miss: the later row no longer finds it
+    return _BEGIN_ADMIT(self, rows)
+
+
+def test_suite_catches_eviction_of_a_held_slot(monkeypatch):
+    monkeypatch.setattr(SlotTable, "finish_miss", _evict_held)
+    assert _caught_by_the_suite(_suite_fails())
+
+
+def test_suite_catches_most_recently_used_victims(monkeypatch):
+    monkeypatch.setattr(SlotTable, "victim_order", _most_recent_victims)
+    assert _caught_by_the_suite(_suite_fails())
+
+
+def test_suite_catches_a_miss_evicting_a_later_rows_adapter(monkeypatch):
+    monkeypatch.setattr(SlotTable, "begin_admit", _misses_before_hits)
+    assert _caught_by_the_suite(_suite_fails())
+
+
+def test_suite_passes_without_a_plant():
+    """The control: the same search on the unpatched pool finds nothing."""
+    assert _suite_fails() == []

@@ -1,0 +1,310 @@
+"""The real pool and the simulator, side by side, through the same random histories.
+
+A Hypothesis ``RuleBasedStateMachine`` drives a ``LoraAdapterPool`` on the CPU device and a
+``sim.SimPool`` with ingests (reads that land, fail, or stall on the reader thread), ask /
+reserve, admits of reserved rows and of any rows (with and without failed reads), plan,
+commit, rollback_admit, removes, runtime loads and unloads. After every rule it compares
+every slot decision (ask and reserve answers, hits, loads, victims, failed and refused rows,
+each row's planned slot) and the whole slot table (refcounts, residents, LRU stamps and
+clock, name -> slot, holders, reservations), and runs both ``check_valid``s.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant,
+                                 multiple, precondition, rule)
+
+import sim
+from lora_cupy.engine.resource import AdmitOutcome, LoraStep, ResourceReqConfig, StepContext
+from lora_cupy.errors import AdapterFileError, AdapterNotFoundError, AdapterStateError, CapacityError
+from lora_cupy.pool import LoraAdapterPool
+from lora_cupy.store import FAILED, READING, READY
+from sim.pool import Ask, Copy, Reserve
+from sim.testing import hypothesis_settings
+from tests.pool_helpers import SyntheticReader, small_spec
+
+NODE = "llm"
+TIMEOUT = 20.0
+TOUCHES = [("qkv_proj", "o_proj"), ("o_proj",), ()]  # () : nothing for this pool
+COPY_OF = {READY: Copy.OK, READING: Copy.PENDING, FAILED: Copy.FAILED}
+
+
+class HarnessReader:
+    """Synthetic weights read on the pool's reader thread; while ``gate`` is closed every
+    read stalls there (so copies stay in flight); a name in ``fail_next`` fails its next read."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, path, spec, name=None):
+        if not self.gate.wait(TIMEOUT):
+            raise TimeoutError(f"read of {name!r}: gate never opened")
+        with self._lock:
+            fail = name in self.fail_next
+            self.fail_next.discard(name)
+        if fail:
+            raise AdapterFileError("planted read failure", adapter=name, path=path)
+        return self.inner(path, spec, name=name)
+
+
+def real_ask(pool, rid):
+    o = pool.ask(rid, NODE, (NODE,))
+    if o is None:
+        return None
+    return "fail" if o.failed else "need" if o.asks else "ok"
+
+
+def sim_ask(model, rid):
+    a = model.ask(rid)
+    return None if a is None else "fail" if a is Ask.FAIL else "need"
+
+
+def real_reserve(pool, rid):
+    return {1: "counted", 0: "wait", None: "none"}[pool.reserve(rid, NODE, (NODE,), False)]
+
+
+def sim_reserve(model, rid):
+    got = model.reserve(rid)
+    if got is Reserve.NONE:
+        return "counted" if model.requests[rid].reserved else "none"
+    return {Reserve.GRANTED: "counted", Reserve.WAIT: "wait", Reserve.THROUGH: "none"}[got]
+
+
+def planned_slots(addr, n: int) -> list[int]:
+    """Each row's slot from a step's addressing (one token per row)."""
+    order = np.asarray(addr.token_order)
+    indptr = np.asarray(addr.slot_indptr)
+    out = [-1] * n
+    for s in range(len(indptr) - 1):
+        for p in range(indptr[s], indptr[s + 1]):
+            out[int(order[p])] = s
+    return out
+
+
+def assert_same_table(pool, model, where: str = "") -> None:
+    """The pool's slot table equals the model's, field by field."""
+    snap = pool.snapshot()
+    ms = model.snapshot()
+    got = {"refcount": snap.refcount, "resident": snap.resident, "last_use": snap.last_use,
+           "clock": snap.clock, "slot_of": snap.slot_of, "held": snap.held,
+           "reserved": set(snap.reserved)}
+    want = {"refcount": ms.refcounts, "resident": ms.adapters, "last_use": ms.last_used,
+            "clock": ms.clock, "slot_of": dict(model.slots.entries), "held": model.holders(),
+            "reserved": {rid for rid, r in model.requests.items() if r.reserved}}
+    for k in got:
+        assert got[k] == want[k], f"{where}: {k}: pool {got[k]} != sim {want[k]}"
+
+
+class PoolVsSimMachine(RuleBasedStateMachine):
+    """One LoraAdapterPool (device "cpu") and one SimPool, driven alike and compared."""
+
+    adapters = Bundle("adapters")
+    requests = Bundle("requests")
+
+    def __init__(self):
+        super().__init__()
+        self.pool = None
+        self.model = None
+        self.rids = 0
+        self.in_flight: list[tuple[str, bool, object]] = []  # reads stalled: (adapter, ok, entry)
+        self.touches: dict[str, tuple] = {}
+        self.loads = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+    @initialize(target=adapters, num_slots=st.integers(2, 5), data=st.data())
+    def start(self, num_slots, data):
+        n = data.draw(st.integers(3, 7), label="adapters")
+        self.touches = {f"a{i}": data.draw(st.sampled_from(TOUCHES[:2] * 3 + TOUCHES[2:]),
+                                           label=f"a{i} touches") for i in range(n)}
+        self.reader = HarnessReader(SyntheticReader(self.touches, rank={"a0": 1, "a1": 8}))
+        self.pool = LoraAdapterPool(small_spec(num_slots=num_slots), "cpu", reader=self.reader,
+                                    adapters={a: f"synthetic/{a}" for a in self.touches})
+        self.model = sim.SimPool(num_slots)
+        for a, t in self.touches.items():
+            self.model.load_adapter(a, touches=bool(t))
+        return multiple(*self.touches)
+
+    def teardown(self):
+        if self.pool is not None:
+            self.reader.gate.set()
+            self.pool.close()
+
+    # -- reads ----------------------------------------------------------------------------------
+    def _land(self, name: str, ok: bool, entry) -> None:
+        entry.wait(TIMEOUT)  # READY or FAILED; a copy dropped meanwhile just finishes
+        self.reader.fail_next.discard(name)  # unused if its request went before the read ran
+        self.model.complete_read(name, ok)
+
+    def _release_reads(self) -> None:
+        """Open the gate: every stalled read lands, in the order the reader queued them."""
+        self.reader.gate.set()
+        for name, ok, entry in self.in_flight:
+            self._land(name, ok, entry)
+        self.in_flight.clear()
+
+    @precondition(lambda self: self.pool is not None and self.reader.gate.is_set())
+    @rule()
+    def stall_reads(self):
+        self.reader.gate.clear()
+
+    @precondition(lambda self: self.pool is not None and not self.reader.gate.is_set())
+    @rule()
+    def release_reads(self):
+        self._release_reads()
+
+    # -- requests -------------------------------------------------------------------------------
+    @rule(target=requests, name=adapters, base=st.sampled_from([False] * 5 + [True]),
+          ok=st.sampled_from([True] * 7 + [False]))
+    def ingest(self, name, base, ok):
+        rid = self.rids
+        self.rids += 1
+        name = None if base else name
+        if name is not None and not self.model.serves(name):
+            with pytest.raises(AdapterNotFoundError):
+                self.pool.ingest_request(rid, ResourceReqConfig(name))
+            with pytest.raises(sim.UnknownAdapterError):
+                self.model.ingest_request(rid, name)
+            name = None
+        starts = name is not None and bool(self.touches[name]) and self.pool.store.get(name) is None
+        if starts and any(n == name for n, _, _ in self.in_flight):
+            self._release_reads()  # one read per adapter in flight: outcomes stay paired
+        if starts and not ok:
+            self.reader.fail_next.add(name)
+        self.pool.ingest_request(rid, ResourceReqConfig(name))
+        assert self.model.ingest_request(rid, name) == starts
+        if starts:
+            entry = self.pool.store.get(name)
+            if self.reader.gate.is_set():
+                self._land(name, ok, entry)
+            else:
+                self.in_flight.append((name, ok, entry))
+        return rid
+
+    def _remove(self, rid) -> None:
+        self.pool.remove_request(rid)
+        self.model.remove_request(rid)
+        assert_same_table(self.pool, self.model, f"remove {rid}")
+
+    @precondition(lambda self: self.pool is not None and self.model.holders())
+    @rule(count=st.integers(1, 3))
+    def finish(self, count):
+        """The oldest requests holding slots end (a wave of teardowns frees slots)."""
+        for rid in sorted(self.model.holders())[:count]:
+            self._remove(rid)
+
+    @rule(rid=consumes(requests))
+    def remove(self, rid):
+        if rid in self.model.requests:
+            self._remove(rid)
+
+    # -- adapters -------------------------------------------------------------------------------
+    @rule(name=adapters, now=st.sampled_from([True] + [False] * 4))
+    def unload(self, name, now):
+        if now:  # rarer than the rest, so adapters stay served long enough to matter
+            assert self.pool.unload_adapter(name) == self.model.unload_adapter(name)
+            assert_same_table(self.pool, self.model, f"unload {name}")
+
+    @rule(name=adapters)
+    def reload(self, name):
+        if name in self.model.adapters:
+            with pytest.raises(AdapterStateError):
+                self.pool.load_adapter_async(name, f"synthetic/{name}")
+            with pytest.raises(sim.AdapterStateError):
+                self.model.load_adapter(name)
+            return
+        self._release_reads()  # the one reader thread reads loads behind queued copies
+        self.pool.load_adapter_async(name, f"synthetic/{name}").result(TIMEOUT)
+        self.model.load_adapter(name, touches=bool(self.touches[name]))
+
+    # -- steps ----------------------------------------------------------------------------------
+    def _ready(self) -> list:
+        """Live rows the runner may put in a step: counted, let through, holding or needing nothing."""
+        out = []
+        for rid, r in self.model.requests.items():
+            if not r.touches or r.slot is not None or r.reserved:
+                out.append(rid)
+            elif self.model.tier.get(r.adapter) is Copy.FAILED and self.model.slots.slot_of(r.adapter) is None:
+                out.append(rid)
+        return out
+
+    def _step(self, rows, finish: str) -> sim.AdmitResult:
+        rows = list(rows)
+        if any(self.model.tier.get(self.model.requests[r].adapter) is Copy.PENDING for r in rows):
+            self._release_reads()  # a copy in flight: the admit would wait for it
+        step, ctx = LoraStep(rows, node=NODE), StepContext()
+        loads = self.pool.stats["loads"]
+        out = self.pool.admit(step, ctx)
+        res = self.model.admit(rows)
+        refused = {r for r, e in out.failed.items() if isinstance(e, CapacityError)}
+        failed = set(out.failed) - refused
+        assert (failed, refused) == (set(res.failed), set(res.refused)), (
+            f"admit {rows}: pool failed {failed} refused {refused}, sim {res}")
+        assert self.pool.stats["loads"] - loads == len(res.loads), f"admit {rows}: loads differ ({res})"
+        assert_same_table(self.pool, self.model, f"admit {rows}")
+        settled = [r for r in rows if r not in out.failed]
+        if settled:
+            pstep = LoraStep(settled, node=NODE)
+            addr = self.pool.plan(pstep, ctx)
+            self.pool.device.synchronize()
+            assert planned_slots(addr, len(settled)) == self.model.plan(settled).tolist(), f"plan {settled}"
+        if finish == "rollback":
+            self.pool.rollback_admit(step, ctx)
+            self.model.rollback_admit()
+        else:
+            self.pool.commit(step, ctx)
+            self.model.commit()
+        assert_same_table(self.pool, self.model, f"{finish} {rows}")
+        for rid in res.failed:  # the runner fails them: the worker removes them
+            self._remove(rid)
+        return res
+
+    @precondition(lambda self: self.pool is not None and self.model.requests)
+    @rule(data=st.data(), finish=st.sampled_from(["commit"] * 3 + ["rollback"]))
+    def step(self, data, finish):
+        """The runner: ask / reserve every waiting request (random order), admit some ready rows."""
+        for rid in data.draw(st.permutations(sorted(self.model.requests)), label="asked"):
+            assert real_ask(self.pool, rid) == sim_ask(self.model, rid), f"ask {rid}"
+            assert real_reserve(self.pool, rid) == sim_reserve(self.model, rid), f"reserve {rid}"
+        ready = self._ready()
+        if ready:
+            rows = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True), label="rows")
+            res = self._step(rows, finish)
+            assert not res.refused, "a counted row was refused its slot (invariant 6)"
+
+    @precondition(lambda self: self.pool is not None and self.model.requests)
+    @rule(data=st.data(), finish=st.sampled_from(["commit", "rollback"]))
+    def admit_any(self, data, finish):
+        """Rows the runner never asked for: the backstop refuses what would break a promise."""
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.model.requests)), min_size=1, unique=True),
+                         label="rows")
+        self._step(rows, finish)
+
+    @invariant()
+    def valid(self):
+        if self.pool is not None:
+            self.pool.check_valid()
+            self.model.check_valid()
+            assert_same_table(self.pool, self.model, "invariant")
+            for name, c in self.model.tier.items():
+                e = self.pool.store.get(name)
+                assert e is not None and COPY_OF[e.outcome()] is c, f"host copy of {name}"
+            assert {n for n in self.touches if self.pool.store.get(n) is not None} == set(self.model.tier)
+
+
+TestPoolVsSim = PoolVsSimMachine.TestCase
+TestPoolVsSim.settings = hypothesis_settings(max_examples=300, stateful_step_count=60)
+
+
+def test_the_outcome_vocabulary_is_the_pools():
+    """The normalisation above reads the pool's own answers (a cheap guard on the mapping)."""
+    assert AdmitOutcome.ASKS.asks and not AdmitOutcome.ASKS.failed
+    assert AdmitOutcome.fail({1: ValueError()}).failed and not AdmitOutcome.OK.asks
