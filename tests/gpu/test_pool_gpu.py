@@ -119,8 +119,11 @@ def test_captured_layer_replays_with_each_new_plan(tmp_path):
         for k in range(8):
             rids = sorted(rng.choice(len(names), size=rng.integers(3, len(names) + 1), replace=False).tolist())
             tokens = rng.integers(1, 4, len(rids))
-            while tokens.sum() <= 4:  # stay in the 16-row bucket
-                tokens[0] += 1
+            while tokens.sum() <= 4:  # stay in the 16-row bucket the graphs were captured for
+                tokens[np.argmin(tokens)] += 1
+            while tokens.sum() > 16:
+                tokens[np.argmax(tokens)] -= 1
+            assert spec.bucket_for(int(tokens.sum())) == 16
             step, ctx = LoraStep(rids, tokens, seq=k), StepContext(seq=k)
             assert pool.admit(step, ctx).ok
             pool.plan(step, ctx)
