@@ -49,6 +49,20 @@ __device__ __forceinline__ void require_smem(unsigned bytes) {
   if (dynamic_smem_size() < bytes) __trap();
 }
 
+// p[0..3] += v in one 16-byte reduction at L2 (sm_90; four scalar ones before), p 16-byte aligned.
+__device__ __forceinline__ void red_add4(float* p, float4 v) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z),
+               "f"(v.w)
+               : "memory");
+#else
+  atomicAdd(p, v.x);
+  atomicAdd(p + 1, v.y);
+  atomicAdd(p + 2, v.z);
+  atomicAdd(p + 3, v.w);
+#endif
+}
+
 // ---- acquire / release flags between blocks of one launch (the fused kernel's ready counts).
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;

@@ -10,7 +10,8 @@
 // a slot are read once per tile. Rank loops stop at each slot's rank (rounded up to 16): a pool's
 // rows beyond an adapter's rank cost nothing.
 //   shrink task (tile, split q, slice j, rank block rb of 64): `in` split over `splits` blocks,
-//     each adding its partial sums into v (ws) with red.add; v starts at zero.
+//     each adding its partial sums into v (ws) with 16-byte red.add (a plain store with one
+//     split); v starts at zero.
 //   expand task (tile, column group of `cpb` blocks of BN): one pipeline over every (column block,
 //     slice, run, rank chunk), y tiles prefetched into a ring in shared memory, v * scaling times B
 //     on tensor cores added in fp32 and rounded once, written back with 16-byte stores. The last
@@ -234,19 +235,22 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   cp_async_wait<0>();
 
-  // this split's share of v, added where it lands (v starts at zero; the expand zeroes it again)
+  // this split's share of v: lanes tq and tq ^ 1 swap halves so each holds four consecutive ranks
+  // of one row, then one 16-byte store (one split) or reduction (v starts at zero; the expand
+  // zeroes it again). Ranks in [r, r16) carry zeros.
   if (F > 0) {
+    const bool odd = tq & 1;
 #pragma unroll
     for (int i = 0; i < C::NTW; ++i) {
-      const int col = (warp / C::MT + C::WN * i) * 8 + 2 * tq;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = m0 + gq + 8 * h, r = row_r[row];
-        if (r > 0 && col < r) {
-          float* p = g.ws + ((size_t)(p0 + row) * g.n_slices + j) * g.rw + rb * C::RB + col;
-          atomicAdd(p, acc[i][2 * h]);
-          if (col + 1 < r) atomicAdd(p + 1, acc[i][2 * h + 1]);
-        }
+      const float s0 = odd ? acc[i][0] : acc[i][2], s1 = odd ? acc[i][1] : acc[i][3];
+      const float r0 = __shfl_xor_sync(0xffffffffu, s0, 1), r1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+      const float4 quad = odd ? make_float4(r0, r1, acc[i][2], acc[i][3]) : make_float4(acc[i][0], acc[i][1], r0, r1);
+      const int row = m0 + gq + (odd ? 8 : 0), col = (warp / C::MT + C::WN * i) * 8 + 2 * (tq & ~1);
+      const int r = row_r[row];
+      if (r > 0 && col < ((r + 15) & ~15)) {
+        float* p = g.ws + ((size_t)(p0 + row) * g.n_slices + j) * g.rw + rb * C::RB + col;
+        if (g.splits == 1) *reinterpret_cast<float4*>(p) = quad;
+        else red_add4(p, quad);
       }
     }
   }

@@ -132,7 +132,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                 fused: bool | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket.
 
-    Split-K aims at about four shrink blocks per multiprocessor, never below one stage of ``in``
+    Split-K aims at about four shrink blocks per multiprocessor while tokens are few (latency
+    bound), two past 256 (each split adds its partial v at L2), never below one stage of ``in``
     per block; expand blocks take several column blocks each once there are more than about four
     per multiprocessor, so each block's fixed start is spread over more of y.
     """
@@ -147,7 +148,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     base = tiles * n_slices * rank_blocks
-    want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
+    want = max(1, min(nchunks, _ceil((4 if bucket <= 256 else 2) * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
     col_blocks = _ceil(out_features, bn)
