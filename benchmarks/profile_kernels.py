@@ -12,25 +12,14 @@ from __future__ import annotations
 import csv
 import sys
 
-METRICS = (
-    "gpu__time_duration.sum",
-    "dram__bytes_read.sum",
-    "dram__bytes_write.sum",
-    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "lts__t_sectors_op_red.sum",
-    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "launch__registers_per_thread",
-    "launch__occupancy_limit_registers",
-    "launch__occupancy_limit_shared_mem",
-    "launch__grid_size",
-    "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio",
-    "smsp__average_warp_latency_issue_stalled_barrier.ratio",
-    "smsp__average_warp_latency_issue_stalled_lg_throttle.ratio",
-    "smsp__average_warp_latency_issue_stalled_membar.ratio",
-    "smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio",
-    "smsp__average_warp_latency_issue_stalled_wait.ratio",
-)
+#: Metrics asked for by name; the sections (SpeedOfLight, LaunchStats, Occupancy, WarpStateStats,
+#: MemoryWorkloadAnalysis) add the rest, and the summary picks columns by pattern.
+METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_red.sum")
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis")
+SHOW = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_red.sum",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__warps_active.avg.pct_of_peak_sustained_active",
+        "launch__registers_per_thread", "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
+        "launch__grid_size")
 
 
 def configs():
@@ -70,24 +59,26 @@ def run() -> None:
 def summarize(path: str) -> None:
     with open(path) as f:
         lines = [ln for ln in f if ln.startswith('"')]
-    rows = list(csv.DictReader(lines))
-    rows = [r for r in rows if r.get("Kernel Name", "").startswith("lora_") or "lora_" in r.get("Kernel Name", "")]
-    short = {m: m.split("__", 1)[1].replace("average_warp_latency_issue_stalled_", "stall_")
-             .replace(".ratio", "").replace(".avg.pct_of_peak_sustained_elapsed", "%")
-             .replace(".avg.pct_of_peak_sustained_active", "%").replace(".sum", "") for m in METRICS}
+    rows = [r for r in csv.DictReader(lines) if "lora_" in r.get("Kernel Name", "")]
     for r in rows:
-        name = r["Kernel Name"].split("(")[0]
-        vals = []
-        for m in METRICS:
-            v = r.get(m, "")
+        out = [r["Kernel Name"].split("(")[0]]
+        for m in SHOW:
+            v = r.get(m, "?")
             try:
                 x = float(v.replace(",", ""))
-                v = f"{x / 1e3:.1f}us" if m == "gpu__time_duration.sum" else (
-                    f"{x / 1e6:.1f}MB" if "bytes" in m else f"{x:.3g}")
+                v = f"{x / 1e3:.1f}us" if m.startswith("gpu__time") else f"{x / 1e6:.1f}MB" if "bytes" in m else f"{x:.3g}"
             except ValueError:
                 pass
-            vals.append(f"{short[m]}={v}")
-        print(name, " ".join(vals))
+            out.append(f"{m.split('__')[1].split('.')[0]}={v}")
+        stalls = []
+        for k, v in r.items():
+            if "issue_stalled" in k and k.endswith(".ratio") and "not_issued" not in k:
+                try:
+                    stalls.append((float(v.replace(",", "")), k.split("stalled_")[1].split("_per")[0]))
+                except ValueError:
+                    pass
+        out.append("stalls: " + ", ".join(f"{n} {x:.2g}" for x, n in sorted(stalls, reverse=True)[:5]))
+        print(" ".join(out))
 
 
 if __name__ == "__main__":
