@@ -83,11 +83,16 @@ class AddressingBuffers:
         self._arange = np.arange(self.buckets[-1], dtype=np.int32)
         self._slot_ids = np.arange(self.S + 1, dtype=slot_dtype(self.S))
         self._views: dict[tuple, LoraAddressing] = {}  # (bucket, parity, rows, active) -> views
+        self._launch: dict[tuple, tuple] = {}  # (bucket, parity) -> (token_order[bucket], slot_indptr)
 
-    def stage(self, rows: StepRows, slots: np.ndarray, parity: int) -> tuple[LoraAddressing, tuple]:
-        """Group ``rows`` (row i on ``slots[i]``) by slot into host buffer ``parity``; returns the
-        addressing and the ``(device, host)`` copy the caller queues, with the fence after it.
-        Vectorized; allocates only small temporaries, and the returned views are cached."""
+    def stage(self, rows: StepRows, slots: np.ndarray, parity: int) -> tuple[LoraAddressing, tuple, tuple]:
+        """Group ``rows`` (row i on ``slots[i]``) by slot into host buffer ``parity``.
+
+        Returns the step's addressing (views sized to its rows), the launch views (the same
+        buffer with ``token_order`` spanning the whole bucket: what a layer hands the kernels,
+        so a graph captured on one step replays for every step of its bucket), and the
+        ``(device, host)`` copy the caller queues, with the fence after it. Vectorized; only
+        small temporaries are allocated, and the views are cached."""
         per, starts, total = rows.grouped(self.grouping)
         k = bisect.bisect_left(self.buckets, max(total, 1))
         if k == len(self.buckets):
@@ -117,7 +122,10 @@ class AddressingBuffers:
         addr = self._views.get(key)
         if addr is None:
             addr = self._views[key] = LoraAddressing(dev[:total], dev[bucket:bucket + S + 1], active=active)
-        return addr, (dev, h[:bucket + S + 1])
+        launch = self._launch.get((bucket, parity))
+        if launch is None:
+            launch = self._launch[(bucket, parity)] = (dev[:bucket], addr.slot_indptr)
+        return addr, launch, (dev, h[:bucket + S + 1])
 
 
 def slot_dtype(num_slots: int) -> np.dtype:

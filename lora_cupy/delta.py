@@ -12,9 +12,12 @@ class LoraLayerDelta:
     row-parallel linear, before its all-reduce). Rows on the base model address the zero
     adapter, which the kernels skip; a step with no adapter row returns ``y`` untouched
     without calling the backend. The layer's slot weights are views resolved once, here;
-    a call reads only the step's addressing. ``x[T, in]`` and ``y[T, out]`` (this rank's
-    features) are NumPy on cpu, CuPy or torch on cuda; ``T`` may exceed the step's rows (a
-    capture bucket's padding rows address nothing). Changes ``y`` in place and returns it.
+    a call reads only the step's addressing, handed to the backend as views of the bucket's
+    fixed buffer with ``token_order`` spanning the whole bucket: positions past the step's
+    rows address nothing, and a CUDA graph captured on one step replays for every later step
+    of its bucket. ``x[T, in]`` and ``y[T, out]`` (this rank's features) are NumPy on cpu,
+    CuPy or torch on cuda; ``T`` may exceed the step's rows (a capture bucket's padding rows
+    address nothing). Changes ``y`` in place and returns it.
     """
 
     def __init__(self, pool, target: str, layer_idx: int):
@@ -39,8 +42,9 @@ class LoraLayerDelta:
         if x.shape[0] < addr.num_tokens:
             raise ValueError(f"{self.target}[{self.layer_idx}]: {x.shape[0]} rows, but the step addresses "
                              f"{addr.num_tokens} at row grouping {self.grouping}")
+        token_order, slot_indptr = plan.launch[self.grouping]
         plan.wait_host()
-        self.pool.backend.delta(y, x, self.weights, addr.token_order, addr.slot_indptr)
+        self.pool.backend.delta(y, x, self.weights, token_order, slot_indptr)
         return y
 
     def __repr__(self) -> str:

@@ -64,11 +64,14 @@ class _AdmitRecord:
 
 @dataclass
 class LoraStepPlan:
-    """One step's plan: its addressing per row grouping, whether any row has an adapter, and
-    the event after its copies (a CPU layer waits for it; on CUDA stream order suffices)."""
+    """One step's plan: its addressing per row grouping, the views a layer launches with (per
+    grouping: ``token_order`` over the whole capture bucket, and ``slot_indptr``), whether any
+    row has an adapter, and the event after its copies (a CPU layer waits for it; on CUDA
+    stream order suffices)."""
 
     seq: int
     addressing: dict[int, LoraAddressing]
+    launch: dict[int, tuple]
     active: bool
     ready: Any
 
@@ -402,15 +405,15 @@ class LoraAdapterPool:
             if self._force_double_buffer or ctx.preplanned:
                 self._parity ^= 1
             parity = self._parity
-            addressing, copies = {}, []
+            addressing, launch, copies = {}, {}, []
             for g, b in self._buffers.items():
-                addressing[g], copy = b.stage(rows, slots, parity)
+                addressing[g], launch[g], copy = b.stage(rows, slots, parity)
                 copies.append(copy)
             fence = self.device.copy_batch(copies, reuse=self._fences[parity])
             self._fences[parity] = fence if self.device.is_cuda else None
             for b in self._buffers.values():
                 b.fence[parity] = fence
-            plan = LoraStepPlan(ctx.seq, addressing, addressing[1].active,
+            plan = LoraStepPlan(ctx.seq, addressing, launch, addressing[1].active,
                                 None if self.device.is_cuda else fence)
         ctx.plan_results[self] = plan
         if not ctx.preplanned:
