@@ -258,7 +258,7 @@ class SimPoolMachine(RuleBasedStateMachine):
 
 
 TestSimPoolMachine = SimPoolMachine.TestCase
-TestSimPoolMachine.settings = hypothesis_settings(max_examples=300, stateful_step_count=60)
+TestSimPoolMachine.settings = hypothesis_settings(max_examples=500, stateful_step_count=60)
 
 
 # --------------------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ class MultiRankMachine(RuleBasedStateMachine):
                 assert not any(r.reserved for r in p.requests.values())
 
 
-SETTINGS = hypothesis_settings(max_examples=200, stateful_step_count=60)
+SETTINGS = hypothesis_settings(max_examples=400, stateful_step_count=60)
 TestMultiRank = MultiRankMachine.TestCase
 TestMultiRank.settings = SETTINGS
 

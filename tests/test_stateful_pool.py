@@ -308,7 +308,7 @@ class PoolVsSimMachine(RuleBasedStateMachine):
 
 
 TestPoolVsSim = PoolVsSimMachine.TestCase
-TestPoolVsSim.settings = hypothesis_settings(max_examples=300, stateful_step_count=60)
+TestPoolVsSim.settings = hypothesis_settings(max_examples=500, stateful_step_count=60)
 
 
 def test_the_outcome_vocabulary_is_the_pools():
@@ -579,7 +579,7 @@ class PoolRanksMachine(RuleBasedStateMachine):
 
 
 TestPoolRanks = PoolRanksMachine.TestCase
-TestPoolRanks.settings = hypothesis_settings(max_examples=150, stateful_step_count=50)
+TestPoolRanks.settings = hypothesis_settings(max_examples=300, stateful_step_count=50)
 
 
 @pytest.mark.xfail(strict=True, reason="pool.py agrees on read outcomes before a follower waits for its copy; "
