@@ -11,7 +11,7 @@ the rule buys: two such orders in one pool pair can wait on each other for ever.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .pool import Reserve, SimPool
@@ -58,22 +58,32 @@ class _State:
     running: bool = False
 
 
+def sim_pools(adapters: Sequence[NodeAdapter], encoder_slots: int, llm_slots: int) -> dict[str, SimPool]:
+    """The two model pools, serving ``adapters``: what ``drain`` runs unless given others."""
+    pools = {"encoder": SimPool(encoder_slots, name="encoder"), "llm": SimPool(llm_slots, name="llm")}
+    for a in adapters:
+        pools["encoder"].load_adapter(a.name, touches=a.encoder)
+        pools["llm"].load_adapter(a.name, touches=a.llm)
+    return pools
+
+
 def drain(requests: Sequence[NodeRequest], adapters: Sequence[NodeAdapter], *, encoder_slots: int,
           llm_slots: int, order: str = "encoder-first",
-          shuffle: Callable[[list], list] | None = None, max_ticks: int = 100_000) -> DrainResult:
+          shuffle: Callable[[list], list] | None = None, max_ticks: int = 100_000,
+          pools: Mapping | None = None) -> DrainResult:
     """Run ``requests`` through both pools until all complete or nothing can move.
 
     Each tick: running requests take one LLM step (and are removed from both pools when
     done), arrivals are ingested, then waiting requests, in the order ``shuffle`` gives
     (default: arrival order), try to reserve their next pool's slot; each pool then admits
-    the rows that reserved. ``encoder_slots`` / ``llm_slots`` count slot 0.
+    the rows that reserved. ``encoder_slots`` / ``llm_slots`` count slot 0. ``pools``:
+    ``{"encoder": ..., "llm": ...}`` with SimPool's ``ingest_request`` / ``complete_read`` /
+    ``reserve`` / ``admit`` / ``commit`` / ``remove_request`` / ``holders`` / ``check_valid``
+    (default: ``sim_pools``), so the same runner can drive other pools.
     """
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    pools = {"encoder": SimPool(encoder_slots, name="encoder"), "llm": SimPool(llm_slots, name="llm")}
-    for a in adapters:
-        pools["encoder"].load_adapter(a.name, touches=a.encoder)
-        pools["llm"].load_adapter(a.name, touches=a.llm)
+    pools = dict(pools) if pools is not None else sim_pools(adapters, encoder_slots, llm_slots)
     shuffle = shuffle or (lambda xs: xs)
     pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
     states: dict[int, _State] = {}
@@ -129,5 +139,5 @@ def drain(requests: Sequence[NodeRequest], adapters: Sequence[NodeAdapter], *, e
 
 def _check_no_llm_holder_waits_on_encoder(pools, st: _State, waits_on: str, order: str) -> None:
     if order == "encoder-first" and waits_on == "encoder":
-        holds = pools["llm"].requests[st.req.rid].slot is not None
+        holds = st.req.rid in pools["llm"].holders()
         assert not holds, f"request {st.req.rid} holds an LLM slot and waits on the encoder's pool"

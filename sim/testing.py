@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from .nodes import NodeAdapter, NodeRequest
 
 PROFILE_ENV = "LORA_CUPY_HYPOTHESIS_PROFILE"
 PROFILES = {
@@ -39,3 +42,17 @@ def hypothesis_settings(max_examples: int, stateful_step_count: int | None = Non
         kw["stateful_step_count"] = stateful_step_count * steps
     kw.update(extra)
     return settings(**kw)
+
+
+@st.composite
+def node_workloads(draw):
+    """``(adapters, requests, encoder_slots, llm_slots)`` for ``sim.drain``: 1-5 adapters, each
+    with something for the encoder, the LLM, both or neither; 1-12 requests (some base, some
+    with an image, some whose walk reaches the encoder after the LLM); 1-3 usable slots each."""
+    n_adapters = draw(st.integers(1, 5))
+    adapters = [NodeAdapter(f"a{i}", draw(st.booleans()), draw(st.booleans())) for i in range(n_adapters)]
+    names = [a.name for a in adapters]
+    reqs = [NodeRequest(i, draw(st.none() | st.sampled_from(names)), draw(st.booleans()),
+                        draw(st.integers(1, 4)), draw(st.integers(0, 6)), encoder_after_llm=draw(st.booleans()))
+            for i in range(draw(st.integers(1, 12)))]
+    return adapters, reqs, draw(st.integers(2, 4)), draw(st.integers(2, 4))

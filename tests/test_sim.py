@@ -23,7 +23,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 
 import sim
 from sim.pool import Ask, Copy, Reserve
-from sim.testing import hypothesis_settings
+from sim.testing import hypothesis_settings, node_workloads
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -456,18 +456,6 @@ def test_same_history_same_decisions(history, num_slots):
 # --------------------------------------------------------------------------------------------
 # Two pools: the encoder before the LLM never deadlocks (invariant 11)
 # --------------------------------------------------------------------------------------------
-@st.composite
-def node_workloads(draw):
-    n_adapters = draw(st.integers(1, 5))
-    adapters = [sim.NodeAdapter(f"a{i}", draw(st.booleans()), draw(st.booleans()))
-                for i in range(n_adapters)]
-    reqs = [sim.NodeRequest(i, draw(st.none() | st.sampled_from([a.name for a in adapters])),
-                            draw(st.booleans()), draw(st.integers(1, 4)), draw(st.integers(0, 6)),
-                            encoder_after_llm=draw(st.booleans()))
-            for i in range(draw(st.integers(1, 12)))]
-    return adapters, reqs, draw(st.integers(2, 4)), draw(st.integers(2, 4))
-
-
 @given(node_workloads(), st.randoms(use_true_random=False))
 @hypothesis_settings(max_examples=200)
 def test_encoder_before_llm_always_drains(workload, rnd):

@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant,
                                  multiple, precondition, rule)
@@ -32,7 +33,7 @@ from lora_cupy.errors import AdapterFileError, AdapterNotFoundError, AdapterStat
 from lora_cupy.pool import LoraAdapterPool
 from lora_cupy.store import FAILED, READING, READY
 from sim.pool import Ask, Copy, Reserve
-from sim.testing import hypothesis_settings
+from sim.testing import hypothesis_settings, node_workloads
 from tests.pool_helpers import SyntheticReader, small_spec
 
 NODE = "llm"
@@ -606,3 +607,67 @@ def test_a_follower_read_that_fails_after_the_agreement_fails_everywhere():
     finally:
         for p in pools:
             p.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Two real pools, a vision encoder's then the LLM's, under the simulator's runner
+# --------------------------------------------------------------------------------------------
+class RealNodePool:
+    """A LoraAdapterPool of one node behind the calls ``sim.drain`` makes of a pool."""
+
+    def __init__(self, node: str, num_slots: int, touches: dict):
+        self.node = node
+        self.pool = LoraAdapterPool(small_spec(num_slots=num_slots, node=node), "cpu",
+                                    reader=SyntheticReader(touches),
+                                    adapters={a: f"synthetic/{a}" for a in touches})
+        self._step = None
+
+    def ingest_request(self, rid, adapter) -> bool:
+        self.pool.ingest_request(rid, ResourceReqConfig(adapter))
+        e = self.pool.store.get(adapter) if adapter is not None else None
+        if e is not None:
+            e.wait(TIMEOUT)
+        return False  # its read has landed already: nothing for the runner to complete
+
+    def complete_read(self, name, ok=True) -> bool:
+        return False
+
+    def reserve(self, rid) -> Reserve:
+        got = self.pool.reserve(rid, self.node, (self.node,), False)
+        return {1: Reserve.GRANTED, 0: Reserve.WAIT, None: Reserve.NONE}[got]
+
+    def admit(self, rids) -> None:
+        step, ctx = LoraStep(rids, node=self.node), StepContext()
+        out = self.pool.admit(step, ctx)
+        assert out.ok, f"{self.node} admit {rids}: {out.failed}"
+        self._step = (step, ctx)
+
+    def commit(self) -> None:
+        self.pool.commit(*self._step)
+
+    def remove_request(self, rid) -> None:
+        self.pool.remove_request(rid)
+
+    def holders(self) -> dict:
+        return self.pool.snapshot().held
+
+    def check_valid(self) -> None:
+        self.pool.check_valid()
+
+
+@given(workload=node_workloads(), rnd=st.randoms(use_true_random=False))
+@hypothesis_settings(max_examples=40)
+def test_real_encoder_and_llm_pools_drain(workload, rnd):
+    """DESIGN.md invariant 11 on the real pools: taken encoder first, every history drains."""
+    adapters, reqs, enc, llm = workload
+    pools = {"encoder": RealNodePool("encoder", enc, {a.name: TOUCHES[0] if a.encoder else () for a in adapters}),
+             "llm": RealNodePool("llm", llm, {a.name: TOUCHES[0] if a.llm else () for a in adapters})}
+    try:
+        res = sim.drain(reqs, adapters, encoder_slots=enc, llm_slots=llm, order="encoder-first",
+                        shuffle=lambda xs: rnd.sample(xs, len(xs)), pools=pools)
+        assert res.drained, f"stuck: {res.stuck}"
+        assert sorted(res.completed) == sorted(r.rid for r in reqs)
+        assert all(not p.holders() for p in pools.values())
+    finally:
+        for p in pools.values():
+            p.pool.close()
