@@ -91,6 +91,8 @@ class LoraAdapterPool:
     ``agree(outcomes) -> outcomes``: the instance's agreement on where each miss's read
     stands, ``outcomes[i]`` in (READY=0, READING=1, FAILED=2) for the admit's i-th miss, same
     length on every rank; it returns the elementwise maximum over ranks (one all-reduce MAX).
+    An admit with misses calls it once; a second time only when the first answer says some
+    rank's copy was still in flight (every rank then calls it, with its final outcomes).
     ``decides``: this rank chooses batches and keeps reservations (a lockstep leader).
     ``adapters``: served from startup, name -> path or (path, digest). ``reader`` and
     ``max_host_bytes`` configure the host tier (:class:`LoraAdapterStore`).
@@ -297,10 +299,12 @@ class LoraAdapterPool:
 
         Once every row holds its slot (every step after a request's first) this is one set
         check. Otherwise: hits take their slots and the misses' victims are fixed, under the
-        lock, from the table as it stands; the instance agrees on each miss's read (one
-        ``agree`` call); a failed read fails its rows before any slot is handed out; the rest
-        wait (outside the lock) for a copy still in flight, then take their victims, whose
-        weights are queued on the device's stream ahead of the step.
+        lock, from the table as it stands; the instance agrees on where each miss's read
+        stands (one ``agree`` call) before any rank waits. Where some rank's copy is still in
+        flight, each rank waits for its own (outside the lock) and the instance agrees once
+        more on the final outcomes. A read that failed on any rank fails its rows on every
+        rank, before any slot is handed out; the rest take their victims, whose weights are
+        queued on the device's stream ahead of the step.
         """
         rows = step.rows_for(self.spec.node)
         if rows.rid_set <= self._settled_set:
@@ -327,18 +331,26 @@ class LoraAdapterPool:
                 rec.taken.append(rid)
             entries = [self._store.get(m.name) for m in picks.misses]
         local = np.array([FAILED if e is None else e.outcome() for e in entries], np.int8)
-        agreed = np.asarray(self.agree(local)) if len(local) else local
-        if agreed.shape != local.shape:
-            raise ValueError(f"agree returned shape {agreed.shape} for {local.shape} outcomes")
+        agreed = self._agree(local)
+        if (agreed == READING).any():
+            # A copy is still in flight on some rank: each rank waits for its own (outside the
+            # lock), then the instance agrees once more on the final outcomes, so no rank
+            # installs an adapter whose read failed on another. Every rank saw the same first
+            # answer, so every rank makes this second call.
+            for i, e in enumerate(entries):
+                if agreed[i] != FAILED and local[i] == READING:
+                    e.wait()
+            local = np.array([FAILED if (agreed[i] == FAILED or e is None) else e.outcome()
+                              for i, e in enumerate(entries)], np.int8)
+            agreed = self._agree(local)
         survivors = []
         for i, m in enumerate(picks.misses):
             e = entries[i]
             err = None
-            if agreed[i] == FAILED:
-                err = e.error if (e is not None and local[i] == FAILED) else LoraError(
-                    "its read failed on another rank of the instance", adapter=m.name)
-            elif local[i] == READING and e.wait() != READY:
-                err = e.error  # failed here after the instance agreed it had not: this rank only
+            if agreed[i] != READY:
+                mine = e is not None and local[i] == FAILED and e.error is not None
+                err = e.error if mine else LoraError("its read failed on another rank of the instance",
+                                                     adapter=m.name)
             if err is not None:
                 for rid in m.rids:
                     failed[rid] = err
@@ -368,6 +380,15 @@ class LoraAdapterPool:
         ctx.state[self] = rec
         self.stats["admits"] += 1
         return AdmitOutcome.fail(failed) if failed else AdmitOutcome.OK
+
+    def _agree(self, local: np.ndarray) -> np.ndarray:
+        """The instance's answer (elementwise max over ranks) for this rank's miss outcomes."""
+        if not len(local):
+            return local
+        agreed = np.asarray(self.agree(local))
+        if agreed.shape != local.shape:
+            raise ValueError(f"agree returned shape {agreed.shape} for {local.shape} outcomes")
+        return agreed
 
     def rollback_admit(self, step: LoraStep, ctx: StepContext) -> None:
         """Give back the slots this step's admit took; an adapter it loaded stays resident in

@@ -515,3 +515,56 @@ def test_bench_pool_reports_medians(tmp_path, capsys):
     assert r["rows"] == 64 and r["slots"] == 8 and r["steps"] == 40
     assert 0 < r["admit_us_median"] < r["plan_us_median"]
     assert "admit" in capsys.readouterr().out
+
+
+def test_a_follower_read_failing_after_the_first_agreement_fails_the_rows_on_every_rank(spec, paths):
+    """The follower's copy is in flight at the agreement and then fails: the instance agrees
+    a second time, so both ranks fail the row and their tables stay equal."""
+    barrier = threading.Barrier(2, timeout=10)
+    seen: dict = {}
+    calls = [0, 0]
+
+    def agree_for(rank):
+        def agree(local):
+            calls[rank] += 1
+            seen[rank] = np.asarray(local)
+            barrier.wait()
+            out = np.maximum(seen[0], seen[1])
+            barrier.wait()
+            return out
+        return agree
+
+    readers = [GatedReader(), GatedReader(fail={})]
+    pools = [LoraAdapterPool(spec, rank=r, world_size=2, agree=agree_for(r), decides=r == 0, reader=readers[r],
+                             adapters={"ad0": paths["ad0"], "ad1": paths["ad1"]}) for r in range(2)]
+    try:
+        readers[1].close("ad1")
+        readers[1].fail["ad1"] = OSError("lost the file")
+        for p in pools:
+            ingest(p, 0, "ad0")
+            ingest(p, 1, "ad1")
+        wait_reads(pools[0], ["ad0", "ad1"])
+        wait_reads(pools[1], ["ad0"])
+        reserve_all(pools[0], [0, 1])
+        outs = [None, None]
+
+        def run(r):
+            outs[r] = pools[r].admit(LoraStep([0, 1]), StepContext())
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        readers[1].wait_started("ad1", 2)
+        readers[1].open("ad1")
+        for t in threads:
+            t.join(10)
+        assert set(outs[0].failed) == set(outs[1].failed) == {1}
+        assert "another rank" in str(outs[0].failed[1]) and "lost the file" in str(outs[1].failed[1])
+        a, b = pools[0].snapshot(), pools[1].snapshot()
+        assert (a.slot_of, a.held, a.refcount, a.last_use) == (b.slot_of, b.held, b.refcount, b.last_use)
+        assert calls == [2, 2]  # the second agreement, only because a copy was in flight
+        for p in pools:
+            p.check_valid()
+    finally:
+        for p in pools:
+            p.close()
