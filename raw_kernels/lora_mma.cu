@@ -13,7 +13,7 @@
 //     each adding its partial sums into v (ws) with 16-byte red.add (a plain store with one
 //     split); v starts at zero.
 //   expand task (tile, column group of `cpb` blocks of BN): one pipeline over every (column block,
-//     slice, run, rank chunk), y tiles prefetched into a ring in shared memory, v * scaling times B
+//     slice, run, chunk of 16 ranks), y tiles prefetched into a ring in shared memory, v * scaling times B
 //     on tensor cores added in fp32 and rounded once, written back with 16-byte stores. The last
 //     expand block of a tile zeroes the tile's v again, so every launch (and graph replay) starts
 //     from a zero v and zero counters.
@@ -161,30 +161,57 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   T* stages = reinterpret_cast<T*>(dsmem);
   const size_t a_slot = (size_t)g.n_slices * g.max_rank * in;
 
+  // Each thread copies the same 16-byte columns of rows my_row + 16 i of every stage; its row
+  // pointers change only with the run, so they are kept across the run's chunks.
+  constexpr int CPR = C::KC / C::CH;            // 16-byte chunks per row of a stage
+  constexpr int XPT = BM * CPR / THREADS;       // x chunks per thread
+  constexpr int APT = C::RB * CPR / THREADS;    // A chunks per thread (rows past r16 skipped)
+  static_assert(THREADS % CPR == 0 && XPT >= 1, "tile too small for the block");
+  const int my_row = tid / CPR, my_col = (tid % CPR) * C::CH;
+  const T* xp[XPT];
+  const T* ap[APT];
+  int cached = -1, cached_r16 = 0;
+
   auto load = [&](int f) {
     if (f < F) {
-      const int run = f / nk, kc = f % nk;
+      const int run = f / nk, kc = f - run * nk;
       const int lo = tr.run_lo[run], hi = tr.run_hi[run], r = row_r[lo];
       if (r > 0) {
         T* sx = stages + (f % C::STAGES) * C::STAGE;
         T* sa = sx + BM * C::LDK;
         const int k0 = kbeg + kc * C::KC, r16 = (r + 15) & ~15;
-        const T* a0 = g.A + tr.run_slot[run] * a_slot + ((size_t)j * g.max_rank + rb * C::RB) * in;
-        constexpr int CPR = C::KC / C::CH;  // chunks per row
         if (vec) {
-          for (int c = tid; c < BM * CPR; c += THREADS) {
-            const int row = c / CPR, col = (c % CPR) * C::CH;
-            const bool ok = row >= lo && row < hi && k0 + col < kend;
-            const T* src = ok ? g.x + (size_t)tr.tok[row] * in + k0 + col : g.x;
-            cp_async16(sx + row * C::LDK + col, src, ok ? 16 : 0);
+          if (run != cached) {
+            cached = run;
+            cached_r16 = r16;
+            const T* a0 = g.A + tr.run_slot[run] * a_slot + ((size_t)j * g.max_rank + rb * C::RB) * in + my_col;
+#pragma unroll
+            for (int i = 0; i < XPT; ++i) {
+              const int row = my_row + 16 * i;
+              xp[i] = row >= lo && row < hi ? g.x + (size_t)tr.tok[row] * in + my_col : nullptr;
+            }
+#pragma unroll
+            for (int i = 0; i < APT; ++i) {
+              const int row = my_row + 16 * i;
+              ap[i] = row < r ? a0 + (size_t)row * in : nullptr;
+            }
           }
-          for (int c = tid; c < r16 * CPR; c += THREADS) {
-            const int row = c / CPR, col = (c % CPR) * C::CH;
-            const bool ok = row < r && k0 + col < kend;
-            const T* src = ok ? a0 + (size_t)row * in + k0 + col : g.A;
-            cp_async16(sa + row * C::LDK + col, src, ok ? 16 : 0);
+          const bool kin = k0 + my_col < kend;
+#pragma unroll
+          for (int i = 0; i < XPT; ++i) {
+            const bool ok = kin && xp[i] != nullptr;
+            cp_async16(sx + (my_row + 16 * i) * C::LDK + my_col, ok ? xp[i] + k0 : g.x, ok ? 16 : 0);
+          }
+#pragma unroll
+          for (int i = 0; i < APT; ++i) {
+            const int row = my_row + 16 * i;
+            if (row < cached_r16) {
+              const bool ok = kin && ap[i] != nullptr;
+              cp_async16(sa + row * C::LDK + my_col, ok ? ap[i] + k0 : g.A, ok ? 16 : 0);
+            }
           }
         } else {
+          const T* a0 = g.A + tr.run_slot[run] * a_slot + ((size_t)j * g.max_rank + rb * C::RB) * in;
           for (int e = tid; e < BM * C::KC; e += THREADS) {
             const int row = e / C::KC, col = e % C::KC;
             const bool ok = row >= lo && row < hi && k0 + col < kend;
@@ -263,15 +290,32 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
 
 // ------------------------------------------------------------------------------------------------
 // expand
+
+// p[0] += d0 and (when both) p[1] += d1 in fp32, rounded once; an element whose delta is exactly
+// zero keeps its bits (so a slice of rank 0 leaves y untouched).
+template <typename T>
+__device__ __forceinline__ void add_pair(T* p, float d0, float d1, bool both) {
+  if (both && (d0 != 0.f || d1 != 0.f)) {
+    T a = p[0], b = p[1];
+    if (d0 != 0.f) a = from_float<T>(to_float(a) + d0);
+    if (d1 != 0.f) b = from_float<T>(to_float(b) + d1);
+    p[0] = a;
+    p[1] = b;
+  } else if (!both && d0 != 0.f) {
+    p[0] = from_float<T>(to_float(p[0]) + d0);
+  }
+}
+
 template <typename T, int BM, int BN>
 struct Expand {
   using M = typename Op<T>::type;
   static constexpr bool SPLIT = Op<T>::SPLIT;
   static constexpr int CH = 16 / sizeof(T);
-  static constexpr int KC = 32;  // ranks per pipeline stage
-  static constexpr int LDB = KC + 8, LDV = KC + 8, LDY = BN + CH;
+  static constexpr int KC = 16;  // ranks per pipeline stage (one k-step)
+  static constexpr int LDB = KC + 8, LDV = KC + 8, LDY = BN + CH;  // conflict-free fragment rows
   static constexpr int STAGES = BM >= 64 ? 2 : 3;  // also the ring of y tiles
   static constexpr int WM = BM >= 32 ? 2 : 1, WN = 4 / WM, MT = BM / WM / 16, NT = BN / WN / 8;
+  static constexpr int BCPR = KC / CH, VCPR = KC / 4;  // 16-byte chunks per row of B, of v
   static constexpr int STAGE_BYTES = BN * LDB * (int)sizeof(T) + BM * LDV * 4;
   static constexpr int Y_BYTES = BM * LDY * (int)sizeof(T);
   static constexpr int SMEM = STAGES * (STAGE_BYTES + Y_BYTES);
@@ -318,7 +362,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
     j1 = j0;
     while (j1 + 1 < n && s_off[j1 + 1] < c1) ++j1;
   };
-  auto chunks = [&](int jj, int run) { return (((pr[jj][run] + 15) & ~15) + C::KC - 1) / C::KC; };
+  auto chunks = [&](int jj, int run) { return (pr[jj][run] + C::KC - 1) / C::KC; };
   auto step = [&](ExpandWalk& w, bool newcb) {  // to the next step that has rank chunks
     if (!newcb && ++w.kc < w.nc) {
       w.first = false;
@@ -368,34 +412,33 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
         }
         T* sb = reinterpret_cast<T*>(base);
         const int s = tr.run_slot[w.run], r = pr[w.j][w.run], k0 = w.kc * C::KC;
-        const int kw = min(C::KC, ((r + 15) & ~15) - k0);
         const int ca = max(c0, s_off[w.j]), cz = min(c1, s_off[w.j + 1]);
-        const T* bs = g.B + (size_t)s * out * g.max_rank;
+        const T* bs = g.B + (size_t)s * out * g.max_rank + k0;
         if (vec_b) {
-          const int cpr = kw / C::CH;
-          for (int c = tid; c < BN * cpr; c += THREADS) {
-            const int row = c / cpr, k = (c % cpr) * C::CH, col = c0 + row;
+#pragma unroll
+          for (int c = tid; c < BN * C::BCPR; c += THREADS) {
+            const int row = c / C::BCPR, k = (c % C::BCPR) * C::CH, col = c0 + row;
             const bool ok = col >= ca && col < cz;
             const int bytes = ok ? min(max(r - (k0 + k), 0), C::CH) * (int)sizeof(T) : 0;
-            cp_async16(sb + row * C::LDB + k, bytes ? bs + (size_t)col * g.max_rank + k0 + k : g.B, bytes);
+            cp_async16(sb + row * C::LDB + k, bytes ? bs + (size_t)col * g.max_rank + k : g.B, bytes);
           }
         } else {
-          for (int e = tid; e < BN * kw; e += THREADS) {
-            const int row = e / kw, k = e % kw, col = c0 + row;
+          for (int e = tid; e < BN * C::KC; e += THREADS) {
+            const int row = e / C::KC, k = e % C::KC, col = c0 + row;
             const bool ok = col >= ca && col < cz && k0 + k < r;
-            sb[row * C::LDB + k] = ok ? bs[(size_t)col * g.max_rank + k0 + k] : from_float<T>(0.f);
+            sb[row * C::LDB + k] = ok ? bs[(size_t)col * g.max_rank + k] : from_float<T>(0.f);
           }
         }
       }
       if (part & 2) {
         float* sv = reinterpret_cast<float*>(base + BN * C::LDB * sizeof(T));
-        const int lo = tr.run_lo[w.run], hi = tr.run_hi[w.run], k0 = w.kc * C::KC;
-        const int vpr = min(C::KC, ((pr[w.j][w.run] + 15) & ~15) - k0) / 4;
-        for (int c = tid; c < BM * vpr; c += THREADS) {
-          const int row = c / vpr, k = (c % vpr) * 4;
+        const int lo = tr.run_lo[w.run], hi = tr.run_hi[w.run];
+        const float* v0 = g.ws + ((size_t)p0 * n + w.j) * g.rw + w.kc * C::KC;
+#pragma unroll
+        for (int c = tid; c < BM * C::VCPR; c += THREADS) {
+          const int row = c / C::VCPR, k = (c % C::VCPR) * 4;
           const bool ok = row >= lo && row < hi;
-          const float* src = ok ? g.ws + ((size_t)(p0 + row) * n + w.j) * g.rw + k0 + k : g.ws;
-          cp_async16(sv + row * C::LDV + k, src, ok ? 16 : 0);
+          cp_async16(sv + row * C::LDV + k, ok ? v0 + (size_t)row * n * g.rw + k : g.ws, ok ? 16 : 0);
         }
       }
     }
@@ -448,31 +491,25 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
     if (!wp.done) step(wp, false);
     {
       const int lo = tr.run_lo[wc.run], hi = tr.run_hi[wc.run];
-      const int r16 = (pr[wc.j][wc.run] + 15) & ~15, ksteps = min(C::KC, r16 - wc.kc * C::KC) / 16;
       const float scale = ps[wc.j][wc.run];
       const char* base = dsmem + (f % C::STAGES) * C::STAGE_BYTES;
       const T* sb = reinterpret_cast<const T*>(base);
       const float* sv = reinterpret_cast<const float*>(base + BN * C::LDB * sizeof(T));
+      Frags<M, C::SPLIT, float> fa[C::MT];
+      bool live[C::MT];
 #pragma unroll
-      for (int ks = 0; ks < C::KC / 16; ++ks) {
-        if (ks < ksteps) {
-          Frags<M, C::SPLIT, float> fa[C::MT];
-          bool live[C::MT];
+      for (int mt = 0; mt < C::MT; ++mt) {
+        const int m0 = wm0 + mt * 16;
+        live[mt] = lo < m0 + 16 && hi > m0;
+        if (live[mt]) fa[mt].load_a(sv, C::LDV, m0, 0, gq, tq, scale);
+      }
 #pragma unroll
-          for (int mt = 0; mt < C::MT; ++mt) {
-            const int m0 = wm0 + mt * 16;
-            live[mt] = lo < m0 + 16 && hi > m0;
-            if (live[mt]) fa[mt].load_a(sv, C::LDV, m0, ks * 16, gq, tq, scale);
-          }
+      for (int nt = 0; nt < C::NT; ++nt) {
+        Frags<M, C::SPLIT, T> fb;
+        fb.load_b(sb, C::LDB, wn0 + nt * 8, 0, gq, tq);
 #pragma unroll
-          for (int nt = 0; nt < C::NT; ++nt) {
-            Frags<M, C::SPLIT, T> fb;
-            fb.load_b(sb, C::LDB, wn0 + nt * 8, ks * 16, gq, tq);
-#pragma unroll
-            for (int mt = 0; mt < C::MT; ++mt)
-              if (live[mt]) mma_frags<M, C::SPLIT, C::SPLIT>(acc[mt][nt], fa[mt], fb);
-          }
-        }
+        for (int mt = 0; mt < C::MT; ++mt)
+          if (live[mt]) mma_frags<M, C::SPLIT, C::SPLIT>(acc[mt][nt], fa[mt], fb);
       }
     }
     const int cb = wc.cb, vis = wc.vis;
@@ -488,16 +525,8 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = wm0 + mt * 16 + gq + 8 * h, col = wn0 + nt * 8 + 2 * tq;
-            if (tr.tok[row] >= 0) {
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const float d = acc[mt][nt][2 * h + e];
-                if (d != 0.f && c0 + col + e < c1) {
-                  T* py = sy + row * C::LDY + col + e;
-                  *py = from_float<T>(to_float(*py) + d);
-                }
-              }
-            }
+            if (tr.tok[row] >= 0 && c0 + col < c1)
+              add_pair(sy + row * C::LDY + col, acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1], c0 + col + 1 < c1);
           }
       clear();
       __syncthreads();

@@ -69,7 +69,7 @@ def shrink_smem(dtype: str, bm: int) -> int:
 def expand_smem(dtype: str, bm: int, bn: int) -> int:
     size = _ITEMSIZE[dtype]
     stages = 2 if bm >= 64 else 3  # pipeline stages, and y tiles in the ring
-    stage = bn * 40 * size + bm * 40 * 4
+    stage = bn * 24 * size + bm * 24 * 4  # B and v rows of 16 ranks, padded by 8
     return stages * (stage + bm * (bn + 16 // size) * size)
 
 
@@ -117,7 +117,7 @@ def default_tile(bucket: int) -> int:
     """Positions per tile for a bucket: small tiles while tokens are few, so blocks are many."""
     if bucket <= 256:
         return 16
-    if bucket <= 1024:
+    if bucket <= 512:
         return 32
     return 64
 
@@ -132,9 +132,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                 fused: bool | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket.
 
-    Split-K aims at about four shrink blocks per multiprocessor while tokens are few (latency
-    bound), two past 256 (each split adds its partial v at L2), never below one stage of ``in``
-    per block; expand blocks take several column blocks each once there are more than about four
+    Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
+    with 16-byte reductions at L2), never below one stage of ``in`` per block; expand blocks take several column blocks each once there are more than about four
     per multiprocessor, so each block's fixed start is spread over more of y.
     """
     dtype = normalize_dtype(dtype)
@@ -148,7 +147,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     base = tiles * n_slices * rank_blocks
-    want = max(1, min(nchunks, _ceil((4 if bucket <= 256 else 2) * num_sms, base)))
+    want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
     col_blocks = _ceil(out_features, bn)
