@@ -27,6 +27,8 @@ def test_wheel_contents(wheel):
     sources = {p.name for p in (ROOT / "raw_kernels").iterdir() if p.suffix in (".cu", ".cuh")}
     shipped = {n.rsplit("/", 1)[1] for n in names if n.startswith("lora_cupy/_kernels/")}
     assert sources and sources <= shipped
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "lora_cupy").rglob("*.py") if "__pycache__" not in p.parts}
+    assert modules <= set(names), sorted(modules - set(names))
     tops = {n.split("/", 1)[0] for n in names}
     assert not tops & {"sim", "tests", "notebooks", "raw_kernels"}, tops
 
