@@ -1,8 +1,8 @@
 """Profile the tensor-core delta under Nsight Compute: one delta per configuration, then a summary.
 
     ncu --clock-control none -k regex:lora_ --csv --page raw --metrics ... \\
-        python3 benchmarks/profile_kernels.py > ncu.csv
-    python3 benchmarks/profile_kernels.py --summarize ncu.csv
+        python3 lora_cupy/bench/profile_kernels.py > ncu.csv
+    python3 lora_cupy/bench/profile_kernels.py --summarize ncu.csv
 
 Kernels appear in CONFIGS order: a fused configuration launches one kernel, the others two.
 """
