@@ -36,7 +36,9 @@ def check_admit(before: sim.SlotSnapshot, holders_before: dict, pool: sim.SimPoo
     """What one admit must have done, from the table it started from."""
     after = pool.snapshot()
     entries_before = {a: s for s, a in enumerate(before.adapters) if a is not None and before.current[s]}
-    step_adapters = {pool.requests[r].adapter for r in rows if pool.requests[r].adapter is not None}
+    # The adapters of the rows that run this step (a refused or failed row does not).
+    step_adapters = {pool.requests[r].adapter for r in rows if pool.requests[r].adapter is not None
+                     and r not in res.refused and r not in res.failed}
     new_rows = [r for r in rows if r not in holders_before and pool.requests[r].touches]
     taken = dict(res.slots)
     # Invariant 1: slot 0 is never handed out.
@@ -585,7 +587,7 @@ def _cli(*args, cwd):
 def test_cli_help_and_bad_arguments(tmp_path):
     out = _cli("--help", cwd=tmp_path)
     assert out.returncode == 0
-    for opt in ("--trace", "--slots", "--zipf", "--rank-mix", "--plot", "--json"):
+    for opt in ("--trace", "--slots", "--zipf", "--rank-mix", "--admission", "--plot", "--json"):
         assert opt in out.stdout
     for bad, words in ((["--slots", "1"], "slot counts must be >= 2"),
                        (["--rate", "-3"], "must be a finite number > 0"),
