@@ -611,3 +611,14 @@ def test_cli_writes_plot_and_json(tmp_path):
     assert [s["num_slots"] for s in data["sweep"]] == [3, 5]
     assert len(data["occupancy"]["held"]) == len(data["occupancy"]["time_s"]) > 0
     assert "hit_rate" in res.stdout and "p99_wait_s" in res.stdout
+
+
+def test_sim_stands_alone():
+    """``import sim`` (and a play) pulls in neither the library it models nor the plotting
+    and test stacks: the model is an independent restatement."""
+    code = ("import sys, sim; sim.play(sim.generate_trace(20, rate=5.0, num_adapters=3)); "
+            "print(sorted(m for m in ('lora_cupy', 'matplotlib', 'hypothesis', 'torch', 'cupy') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
