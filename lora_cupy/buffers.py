@@ -18,7 +18,7 @@ from .backends.base import LayerWeights
 from .device import Device
 from .engine.resource import StepRows
 from .spec import LoraSpec, LoraTarget
-from .store import TargetImage
+from .adapter import TargetWeights
 
 
 # -- the slot weights -----------------------------------------------------------------------
@@ -41,7 +41,7 @@ class SlotWeights:
         self.layers = [LayerWeights(self.a[l], self.b[l], self.scaling[l], self.ranks[l], offs)
                        for l in range(L)]
 
-    def install(self, slot: int, img: TargetImage | None) -> None:
+    def install(self, slot: int, img: TargetWeights | None) -> None:
         """Queue the copy of ``img`` (None: nothing here) into ``slot`` on the device's stream."""
         d = self.device
         if img is None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adapter import AdapterWeights
+from .adapter import AdapterWeights, TargetWeights
 from .device import Device, as_device
 from .dtypes import numpy_dtype
 from .errors import (AdapterFileError, CapacityError, DigestMismatchError, LoraError, RankTooLargeError,
@@ -47,35 +47,6 @@ def default_reader(path, spec: LoraSpec, name: str | None = None) -> AdapterWeig
 
 
 @dataclass
-class TargetImage:
-    """One target's weights as a slot holds them, every layer: ``a[L, n, R, in]``,
-    ``b[L, out, R]`` (zero past each slice's rank), ``ranks[L, n]`` int32, ``scaling[L, n]`` float32."""
-
-    a: np.ndarray
-    b: np.ndarray
-    ranks: np.ndarray
-    scaling: np.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        return self.a.nbytes + self.b.nbytes + self.ranks.nbytes + self.scaling.nbytes
-
-
-@dataclass
-class SlotImage:
-    """An adapter's host copy: the targets it has something for, ready to copy into a slot."""
-
-    name: str
-    path: str
-    digest: str
-    targets: dict[str, TargetImage]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.targets.values())
-
-
-@dataclass
 class HostCopy:
     """One adapter's entry in the tier: how many live requests name it, and its read."""
 
@@ -85,7 +56,7 @@ class HostCopy:
     need: int  # bytes the image takes (known from the load), or an upper bound
     users: int = 0
     state: int = READING
-    image: SlotImage | None = None
+    image: AdapterWeights | None = None
     error: LoraError | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -300,7 +271,7 @@ class LoraAdapterStore:
                                       adapter=name, path=path)
         return w
 
-    def build_image(self, w: AdapterWeights) -> SlotImage:
+    def build_image(self, w: AdapterWeights) -> AdapterWeights:
         """``w`` padded to the pool's maximum rank, in host memory copies can start from."""
         R, tp = self.spec.max_rank, self.spec.tp_size
         targets = {}
@@ -321,16 +292,16 @@ class LoraAdapterStore:
             if r > R or int(tw.ranks.max(initial=0)) > r:
                 raise RankTooLargeError(f"target {tname!r} has rank {max(r, int(tw.ranks.max()))}, above the "
                                         f"pool's max_rank {R}", adapter=w.name, path=w.path)
-            img = TargetImage(self.device.host_zeros((L, n, R, inl), self.dtype),
-                              self.device.host_zeros((L, outl, R), self.dtype),
-                              self.device.host_empty((L, n), np.int32),
-                              self.device.host_empty((L, n), np.float32))
+            img = TargetWeights(self.device.host_zeros((L, n, R, inl), self.dtype),
+                               self.device.host_zeros((L, outl, R), self.dtype),
+                               self.device.host_empty((L, n), np.int32),
+                               self.device.host_empty((L, n), np.float32))
             img.a[:, :, :r] = tw.a
             img.b[:, :, :r] = tw.b
             img.ranks[...] = tw.ranks
             img.scaling[...] = tw.scaling
             targets[tname] = img
-        return SlotImage(w.name, w.path, w.digest, targets)
+        return AdapterWeights(w.name, w.path, w.digest, targets)
 
     # -- shutdown ------------------------------------------------------------------------------
     def _check_open(self) -> None:
