@@ -45,12 +45,17 @@ _DTYPES = tuple(CUDA_TYPES.values())
 MMA_SHRINK_BM = (16, 32, 64)
 #: (tile height, column block) pairs of the tensor-core expand and of the fused kernel.
 MMA_TILES = ((16, 64), (32, 128), (64, 128))
+#: Columns of one pass of the v4 ("stream") expand, ``Stream<T>::BN`` in expand_stream.cuh.
+STREAM_BN = 32
+#: The expand kernels a plan may pick: v3 (tiles through shared memory) and v4 (y streamed in registers).
+EXPAND_VARIANTS = ("v3", "v4")
 
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
     return (tuple(f"lora_shrink<{ctype}, {bm}>" for bm in MMA_SHRINK_BM)
             + tuple(f"lora_expand<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
-            + tuple(f"lora_fused<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES))
+            + tuple(f"lora_fused<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
+            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES))
 
 
 def mma_family(dtype: str) -> str:

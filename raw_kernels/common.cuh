@@ -89,6 +89,25 @@ template <> __device__ __forceinline__ unsigned pack2<__half>(float a, float b) 
 }
 template <typename M> __device__ __forceinline__ float round_to(float a) { return to_float(from_float<M>(a)); }
 
+// Two consecutive 16-bit elements held in one 32-bit word (the lower one in the lower half) as floats.
+template <typename T> __device__ __forceinline__ float2 unpack2(unsigned w);
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(unsigned w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+template <> __device__ __forceinline__ float2 unpack2<__half>(unsigned w) {
+  return make_float2(__half2float(__ushort_as_half((unsigned short)(w & 0xffffu))),
+                     __half2float(__ushort_as_half((unsigned short)(w >> 16))));
+}
+
+// a * scale and b * scale as one MMA register (hi) and, for split operands, their rounding residue (lo).
+template <typename M, bool SPLIT>
+__device__ __forceinline__ void pack_scaled(float a, float b, float scale, unsigned& hi, unsigned& lo) {
+  a *= scale;
+  b *= scale;
+  hi = pack2<M>(a, b);
+  if constexpr (SPLIT) lo = pack2<M>(a - round_to<M>(a), b - round_to<M>(b));
+}
+
 // One MMA register (hi) and, for split operands, the rounding residue (lo) of two consecutive
 // shared-memory elements; fp32 elements are multiplied by scale first.
 template <typename M, bool SPLIT>

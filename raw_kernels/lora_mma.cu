@@ -571,6 +571,8 @@ __host__ __device__ constexpr int fused_smem() {
 
 }  // namespace lora
 
+#include "expand_stream.cuh"
+
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
       const int *out_offsets, const int *token_order, const int *slot_indptr, float *ws, int *counters, \
@@ -627,4 +629,15 @@ __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
       __threadfence();
     }
   }
+}
+
+// The v4 expand (expand_stream.cuh): registers capped for 4 blocks per multiprocessor; dynamic shared
+// memory holds slot_indptr alone.
+template <typename T, int BM>
+__global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::TileRows<BM> tr;
+  LORA_ARGS;
+  lora::require_smem(4 * (num_slots + 1));
+  lora::expand_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
 }

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import CUDA_TYPES, MMA_SHRINK_BM, MMA_TILES, load_module, mma_family
+from ..kernels import CUDA_TYPES, EXPAND_VARIANTS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module, mma_family
 from ..spec import LoraSpec
 from .base import LayerWeights
 
@@ -77,13 +77,19 @@ def fused_smem(dtype: str, bm: int, bn: int) -> int:
     return max(shrink_smem(dtype, bm), expand_smem(dtype, bm, bn))
 
 
+#: Blocks per multiprocessor the v4 expand is built for (``__launch_bounds__(128, 4)``).
+STREAM_BLOCKS_PER_SM = 4
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """How one target's delta runs for one capture bucket: a function of shapes, never of counts.
 
     ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per column
     block and ``cpb`` column blocks per expand block, ``splits`` blocks over ``in`` per shrink
-    tile (``k_split`` features each).
+    tile (``k_split`` features each). ``expand`` names the expand kernel of an unfused launch:
+    ``"v3"`` (tiles through shared memory) or ``"v4"`` (each warp streams y in registers, column
+    blocks of ``STREAM_BN``); a fused launch always runs the v3 expand.
     """
 
     bucket: int
@@ -97,6 +103,7 @@ class LaunchPlan:
     col_blocks: int
     cpb: int
     n_slices: int
+    expand: str = "v3"
 
     @property
     def shrink_blocks(self) -> int:
@@ -127,14 +134,26 @@ def default_fused(bucket: int) -> bool:
     return bucket <= 64
 
 
+#: Smallest capture bucket whose unfused launch runs the v4 expand by default (None: v3 for all).
+V4_EXPAND_FROM: int | None = None
+
+
+def default_expand(bucket: int) -> str:
+    """The expand kernel of an unfused launch: v4 (y streamed in registers) from ``V4_EXPAND_FROM`` on."""
+    return "v4" if V4_EXPAND_FROM is not None and bucket >= V4_EXPAND_FROM else "v3"
+
+
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_sms: int = DEFAULT_SMS, tile: int | None = None,
-                fused: bool | None = None) -> LaunchPlan:
+                fused: bool | None = None, expand: str | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket.
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block; expand blocks take several column blocks each once there are more than about four
-    per multiprocessor, so each block's fixed start is spread over more of y.
+    per multiprocessor, so each block's fixed start is spread over more of y. The v4 expand
+    takes as many column blocks per block as fit every block in one wave of
+    ``STREAM_BLOCKS_PER_SM`` blocks per multiprocessor (a multiple of the warps sharing an
+    m-tile, ``64 // bm``), so each warp streams a long run of y.
     """
     dtype = normalize_dtype(dtype)
     bm = default_tile(bucket) if tile is None else int(tile)
@@ -142,6 +161,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if bn is None:
         raise ValueError(f"tile {bm} is not one of {[t for t, _ in MMA_TILES]}")
     fused = default_fused(bucket) if fused is None else bool(fused)
+    expand = "v3" if fused else (default_expand(bucket) if expand is None else str(expand))
+    if expand not in EXPAND_VARIANTS:
+        raise ValueError(f"expand {expand!r} is not one of {EXPAND_VARIANTS}")
     tiles = _ceil(bucket, bm)
     rank_blocks = _ceil(max_rank, RANK_BLOCK)
     kc = 128 // _ITEMSIZE[dtype]
@@ -150,11 +172,18 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
-    col_blocks = _ceil(out_features, bn)
-    cpb = max(1, min(col_blocks, (tiles * col_blocks) // (4 * num_sms)))
+    if expand == "v4":
+        bn = STREAM_BN
+        col_blocks = _ceil(out_features, bn)
+        share = 64 // bm  # warps that take turns on one m-tile's column blocks
+        cpb = _ceil(_ceil(tiles * col_blocks, STREAM_BLOCKS_PER_SM * num_sms), share) * share
+        cpb = min(col_blocks, cpb)
+    else:
+        col_blocks = _ceil(out_features, bn)
+        cpb = max(1, min(col_blocks, (tiles * col_blocks) // (4 * num_sms)))
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
                       tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
-                      n_slices=n_slices)
+                      n_slices=n_slices, expand=expand)
 
 
 def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
@@ -228,11 +257,13 @@ class CallLimits:
     offset_ptrs: Mapping[tuple[int, ...], int]
     tile: int | None = None
     fused: bool | None = None
+    expand: str | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
-                           max_rank, dtype, num_sms=self.num_sms, tile=self.tile, fused=self.fused)
+                           max_rank, dtype, num_sms=self.num_sms, tile=self.tile, fused=self.fused,
+                           expand=self.expand)
 
 
 @dataclass(frozen=True)
@@ -337,19 +368,22 @@ class _StreamHandle:
 class CupyBackend:
     """Runs the slot-grouped delta on one CUDA device with the tensor-core kernels.
 
-    ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile`` and
-    ``fused`` override the per-bucket choices of :func:`plan_launch` (for benchmarks);
-    ``num_sms`` defaults to the device's multiprocessor count.
+    ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile``,
+    ``fused`` and ``expand`` (``"v3"`` / ``"v4"``) override the per-bucket choices of
+    :func:`plan_launch` (for benchmarks and tests); ``num_sms`` defaults to the device's
+    multiprocessor count.
     """
 
     name = "cupy"
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
-                 fused: bool | None = None, num_sms: int | None = None):
+                 fused: bool | None = None, expand: str | None = None, num_sms: int | None = None):
         import cupy
 
         if kernel not in ("mma", "simt"):
             raise ValueError(f"kernel must be 'mma' or 'simt', got {kernel!r}")
+        if expand is not None and expand not in EXPAND_VARIANTS:
+            raise ValueError(f"expand must be one of {EXPAND_VARIANTS}, got {expand!r}")
         if spec.num_slots > MAX_SLOTS:
             raise ValueError(f"num_slots={spec.num_slots} above the {MAX_SLOTS} a launch takes")
         if device is None:
@@ -371,7 +405,7 @@ class CupyBackend:
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
-            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused)
+            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand)
             self._load(spec.dtype)
 
     def _offset_table(self, cupy):
@@ -405,6 +439,9 @@ class CupyBackend:
             fn = mod.get_function(f"lora_fused<{ct}, {bm}, {bn}>")
             fn.max_dynamic_shared_size_bytes = fused_smem(dtype, bm, bn) + extra
             self._fns[(dtype, "fused", bm)] = fn
+            fn = mod.get_function(f"lora_expand_stream<{ct}, {bm}>")
+            fn.max_dynamic_shared_size_bytes = extra  # slot_indptr alone
+            self._fns[(dtype, "stream", bm)] = fn
 
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
@@ -472,6 +509,10 @@ class CupyBackend:
         else:
             self._fns[(dtype, "shrink", plan.bm)](
                 (plan.shrink_blocks,), (THREADS,), args, shared_mem=shrink_smem(dtype, plan.bm) + extra)
-            self._fns[(dtype, "expand", plan.bm)](
-                (plan.expand_blocks,), (THREADS,), args,
-                shared_mem=expand_smem(dtype, plan.bm, plan.bn) + extra)
+            if plan.expand == "v4":
+                self._fns[(dtype, "stream", plan.bm)](
+                    (plan.expand_blocks,), (THREADS,), args, shared_mem=extra)
+            else:
+                self._fns[(dtype, "expand", plan.bm)](
+                    (plan.expand_blocks,), (THREADS,), args,
+                    shared_mem=expand_smem(dtype, plan.bm, plan.bn) + extra)

@@ -1,5 +1,6 @@
-"""The CUDA backend against the float64 oracle: every kernel variant, dtype, awkward size and mix,
-torch tensors and CuPy arrays alike, and CUDA graphs replayed under new addressing."""
+"""The CUDA backend against the float64 oracle: every kernel variant (v3 and v4 expand, fused, SIMT),
+dtype, awkward size and mix, torch tensors and CuPy arrays alike, and CUDA graphs replayed under new
+addressing."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def _gpu_count() -> int:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
 DTYPES = ("bfloat16", "float16", "float32")
-VARIANTS = {f"mma{t}{'-fused' if f else ''}": dict(kernel="mma", tile=t, fused=f)
+VARIANTS = {f"mma{t}{'-fused' if f else ''}": dict(kernel="mma", tile=t, fused=f, **({} if f else {"expand": "v3"}))
             for t in (16, 32, 64) for f in (False, True)}
+VARIANTS.update({f"mma{t}-v4": dict(kernel="mma", tile=t, fused=False, expand="v4") for t in (16, 32, 64)})
 VARIANTS["simt"] = dict(kernel="simt")
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -114,18 +116,48 @@ def test_delta_matches_oracle(make_case, check, name, dtype, variant):
 
 
 @pytest.mark.parametrize("mix", ["distinct", "uniform", "zipf", "identical", "skewed"])
-@pytest.mark.parametrize("T", [16, 64, 300, 4096])
-def test_popularity_mixes(make_case, check, mix, T):
+@pytest.mark.parametrize("T,expand", [(16, None), (64, None), (300, "v3"), (300, "v4"), (4096, "v3"),
+                                      (4096, "v4")])
+def test_popularity_mixes(make_case, check, mix, T, expand):
     case = make_case(T=T, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), dtype="bfloat16",
                      mix=mix, num_slots=33, active=min(32, T))
-    check(case, run_cupy(backend_for(case.spec), case), "bfloat16")
+    check(case, run_cupy(backend_for(case.spec, expand=expand), case), "bfloat16")
 
 
-def test_rank16_adapters_in_rank128_pool(make_case, check):
+@pytest.mark.parametrize("T,expand", [(64, None), (300, "v4")])
+def test_rank16_adapters_in_rank128_pool(make_case, check, T, expand):
     """Rank-16 adapters in a pool of max rank 128, the rest of every slot poisoned with NaN."""
-    case = make_case(T=64, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
+    case = make_case(T=T, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
                      mix="uniform", poison_beyond_rank=True)
-    check(case, run_cupy(backend_for(case.spec), case), "bfloat16")
+    check(case, run_cupy(backend_for(case.spec, expand=expand), case), "bfloat16")
+
+
+def dev_misaligned(h: np.ndarray):
+    """A C-contiguous device copy of h whose address is one element past 16-byte alignment."""
+    flat = dev(np.zeros(h.size + 8, h.dtype))
+    y = flat[1:1 + h.size].reshape(h.shape)
+    assert y.data.ptr % 16 != 0 and y.flags.c_contiguous
+    put(y, h)
+    return y
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+@pytest.mark.parametrize("expand", ["v3", "v4"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_column_groups_awkward_slices_and_misaligned_y(make_case, check, dtype, expand, misaligned):
+    """One multiprocessor planned for: each expand block walks many column blocks (the v4 expand
+    keeps y of the next passes in registers), over slices that end inside a column block, ranks
+    below, at and above the 64 the v4 expand keeps in registers, several runs per warp; a y
+    one element off 16-byte alignment takes the element-wise loads and stores."""
+    case = make_case(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
+                     dtype=dtype, mix="zipf", num_slots=17, active=12)
+    be = backend_for(case.spec, expand=expand, num_sms=1)
+    assert be.plan(300, dev_weights(case.w), dtype).cpb >= 8
+    y = dev_misaligned(case.y0) if misaligned else dev(case.y0)
+    be.delta(y, dev(case.x), dev_weights(case.w), dev(case.token_order), dev(case.slot_indptr))
+    cp().cuda.get_current_stream().synchronize()
+    check_clean(be)
+    check(case, host(y, dtype), dtype)
 
 
 def test_torch_tensors_and_cupy_arrays_agree(make_case, check):
@@ -160,12 +192,15 @@ def _new_addressing(make_case, spec_case, T, mix):
                      pad_to=bucket if T < bucket else None)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_cupy_graph_replays_new_addressing(make_case, check, fused):
+LAUNCHES = {"v3": dict(fused=False, expand="v3"), "v4": dict(fused=False, expand="v4"), "fused": dict(fused=True)}
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_cupy_graph_replays_new_addressing(make_case, check, launch):
     cupy = cp()
     first = make_case(T=128, in_f=264, slices=(96, 40, 24), max_rank=16, ranks=(1, 8, 16),
                       dtype="bfloat16", mix="uniform", active=6)
-    be = backend_for(first.spec, fused=fused)
+    be = backend_for(first.spec, **LAUNCHES[launch])
     x, y = dev(first.x), dev(first.y0)
     w = dev_weights(first.w)
     to, ip = dev(first.token_order), dev(first.slot_indptr)
@@ -190,14 +225,14 @@ def test_cupy_graph_replays_new_addressing(make_case, check, fused):
         assert_same(y_graph, run_cupy(be, case), "bfloat16")
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_torch_graph_replays_new_addressing(make_case, check, fused):
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_torch_graph_replays_new_addressing(make_case, check, launch):
     torch = pytest.importorskip("torch")
     from lora_cupy.dtypes import from_torch, to_torch
 
     first = make_case(T=64, in_f=512, slices=(384,), max_rank=64, ranks=(8, 64), dtype="bfloat16",
                       mix="uniform", active=6)
-    be = backend_for(first.spec, fused=fused)
+    be = backend_for(first.spec, **LAUNCHES[launch])
 
     def td(a):
         return to_torch(np.ascontiguousarray(a)).cuda()
