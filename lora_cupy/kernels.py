@@ -47,15 +47,20 @@ MMA_SHRINK_BM = (16, 32, 64)
 MMA_TILES = ((16, 64), (32, 128), (64, 128))
 #: Columns of one pass of the v4 ("stream") expand, ``Stream<T>::BN`` in expand_stream.cuh.
 STREAM_BN = 32
-#: The expand kernels a plan may pick: v3 (tiles through shared memory) and v4 (y streamed in registers).
+#: Ranks per block of the v4 ("stream") shrink per dtype, ``StreamShrink<T>::RB`` in shrink_stream.cuh.
+STREAM_RANK_BLOCK = {"float32": 16, "float16": 32, "bfloat16": 32}
+#: The shrink / expand kernels a plan may pick: v3 (tiles through shared memory) and v4 (x or y
+#: streamed through registers, one warp on its own).
 EXPAND_VARIANTS = ("v3", "v4")
+SHRINK_VARIANTS = ("v3", "v4")
 
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
     return (tuple(f"lora_shrink<{ctype}, {bm}>" for bm in MMA_SHRINK_BM)
             + tuple(f"lora_expand<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
             + tuple(f"lora_fused<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
-            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES))
+            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES)
+            + tuple(f"lora_shrink_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES))
 
 
 def mma_family(dtype: str) -> str:

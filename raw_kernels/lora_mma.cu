@@ -572,6 +572,7 @@ __host__ __device__ constexpr int fused_smem() {
 }  // namespace lora
 
 #include "expand_stream.cuh"
+#include "shrink_stream.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -631,8 +632,17 @@ __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
   }
 }
 
-// The v4 expand (expand_stream.cuh): registers capped for 4 blocks per multiprocessor; dynamic shared
-// memory holds slot_indptr alone.
+// The v4 kernels (shrink_stream.cuh, expand_stream.cuh): registers capped for 4 blocks per
+// multiprocessor; dynamic shared memory holds slot_indptr alone.
+template <typename T, int BM>
+__global__ void __launch_bounds__(128, 4) lora_shrink_stream(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::TileRows<BM> tr;
+  LORA_ARGS;
+  lora::require_smem(4 * (num_slots + 1));
+  lora::shrink_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
+}
+
 template <typename T, int BM>
 __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];

@@ -33,6 +33,7 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     ct = kernels.CUDA_TYPES[dtype]
     wanted = {f"lora_shrink<{ct}, {bm}>" for bm in kernels.MMA_SHRINK_BM}
     wanted |= {f"lora_{k}<{ct}, {bm}, {bn}>" for k in ("expand", "fused") for bm, bn in kernels.MMA_TILES}
+    wanted |= {f"lora_{k}_stream<{ct}, {bm}>" for k in ("shrink", "expand") for bm, _ in kernels.MMA_TILES}
     assert wanted <= names
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -63,6 +64,9 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
                          f"{cb.expand_smem(dtype, bm, bn)}, \"expand {dtype} {bm}\");")
             lines.append(f"static_assert(lora::fused_smem<{ct}, {bm}, {bn}>() == "
                          f"{cb.fused_smem(dtype, bm, bn)}, \"fused {dtype} {bm}\");")
+        lines.append(f"static_assert(lora::Stream<{ct}>::BN == {kernels.STREAM_BN}, \"v4 expand {dtype}\");")
+        lines.append(f"static_assert(lora::StreamShrink<{ct}>::RB == {kernels.STREAM_RANK_BLOCK[dtype]}, "
+                     f"\"v4 shrink {dtype}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
@@ -101,7 +105,8 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         assert p.workspace_floats(cb.rank_width(R)) <= floats and p.counter_ints() <= ints
         for t in kernels.MMA_SHRINK_BM:  # any tile a caller may force fits the counters
             assert cb.plan_launch(b, in_f, out, n, R, dtype, tile=t).counter_ints() <= ints
-        assert p.rank_blocks == -(-R // cb.RANK_BLOCK)
+        assert p.rank_blocks == -(-R // cb.rank_block(p.shrink, dtype))
+        assert p.fused or (p.shrink, p.expand) == (cb.default_shrink(b), cb.default_expand(b))
 
 
 def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
@@ -119,9 +124,10 @@ def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     for b in DEFAULT_CAPTURE_BUCKETS:
         p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16")
         p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16")
-        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb) == (
-            p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb)
-        assert p128.rank_blocks == 2 and p128.splits * 2 >= p16.splits
+        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb, p16.shrink, p16.expand) == (
+            p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb, p128.shrink, p128.expand)
+        rb = cb.rank_block(p128.shrink, "bfloat16")
+        assert p128.rank_blocks == 128 // rb and p128.splits * (128 // rb) >= p16.splits
 
 
 def test_workspace_is_v_at_the_largest_bucket():
@@ -131,6 +137,33 @@ def test_workspace_is_v_at_the_largest_bucket():
     floats, ints = cb.plan_workspace(spec)
     assert floats == 4096 * 3 * 128  # [bucket, n, rw], rw = 120 rounded up to 16
     assert ints == 2 + 2 * 4096 // 16
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_f,out,n,R", SHAPES)
+def test_v4_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R, dtype):
+    """The v4 kernels: 32-column passes, column groups a multiple of the warps that share an
+    m-tile, no more expand blocks than one wave of 4 per multiprocessor once y is large, rank
+    blocks of the v4 shrink; a fused launch stays v3 whatever is asked."""
+    for b in (128, 256, 512, 1024, 4096):
+        for tile in kernels.MMA_SHRINK_BM:
+            p = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=False, shrink="v4", expand="v4")
+            assert (p.shrink, p.expand, p.bn) == ("v4", "v4", kernels.STREAM_BN)
+            assert p.col_blocks * p.bn >= out > (p.col_blocks - 1) * p.bn
+            share = 64 // tile
+            assert p.cpb == p.col_blocks or p.cpb % share == 0
+            assert p.expand_blocks <= max(p.tiles, cb.STREAM_BLOCKS_PER_SM * cb.DEFAULT_SMS)
+            assert p.rank_blocks == -(-R // kernels.STREAM_RANK_BLOCK[dtype])
+            assert p.shrink_blocks == p.tiles * p.splits * n * p.rank_blocks
+            f = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=True, shrink="v4", expand="v4")
+            assert (f.shrink, f.expand) == ("v3", "v3")
+
+
+def test_unknown_kernel_versions_are_refused():
+    with pytest.raises(ValueError, match="expand"):
+        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", expand="v5")
+    with pytest.raises(ValueError, match="shrink"):
+        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", shrink="v2")
 
 
 def test_tile_and_fused_overrides():
@@ -240,6 +273,32 @@ def test_targets():
     big = bench.Row("core", 4096, 4096, (4096,), (16,) * 32, 16)
     assert bench.targets_met(big, 34.0, 24.0, 40.0)
     assert not bench.targets_met(big, 36.0, 24.0, 40.0)
+
+
+def test_v3_and_v4_are_timed_side_by_side_where_the_launch_is_unfused():
+    for row in bench.rows():
+        names = set(bench.kernel_variants(row, sweep=False))
+        unfused = (row.bucket or row.T) > 64
+        assert names >= {"default"}
+        assert (set(bench.VERSIONS) <= names) == unfused
+        assert (set(bench.V4_TILES) <= names) == (unfused and row.group == "core")
+
+
+def test_versions_table_picks_the_fastest_correct_version():
+    row = bench.Row("core", 4096, 4096, (4096,), (16,) * 32, 16)
+    k = lambda us, ok=True: {"us": us, "err": 1e-3, "ok": ok}  # noqa: E731
+    res = {"row": bench.asdict(row), "label": row.label, "floor_us": 26.0, "best_baseline_us": 44.0,
+           "kernels": {"default": k(73.0), "v3": k(73.0), "v4": k(30.0, ok=False), "s4e3": k(60.0),
+                       "s3e4": k(36.0)},
+           "parts": {"v3.shrink": 20.0, "v3.expand": 50.0}}
+    lines = bench._versions_table([res]).splitlines()
+    assert len(lines) == 3 and lines[2].startswith(row.label[:40])
+    cells = lines[2][40:].split()
+    assert cells[2] == "ERR" and "s3e4" in cells  # v4 over tolerance never wins
+    assert cells[cells.index("|") - 1] == "yes"  # 36 us: 72% of a 26 us floor and under 44
+    assert lines[2].endswith("| 20.0 50.0")
+    fused = {**res, "kernels": {"default": k(9.0)}}
+    assert len(bench._versions_table([fused]).splitlines()) == 2  # rows without v4 are left out
 
 
 def test_rows_cover_the_issue():

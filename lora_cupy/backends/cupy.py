@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import CUDA_TYPES, EXPAND_VARIANTS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module, mma_family
+from ..kernels import (CUDA_TYPES, EXPAND_VARIANTS, MMA_SHRINK_BM, MMA_TILES, SHRINK_VARIANTS, STREAM_BN,
+                       STREAM_RANK_BLOCK, load_module, mma_family)
 from ..spec import LoraSpec
 from .base import LayerWeights
 
@@ -77,7 +78,7 @@ def fused_smem(dtype: str, bm: int, bn: int) -> int:
     return max(shrink_smem(dtype, bm), expand_smem(dtype, bm, bn))
 
 
-#: Blocks per multiprocessor the v4 expand is built for (``__launch_bounds__(128, 4)``).
+#: Blocks per multiprocessor the v4 kernels are built for (``__launch_bounds__(128, 4)``).
 STREAM_BLOCKS_PER_SM = 4
 
 
@@ -87,9 +88,10 @@ class LaunchPlan:
 
     ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per column
     block and ``cpb`` column blocks per expand block, ``splits`` blocks over ``in`` per shrink
-    tile (``k_split`` features each). ``expand`` names the expand kernel of an unfused launch:
-    ``"v3"`` (tiles through shared memory) or ``"v4"`` (each warp streams y in registers, column
-    blocks of ``STREAM_BN``); a fused launch always runs the v3 expand.
+    tile (``k_split`` features each). ``shrink`` and ``expand`` name the kernels of an unfused
+    launch: ``"v3"`` (tiles through shared memory) or ``"v4"`` (each warp streams x, or y, through
+    registers: shrink rank blocks of ``STREAM_RANK_BLOCK``, expand column blocks of
+    ``STREAM_BN``); a fused launch always runs v3.
     """
 
     bucket: int
@@ -104,6 +106,7 @@ class LaunchPlan:
     cpb: int
     n_slices: int
     expand: str = "v3"
+    shrink: str = "v3"
 
     @property
     def shrink_blocks(self) -> int:
@@ -134,8 +137,9 @@ def default_fused(bucket: int) -> bool:
     return bucket <= 64
 
 
-#: Smallest capture bucket whose unfused launch runs the v4 expand by default (None: v3 for all).
+#: Smallest capture bucket whose unfused launch runs the v4 expand / shrink by default (None: v3).
 V4_EXPAND_FROM: int | None = None
+V4_SHRINK_FROM: int | None = None
 
 
 def default_expand(bucket: int) -> str:
@@ -143,17 +147,28 @@ def default_expand(bucket: int) -> str:
     return "v4" if V4_EXPAND_FROM is not None and bucket >= V4_EXPAND_FROM else "v3"
 
 
+def default_shrink(bucket: int) -> str:
+    """The shrink kernel of an unfused launch: v4 (x streamed in registers) from ``V4_SHRINK_FROM`` on."""
+    return "v4" if V4_SHRINK_FROM is not None and bucket >= V4_SHRINK_FROM else "v3"
+
+
+def rank_block(shrink: str, dtype: str) -> int:
+    """Ranks per shrink block: 64 for v3, ``STREAM_RANK_BLOCK[dtype]`` for v4."""
+    return RANK_BLOCK if shrink == "v3" else STREAM_RANK_BLOCK[normalize_dtype(dtype)]
+
+
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_sms: int = DEFAULT_SMS, tile: int | None = None,
-                fused: bool | None = None, expand: str | None = None) -> LaunchPlan:
+                fused: bool | None = None, expand: str | None = None,
+                shrink: str | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket.
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block; expand blocks take several column blocks each once there are more than about four
     per multiprocessor, so each block's fixed start is spread over more of y. The v4 expand
-    takes as many column blocks per block as fit every block in one wave of
-    ``STREAM_BLOCKS_PER_SM`` blocks per multiprocessor (a multiple of the warps sharing an
-    m-tile, ``64 // bm``), so each warp streams a long run of y.
+    takes as many column blocks per block (a multiple of the warps sharing an m-tile,
+    ``64 // bm``) as fit every block in one wave of ``STREAM_BLOCKS_PER_SM`` blocks per
+    multiprocessor, so each warp streams a long run of y.
     """
     dtype = normalize_dtype(dtype)
     bm = default_tile(bucket) if tile is None else int(tile)
@@ -162,10 +177,13 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         raise ValueError(f"tile {bm} is not one of {[t for t, _ in MMA_TILES]}")
     fused = default_fused(bucket) if fused is None else bool(fused)
     expand = "v3" if fused else (default_expand(bucket) if expand is None else str(expand))
+    shrink = "v3" if fused else (default_shrink(bucket) if shrink is None else str(shrink))
     if expand not in EXPAND_VARIANTS:
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_VARIANTS}")
+    if shrink not in SHRINK_VARIANTS:
+        raise ValueError(f"shrink {shrink!r} is not one of {SHRINK_VARIANTS}")
     tiles = _ceil(bucket, bm)
-    rank_blocks = _ceil(max_rank, RANK_BLOCK)
+    rank_blocks = _ceil(max_rank, rank_block(shrink, dtype))
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     base = tiles * n_slices * rank_blocks
@@ -176,14 +194,14 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         bn = STREAM_BN
         col_blocks = _ceil(out_features, bn)
         share = 64 // bm  # warps that take turns on one m-tile's column blocks
-        cpb = _ceil(_ceil(tiles * col_blocks, STREAM_BLOCKS_PER_SM * num_sms), share) * share
-        cpb = min(col_blocks, cpb)
+        groups = max(1, (STREAM_BLOCKS_PER_SM * num_sms) // tiles)  # column groups per tile, at most
+        cpb = min(col_blocks, _ceil(_ceil(col_blocks, groups), share) * share)
     else:
         col_blocks = _ceil(out_features, bn)
         cpb = max(1, min(col_blocks, (tiles * col_blocks) // (4 * num_sms)))
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
                       tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
-                      n_slices=n_slices, expand=expand)
+                      n_slices=n_slices, expand=expand, shrink=shrink)
 
 
 def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
@@ -258,12 +276,13 @@ class CallLimits:
     tile: int | None = None
     fused: bool | None = None
     expand: str | None = None
+    shrink: str | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_sms=self.num_sms, tile=self.tile, fused=self.fused,
-                           expand=self.expand)
+                           expand=self.expand, shrink=self.shrink)
 
 
 @dataclass(frozen=True)
@@ -369,7 +388,7 @@ class CupyBackend:
     """Runs the slot-grouped delta on one CUDA device with the tensor-core kernels.
 
     ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile``,
-    ``fused`` and ``expand`` (``"v3"`` / ``"v4"``) override the per-bucket choices of
+    ``fused``, ``shrink`` and ``expand`` (``"v3"`` / ``"v4"``) override the per-bucket choices of
     :func:`plan_launch` (for benchmarks and tests); ``num_sms`` defaults to the device's
     multiprocessor count.
     """
@@ -377,13 +396,16 @@ class CupyBackend:
     name = "cupy"
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
-                 fused: bool | None = None, expand: str | None = None, num_sms: int | None = None):
+                 fused: bool | None = None, expand: str | None = None, shrink: str | None = None,
+                 num_sms: int | None = None):
         import cupy
 
         if kernel not in ("mma", "simt"):
             raise ValueError(f"kernel must be 'mma' or 'simt', got {kernel!r}")
         if expand is not None and expand not in EXPAND_VARIANTS:
             raise ValueError(f"expand must be one of {EXPAND_VARIANTS}, got {expand!r}")
+        if shrink is not None and shrink not in SHRINK_VARIANTS:
+            raise ValueError(f"shrink must be one of {SHRINK_VARIANTS}, got {shrink!r}")
         if spec.num_slots > MAX_SLOTS:
             raise ValueError(f"num_slots={spec.num_slots} above the {MAX_SLOTS} a launch takes")
         if device is None:
@@ -405,7 +427,7 @@ class CupyBackend:
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
-            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand)
+            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, shrink)
             self._load(spec.dtype)
 
     def _offset_table(self, cupy):
@@ -439,9 +461,10 @@ class CupyBackend:
             fn = mod.get_function(f"lora_fused<{ct}, {bm}, {bn}>")
             fn.max_dynamic_shared_size_bytes = fused_smem(dtype, bm, bn) + extra
             self._fns[(dtype, "fused", bm)] = fn
-            fn = mod.get_function(f"lora_expand_stream<{ct}, {bm}>")
-            fn.max_dynamic_shared_size_bytes = extra  # slot_indptr alone
-            self._fns[(dtype, "stream", bm)] = fn
+            for kind in ("shrink", "expand"):  # v4: dynamic shared memory holds slot_indptr alone
+                fn = mod.get_function(f"lora_{kind}_stream<{ct}, {bm}>")
+                fn.max_dynamic_shared_size_bytes = extra
+                self._fns[(dtype, f"{kind}_v4", bm)] = fn
 
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
@@ -459,8 +482,11 @@ class CupyBackend:
         Launches on torch's current stream when x or y is a torch tensor, else on CuPy's.
         """
         call = check_call(self.limits, y, x, w, token_order, slot_indptr)
-        if call is None:
-            return
+        if call is not None:
+            self._run(call)
+
+    def _run(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")) -> None:
+        """Launch a checked call on the caller's stream (torch's current one for torch tensors)."""
         if call.torch:
             import torch
 
@@ -469,10 +495,10 @@ class CupyBackend:
             if stream is None:
                 stream = self._streams[ptr] = self._external_stream(ptr)
             with self._device, stream:
-                self._launch(call)
+                self._launch(call, parts)
         else:
             with self._device:
-                self._launch(call)
+                self._launch(call, parts)
 
     def _external_stream(self, ptr: int):
         try:
@@ -480,7 +506,10 @@ class CupyBackend:
         except (AttributeError, TypeError):  # a CuPy before the stream protocol
             return self._cupy.cuda.ExternalStream(ptr, self.limits.device_id)
 
-    def _launch(self, call: LaunchArgs) -> None:
+    def _launch(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")) -> None:
+        """Launch one checked call. ``parts`` (an unfused plan only, for timing each kernel alone)
+        leaves out the shrink or the expand; v is then not zero afterwards until the workspace is
+        cleared."""
         dtype, plan = call.dtype, call.plan
         if not any(k[0] == dtype for k in self._fns):
             self._load(dtype)  # a dtype other than the spec's: compiled on its first (eager) call
@@ -507,12 +536,14 @@ class CupyBackend:
                 (plan.shrink_blocks + plan.expand_blocks,), (THREADS,), args,
                 shared_mem=fused_smem(dtype, plan.bm, plan.bn) + extra)
         else:
-            self._fns[(dtype, "shrink", plan.bm)](
-                (plan.shrink_blocks,), (THREADS,), args, shared_mem=shrink_smem(dtype, plan.bm) + extra)
-            if plan.expand == "v4":
-                self._fns[(dtype, "stream", plan.bm)](
-                    (plan.expand_blocks,), (THREADS,), args, shared_mem=extra)
-            else:
+            if "shrink" in parts and plan.shrink == "v4":
+                self._fns[(dtype, "shrink_v4", plan.bm)]((plan.shrink_blocks,), (THREADS,), args, shared_mem=extra)
+            elif "shrink" in parts:
+                self._fns[(dtype, "shrink", plan.bm)](
+                    (plan.shrink_blocks,), (THREADS,), args, shared_mem=shrink_smem(dtype, plan.bm) + extra)
+            if "expand" in parts and plan.expand == "v4":
+                self._fns[(dtype, "expand_v4", plan.bm)]((plan.expand_blocks,), (THREADS,), args, shared_mem=extra)
+            elif "expand" in parts:
                 self._fns[(dtype, "expand", plan.bm)](
                     (plan.expand_blocks,), (THREADS,), args,
                     shared_mem=expand_smem(dtype, plan.bm, plan.bn) + extra)

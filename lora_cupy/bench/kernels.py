@@ -356,13 +356,33 @@ def copy_bandwidth() -> float:
 # ---- the run --------------------------------------------------------------------------------------
 VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
                               for t in (16, 32, 64) for f in (False, True)}}
+#: Kernel versions timed side by side on every row whose bucket launches shrink and expand apart:
+#: s = shrink, e = expand, 3 / 4 = v3 (shared-memory tiles) / v4 (streamed through registers).
+VERSIONS = {"v3": dict(shrink="v3", expand="v3"), "v4": dict(shrink="v4", expand="v4"),
+            "s4e3": dict(shrink="v4", expand="v3"), "s3e4": dict(shrink="v3", expand="v4")}
+#: On the core rows, v4 at every tile as well.
+V4_TILES = {f"v4t{t}": dict(shrink="v4", expand="v4", tile=t) for t in (16, 32, 64)}
+
+
+def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
+    """The backend options timed on one row: the default, then v3 / v4 (unfused buckets only)."""
+    from ..backends.cupy import default_fused
+    from ..spec import LoraSpec, LoraTarget
+
+    out = dict(VARIANTS) if sweep else {"default": {}}
+    spec = LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=row.slots + 1, max_rank=row.pool_rank)
+    if not default_fused(spec.bucket_for(row.bucket or row.T)):
+        out.update(VERSIONS)
+        if row.group == "core":
+            out.update(V4_TILES)
+    return out
 
 
 def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
     import torch
 
     from ..backends.base import LayerWeights
-    from ..backends.cupy import TOLERANCE, CupyBackend
+    from ..backends.cupy import TOLERANCE, CupyBackend, check_call, default_tile
 
     d = build(row, seed)
     w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
@@ -370,19 +390,32 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
     floor_bytes = byte_floor(row, d.adapter_rows)
     result["floor_bytes"] = floor_bytes
     result["floor_us"] = floor_us = floor_bytes / bw * 1e6
-    kernels = {}
-    for name, kw in (VARIANTS.items() if sweep else [("default", {})]):
+    kernels, seen, parts = {}, {}, {}
+    for name, kw in kernel_variants(row, sweep).items():
         be = CupyBackend(d.spec, **kw)
+        plan = be.plan(d.token_order.shape[0], w, row.dtype)
+        if plan in seen:  # the same launch as a variant already timed
+            kernels[name] = dict(kernels[seen[plan]], same_as=seen[plan])
+            continue
+        seen[plan] = name
         d.y.copy_(d.y0)
         be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
         torch.cuda.synchronize()
         err = oracle_error(d, d.y)
-        plan = be.plan(d.token_order.shape[0], w, row.dtype)
         us = timer(lambda: be.delta(d.y, d.x, w, d.token_order, d.slot_indptr))
         kernels[name] = {"us": us, "err": err, "ok": err < TOLERANCE[row.dtype],
-                         "plan": {k: getattr(plan, k) for k in ("bm", "bn", "splits", "k_split", "fused")}}
+                         "plan": {k: getattr(plan, k) for k in ("bm", "bn", "splits", "k_split", "fused", "cpb",
+                                                                  "shrink", "expand")}}
+        if row.group == "core" and row.T >= 1024 and plan.bm == default_tile(plan.bucket):  # each kernel alone
+            call = check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr)
+            for part, version in (("shrink", plan.shrink), ("expand", plan.expand)):
+                if f"{version}.{part}" not in parts:
+                    parts[f"{version}.{part}"] = timer(lambda: be._run(call, (part,)))
+            be.workspace.fill(0)  # the shrink alone leaves its sums in v
+            be.counters.fill(0)
         del be
     result["kernels"] = kernels
+    result["parts"] = parts
     base = {}
     for name, fn in baselines(d).items():
         base[name] = timer(fn)
@@ -397,19 +430,64 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
 
 
 def _table(results: list[dict], bw: float) -> str:
-    head = (f"{'row':44s} {'plan':>12s} {'us':>7s} {'floor':>6s} {'%fl':>4s} {'loop':>7s} {'bmm':>7s} "
+    head = (f"{'row':44s} {'plan':>14s} {'us':>7s} {'floor':>6s} {'%fl':>4s} {'loop':>7s} {'bmm':>7s} "
             f"{'gemm':>7s} {'err':>8s} ok")
     lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s", head, "-" * len(head)]
     for r in results:
         k = r["kernels"]["default"]
         p = k["plan"]
         plan = f"{p['bm']}{'f' if p['fused'] else ''}/s{p['splits']}"
+        if not p["fused"]:
+            plan += f" {p['shrink']}" if p["shrink"] == p["expand"] else f" s{p['shrink'][1]}e{p['expand'][1]}"
         b = r["baselines"]
         bs = [f"{b[n]:7.1f}" if n in b else f"{'-':>7s}" for n in ("loop", "bmm", "gemm")]
-        lines.append(f"{r['label']:44s} {plan:>12s} {r['us']:7.1f} {r['floor_us']:6.1f} "
+        lines.append(f"{r['label']:44s} {plan:>14s} {r['us']:7.1f} {r['floor_us']:6.1f} "
                      f"{100 * r['share_of_floor']:4.0f} {' '.join(bs)} {k['err']:8.1e} "
                      f"{'yes' if r['target_ok'] else 'NO'}")
     return "\n".join(lines)
+
+
+def _versions_table(results: list[dict]) -> str:
+    """v3 against v4 on the rows that run both: full-call times, the kernels alone where timed,
+    the best version, the best baseline, and whether the best version meets the issue's bars."""
+    names = [n for n in ("default", *VERSIONS, *V4_TILES)]
+    head = (f"{'row':40s} " + " ".join(f"{n:>6s}" for n in names)
+            + f" {'best':>5s} {'base':>6s} {'floor':>6s} bars | s3 e3 s4 e4 alone")
+    lines = ["v3 vs v4 (us; ERR = over tolerance, '-' = not run)", head]
+    for r in results:
+        ks = r["kernels"]
+        if "v4" not in ks:
+            continue
+        cells, best_name, best_us = [], None, math.inf
+        for n in names:
+            k = ks.get(n)
+            if k is None:
+                cells.append(f"{'-':>6s}")
+            elif not k["ok"]:
+                cells.append(f"{'ERR':>6s}")
+            else:
+                cells.append(f"{k['us']:6.1f}")
+                if k["us"] < best_us:
+                    best_name, best_us = n, k["us"]
+        row = Row(**{**r["row"], "slices": tuple(r["row"]["slices"]), "ranks": tuple(r["row"]["ranks"])})
+        base = r["best_baseline_us"]
+        met = best_name is not None and targets_met(row, best_us, r["floor_us"], base)
+        p = r.get("parts", {})
+        alone = " ".join(f"{p[k]:.1f}" for k in ("v3.shrink", "v3.expand", "v4.shrink", "v4.expand") if k in p)
+        lines.append(f"{r['label'][:40]:40s} " + " ".join(cells)
+                     + f" {best_name or '-':>5s} {base if base is not None else math.nan:6.1f} "
+                       f"{r['floor_us']:6.1f} {'yes' if met else 'no':>4s} | {alone}")
+    return "\n".join(lines)
+
+
+def _deadline(args) -> float:
+    """When to stop starting rows: --deadline-s from now, or BENCH_END_AT (epoch seconds) less 20 s."""
+    import os
+
+    ends = [time.time() + args.deadline_s] if args.deadline_s else []
+    if os.environ.get("BENCH_END_AT"):
+        ends.append(float(os.environ["BENCH_END_AT"]) - 20.0)
+    return min(ends) if ends else math.inf
 
 
 def _sweep_table(results: list[dict]) -> str:
@@ -432,6 +510,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--method", choices=("events", "diff"), default="diff",
                     help="events around each call inside the graph, or (calls + flushes - flushes) / calls")
+    ap.add_argument("--deadline-s", type=float, default=0.0,
+                    help="start no row after this many seconds (also: env BENCH_END_AT, epoch seconds)")
     args = ap.parse_args(argv)
     import torch
 
@@ -449,13 +529,24 @@ def main(argv=None) -> int:
         t = Timer(args.replays, m)
         calib[m] = {"nothing": t(lambda: None), "empty_kernel": t(lambda: _t.cuda._sleep(0))}
     print(f"calibration (us): {calib}", file=sys.stderr)
-    results = []
-    t0 = time.time()
+    results, skipped = [], []
+    t0, stop = time.time(), _deadline(args)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw": bw,
+            "method": "events" if timer.events_in_graphs else "diff", "calibration_us": calib}
     for i, row in enumerate(todo):
+        if time.time() > stop:
+            skipped.append(row.label)
+            continue
         res = run_row(row, timer, bw, args.seed + i, args.sweep)
         results.append(res)
+        vs = " ".join(f"{n} {k['us']:.1f}" for n, k in res["kernels"].items() if n in VERSIONS)
         print(f"[{i + 1}/{len(todo)} {time.time() - t0:5.0f}s] {row.label}: {res['us']:.1f} us "
-              f"(floor {res['floor_us']:.1f}, best baseline {res['best_baseline_us']:.1f})", file=sys.stderr)
+              f"(floor {res['floor_us']:.1f}, best baseline {res['best_baseline_us']:.1f}) {vs}", file=sys.stderr)
+        if args.json:  # after every row, so a run cut short still leaves its numbers
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": results, "partial": True}, f, indent=1)
+    if skipped:
+        print(f"deadline: {len(skipped)} rows not run: {', '.join(skipped)}", file=sys.stderr)
     by_label = {r["label"]: r for r in results}
     for r in results:  # a pool of max rank 128 against the same adapters in a pool of max 16
         if r["row"]["group"] == "poolrank":
@@ -470,11 +561,12 @@ def main(argv=None) -> int:
         print("pool max 128 vs max 16, rank-16 adapters: " + ", ".join(pr))
     if args.sweep:
         print(_sweep_table(results))
+    if skipped:
+        print(f"not run (deadline): {', '.join(skipped)}")
+    print(_versions_table(results))
     if args.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw": bw,
-                "method": "events" if timer.events_in_graphs else "diff", "calibration_us": calib}
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": results}, f, indent=1)
+            json.dump({"meta": meta, "rows": results, "skipped": skipped}, f, indent=1)
     return 0 if all(k["ok"] for r in results for k in r["kernels"].values()) else 1
 
 

@@ -24,9 +24,14 @@ def _gpu_count() -> int:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
 DTYPES = ("bfloat16", "float16", "float32")
-VARIANTS = {f"mma{t}{'-fused' if f else ''}": dict(kernel="mma", tile=t, fused=f, **({} if f else {"expand": "v3"}))
-            for t in (16, 32, 64) for f in (False, True)}
-VARIANTS.update({f"mma{t}-v4": dict(kernel="mma", tile=t, fused=False, expand="v4") for t in (16, 32, 64)})
+#: shrink / expand kernel versions of an unfused launch: v3 (shared-memory tiles), v4 (streamed)
+VERSIONS = {"v3": dict(shrink="v3", expand="v3"), "v4": dict(shrink="v4", expand="v4"),
+            "s4e3": dict(shrink="v4", expand="v3"), "s3e4": dict(shrink="v3", expand="v4")}
+VARIANTS = {f"mma{t}-fused": dict(kernel="mma", tile=t, fused=True) for t in (16, 32, 64)}
+VARIANTS.update({f"mma{t}-{v}": dict(kernel="mma", tile=t, fused=False, **VERSIONS[v])
+                 for t in (16, 32, 64) for v in ("v3", "v4")})
+VARIANTS.update({"mma16-s4e3": dict(kernel="mma", tile=16, fused=False, **VERSIONS["s4e3"]),
+                 "mma64-s3e4": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e4"])})
 VARIANTS["simt"] = dict(kernel="simt")
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -116,20 +121,20 @@ def test_delta_matches_oracle(make_case, check, name, dtype, variant):
 
 
 @pytest.mark.parametrize("mix", ["distinct", "uniform", "zipf", "identical", "skewed"])
-@pytest.mark.parametrize("T,expand", [(16, None), (64, None), (300, "v3"), (300, "v4"), (4096, "v3"),
-                                      (4096, "v4")])
-def test_popularity_mixes(make_case, check, mix, T, expand):
+@pytest.mark.parametrize("T,version", [(16, None), (64, None), (300, "v3"), (300, "v4"), (4096, "v3"),
+                                       (4096, "v4")])
+def test_popularity_mixes(make_case, check, mix, T, version):
     case = make_case(T=T, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), dtype="bfloat16",
                      mix=mix, num_slots=33, active=min(32, T))
-    check(case, run_cupy(backend_for(case.spec, expand=expand), case), "bfloat16")
+    check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
-@pytest.mark.parametrize("T,expand", [(64, None), (300, "v4")])
-def test_rank16_adapters_in_rank128_pool(make_case, check, T, expand):
+@pytest.mark.parametrize("T,version", [(64, None), (300, "v3"), (300, "v4")])
+def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     """Rank-16 adapters in a pool of max rank 128, the rest of every slot poisoned with NaN."""
     case = make_case(T=T, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
                      mix="uniform", poison_beyond_rank=True)
-    check(case, run_cupy(backend_for(case.spec, expand=expand), case), "bfloat16")
+    check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
 def dev_misaligned(h: np.ndarray):
@@ -142,19 +147,22 @@ def dev_misaligned(h: np.ndarray):
 
 
 @pytest.mark.parametrize("misaligned", [False, True])
-@pytest.mark.parametrize("expand", ["v3", "v4"])
+@pytest.mark.parametrize("version", ["v3", "v4"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_column_groups_awkward_slices_and_misaligned_y(make_case, check, dtype, expand, misaligned):
-    """One multiprocessor planned for: each expand block walks many column blocks (the v4 expand
-    keeps y of the next passes in registers), over slices that end inside a column block, ranks
-    below, at and above the 64 the v4 expand keeps in registers, several runs per warp; a y
-    one element off 16-byte alignment takes the element-wise loads and stores."""
+def test_long_streams_awkward_slices_and_misaligned_rows(make_case, check, dtype, version, misaligned):
+    """One multiprocessor planned for: one split of ``in`` per shrink (a plain store of v where one
+    warp writes it) and many column blocks per expand block (the v4 expand keeps y of the next
+    passes in registers), over slices that end inside a column block, ranks below, at and above
+    the 64 the v4 expand keeps in registers, several runs per warp. Misaligned: x and y one element
+    off 16-byte alignment take the element-wise loads and stores."""
     case = make_case(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                      dtype=dtype, mix="zipf", num_slots=17, active=12)
-    be = backend_for(case.spec, expand=expand, num_sms=1)
-    assert be.plan(300, dev_weights(case.w), dtype).cpb >= 8
+    be = backend_for(case.spec, num_sms=1, tile=64, **VERSIONS[version])
+    plan = be.plan(300, dev_weights(case.w), dtype)
+    assert plan.cpb >= 8 and plan.splits == 1
     y = dev_misaligned(case.y0) if misaligned else dev(case.y0)
-    be.delta(y, dev(case.x), dev_weights(case.w), dev(case.token_order), dev(case.slot_indptr))
+    x = dev_misaligned(case.x) if misaligned else dev(case.x)
+    be.delta(y, x, dev_weights(case.w), dev(case.token_order), dev(case.slot_indptr))
     cp().cuda.get_current_stream().synchronize()
     check_clean(be)
     check(case, host(y, dtype), dtype)
@@ -192,7 +200,8 @@ def _new_addressing(make_case, spec_case, T, mix):
                      pad_to=bucket if T < bucket else None)
 
 
-LAUNCHES = {"v3": dict(fused=False, expand="v3"), "v4": dict(fused=False, expand="v4"), "fused": dict(fused=True)}
+LAUNCHES = {"v3": dict(fused=False, **VERSIONS["v3"]), "v4": dict(fused=False, **VERSIONS["v4"]),
+            "fused": dict(fused=True)}
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
