@@ -161,8 +161,6 @@ def play(trace: Trace, config: PlayerConfig | None = None, *, progress: bool | N
                 heapq.heappush(reads, (int(math.ceil(land / dt - 1e-9)), name))
             queue.append(nxt)
             nxt += 1
-            if bar is not None:
-                bar.update(1)
         while reads and reads[0][0] <= step:
             pool.complete_read(heapq.heappop(reads)[1], ok=True)
         rows, left = [], []
@@ -192,6 +190,8 @@ def play(trace: Trace, config: PlayerConfig | None = None, *, progress: bool | N
             loads += len(res.loads)
             evictions += res.evictions
             running += len(rows)
+            if bar is not None:
+                bar.update(len(rows))  # requests admitted so far
         samples.append((step * dt, pool.slots.held_count(), pool.slots.resident_count(),
                         running, len(queue)))
         # Nothing changes before the next finish, arrival or landed read.
@@ -229,4 +229,4 @@ def _progress_bar(total: int, progress: bool | None):
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="req", desc="playing trace", leave=False)
+    return tqdm(total=total, unit="req", desc="playing trace (admitted)", leave=False)
