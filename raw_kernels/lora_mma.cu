@@ -18,6 +18,8 @@
 //     expand block of a tile zeroes the tile's v again, so every launch (and graph replay) starts
 //     from a zero v and zero counters.
 // lora_shrink / lora_expand: one task per block, 128 threads, a 1-D grid sized by the bucket only.
+// lora_shrink_stream / lora_expand_stream (v4, shrink_stream.cuh / expand_stream.cuh): the same
+//   tasks and grids with x, or y, streamed through registers by each warp on its own.
 // lora_fused: both in one launch; each block takes a ticket when it starts, shrink tasks first, and
 //   an expand task (after prefetching its y and B) waits for its tile's ready count, raised only by
 //   blocks already running.
