@@ -159,6 +159,20 @@ def test_v4_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R, dtype
             assert (f.shrink, f.expand) == ("v3", "v3")
 
 
+def test_v4_defaults_name_unfused_buckets_and_keep_a_pools_plan_whatever_its_rank():
+    """A bucket listed for v4 must launch unfused (a fused launch would ignore it), and the version
+    is the bucket's alone: a rank-128 pool runs the same kernels as a rank-16 one."""
+    for b in cb.V4_EXPAND_BUCKETS | cb.V4_SHRINK_BUCKETS:
+        assert not cb.default_fused(b)
+    for b in DEFAULT_CAPTURE_BUCKETS:
+        plans = [cb.plan_launch(b, 4096, out, 1, r, dt) for out in (4096, 14336) for r in (8, 16, 128)
+                 for dt in DTYPES]
+        assert len({(p.shrink, p.expand) for p in plans}) == 1
+        p = plans[0]
+        assert p.fused or (p.expand == "v4") == (b in cb.V4_EXPAND_BUCKETS)
+        assert p.fused or (p.shrink == "v4") == (b in cb.V4_SHRINK_BUCKETS)
+
+
 def test_unknown_kernel_versions_are_refused():
     with pytest.raises(ValueError, match="expand"):
         cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", expand="v5")

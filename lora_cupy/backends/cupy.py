@@ -137,19 +137,22 @@ def default_fused(bucket: int) -> bool:
     return bucket <= 64
 
 
-#: Smallest capture bucket whose unfused launch runs the v4 expand / shrink by default (None: v3).
-V4_EXPAND_FROM: int | None = None
-V4_SHRINK_FROM: int | None = None
+#: Capture buckets whose unfused launch runs the v4 expand / shrink by default: only where an H200
+#: run measured v4 correct and faster on every row of the bucket (lora_cupy/bench/results/
+#: kernels-h200.md): the v4 expand at 256 (v3 shrink), 7-23% faster. Elsewhere v3 was as fast or
+#: faster (up to 2x at 4096 tokens, rank 64): raw_kernels/NOTES.md says why.
+V4_EXPAND_BUCKETS = frozenset({256})
+V4_SHRINK_BUCKETS: frozenset[int] = frozenset()
 
 
 def default_expand(bucket: int) -> str:
-    """The expand kernel of an unfused launch: v4 (y streamed in registers) from ``V4_EXPAND_FROM`` on."""
-    return "v4" if V4_EXPAND_FROM is not None and bucket >= V4_EXPAND_FROM else "v3"
+    """The expand kernel of an unfused launch: v4 (y streamed in registers) in ``V4_EXPAND_BUCKETS``."""
+    return "v4" if bucket in V4_EXPAND_BUCKETS else "v3"
 
 
 def default_shrink(bucket: int) -> str:
-    """The shrink kernel of an unfused launch: v4 (x streamed in registers) from ``V4_SHRINK_FROM`` on."""
-    return "v4" if V4_SHRINK_FROM is not None and bucket >= V4_SHRINK_FROM else "v3"
+    """The shrink kernel of an unfused launch: v4 (x streamed in registers) in ``V4_SHRINK_BUCKETS``."""
+    return "v4" if bucket in V4_SHRINK_BUCKETS else "v3"
 
 
 def rank_block(shrink: str, dtype: str) -> int:

@@ -1,0 +1,182 @@
+"""Run the tensor-core kernels' task functions on the CPU against the float64 oracle of the GPU tests.
+
+No GPU needed: the sources of raw_kernels/ are copied with their inline-PTX helpers cut out
+(host_cuda.h supplies host versions), compiled with g++ into a shared library together with
+harness.cpp, and every block of every launch runs as 128 fibers. A case passes when y matches
+the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poisoned weight read)
+and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
+v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
+
+    python raw_kernels/host_check/check.py --shrink v4 --expand v4 [--sms 1] [--misalign] [--asan]
+
+``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
+puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
+run python with ``LD_PRELOAD`` of libasan so numpy's arrays get red zones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
+
+from conftest import build_case, check_result  # noqa: E402
+
+from lora_cupy.backends import cupy as cb  # noqa: E402
+from lora_cupy.kernels import cuda_include_dirs  # noqa: E402
+
+#: common.cuh functions made of inline PTX, replaced by host_cuda.h (the last one by a macro that
+#: defines the m16n8k16 specializations in place).
+PTX_FUNCTIONS = ("void cp_async16(", "void cp_async_commit(", "void cp_async_wait(", "unsigned dynamic_smem_size(",
+                 "int load_acquire(", "void mma16816<__nv_bfloat16>(", "void mma16816<__half>(")
+
+CASES = {  # the shapes of tests/gpu/test_kernels.py
+    "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
+    "T3-odd": dict(T=3, in_f=77, slices=(61,), max_rank=13, ranks=(1, 8, 13), mix="distinct"),
+    "T7-qkv": dict(T=7, in_f=200, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64), mix="uniform"),
+    "T133-zipf": dict(T=133, in_f=320, slices=(64, 72), max_rank=128, ranks=(1, 8, 13, 64, 128), mix="zipf",
+                      num_slots=17, active=12),
+    "T133-skew": dict(T=133, in_f=200, slices=(200,), max_rank=128, ranks=(8, 13, 128), mix="skewed"),
+    "T1000": dict(T=1000, in_f=512, slices=(136, 248), max_rank=64, ranks=(16, 64), mix="uniform",
+                  num_slots=33, active=8),
+    "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
+                 mix="zipf", num_slots=17, active=12),
+    "pad100": dict(T=100, in_f=256, slices=(256,), max_rank=16, ranks=(16,), mix="uniform", pad_to=128),
+}
+DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+
+def _cut(text: str, name: str, repl: str) -> str:
+    """``text`` with the definition of the function whose signature holds ``name`` replaced."""
+    i = text.find(name)
+    if i < 0:
+        raise SystemExit(f"host_check: {name!r} is no longer in common.cuh; update PTX_FUNCTIONS")
+    start = text.rfind("\n", 0, i) + 1
+    depth = 0
+    for k in range(text.index("{", i), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth == 0:
+            return text[:start] + repl + text[k + 1:]
+    raise SystemExit(f"host_check: unbalanced braces after {name!r}")
+
+
+def build(out_dir: Path, asan: bool) -> Path:
+    """The kernels with their PTX cut out, compiled with harness.cpp into a shared library."""
+    src = out_dir / "src"
+    src.mkdir()
+    for p in (ROOT / "raw_kernels").iterdir():
+        if p.suffix in (".cu", ".cuh"):
+            shutil.copy(p, src / p.name)
+    common = (src / "common.cuh").read_text()
+    for name in PTX_FUNCTIONS:
+        common = _cut(common, name, "EMU_MMA_SPECIALIZATIONS\n" if name.startswith("void mma16816<__half>") else "")
+    (src / "common.cuh").write_text(common)
+    mma = (src / "lora_mma.cu").read_text()
+    (src / "lora_mma.cu").write_text(mma[: mma.index("#define LORA_PARAMS")])  # the task functions only
+    lib = out_dir / "libhost_check.so"
+    flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if asan else ["-O2"]
+    cmd = ["g++", "-std=c++20", *flags, "-fPIC", "-shared", "-include", str(HERE / "host_cuda.h"),
+           f"-I{src}", *(f"-I{d}" for d in cuda_include_dirs()), str(HERE / "harness.cpp"), "-o", str(lib)]
+    subprocess.run(cmd, check=True)
+    return lib
+
+
+def _misaligned(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` whose data starts one element past 16-byte alignment."""
+    buf = np.zeros(a.size + 16, a.dtype)
+    off = next(k for k in range(1, 16) if (buf.ctypes.data + k * a.itemsize) % 16)
+    out = buf[off:off + a.size].reshape(a.shape)
+    out[...] = a
+    return out
+
+
+def plan_for(case, *, shrink: str, expand: str, tile: int, sms: int) -> cb.LaunchPlan:
+    """The unfused launch plan of ``case`` at its capture bucket."""
+    S, n, R, in_f = case.w.a.shape
+    return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, case.y0.shape[1], n, R,
+                          case.spec.dtype, tile=tile, fused=False, shrink=shrink, expand=expand, num_sms=sms)
+
+
+def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, int]:
+    """One delta of ``case`` on the host under ``plan``: (y, flags); v and counters checked at zero."""
+    w, dtype = case.w, case.spec.dtype
+    S, n, R, in_f = w.a.shape
+    out, T = case.y0.shape[1], case.token_order.shape[0]
+    x, y = case.x, case.y0.copy()
+    if misalign:
+        x, y = _misaligned(x), _misaligned(y)
+    ch = 16 // x.itemsize
+    flags = ((1 if in_f % ch == 0 and x.ctypes.data % 16 == 0 and w.a.ctypes.data % 16 == 0 else 0)
+             | (2 if R % ch == 0 and w.b.ctypes.data % 16 == 0 else 0)
+             | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
+    rw = cb.rank_width(R)
+    ws = np.zeros(plan.bucket * n * rw, np.float32)
+    counters = np.zeros(plan.counter_ints(), np.int32)
+    offs = np.asarray(w.out_offsets, np.int32) if n > 1 else None
+    scaling = np.ascontiguousarray(w.scaling, np.float32)
+    ranks = np.ascontiguousarray(w.ranks, np.int32)
+    dims = np.asarray([S, n, R, in_f, out, plan.bucket, T, rw, plan.splits, plan.k_split, plan.col_blocks,
+                       plan.cpb, flags], np.int32)
+
+    def ptr(a):
+        return ctypes.c_void_p(None if a is None else a.ctypes.data)
+
+    lib.emu_set_shrink(4 if plan.shrink == "v4" else 3)
+    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, 4 if plan.expand == "v4" else 3, plan.shrink_blocks,
+                       plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
+                       ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
+    assert rc == 0, f"no kernel for tile {plan.bm}"
+    assert not ws.any(), "v not zeroed after the launch"
+    assert not counters.any(), "counters not reset after the launch"
+    return y, flags
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--dtypes", default="bfloat16,float16,float32")
+    ap.add_argument("--tiles", default="16,32,64")
+    ap.add_argument("--shrink", default="v4", choices=("v3", "v4"))
+    ap.add_argument("--expand", default="v4", choices=("v3", "v4"))
+    ap.add_argument("--sms", type=int, default=cb.DEFAULT_SMS)
+    ap.add_argument("--misalign", action="store_true")
+    ap.add_argument("--asan", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = ctypes.CDLL(str(build(Path(tmp), args.asan)))
+        rng = np.random.default_rng(args.seed)
+        fails = 0
+        for name in args.cases.split(","):
+            for dt in args.dtypes.split(","):
+                for tile in (int(t) for t in args.tiles.split(",")):
+                    case = build_case(rng, dtype=dt, **CASES[name])
+                    plan = plan_for(case, shrink=args.shrink, expand=args.expand, tile=tile, sms=args.sms)
+                    t0 = time.time()
+                    try:
+                        y, flags = run(lib, case, plan, misalign=args.misalign)
+                        check_result(case, y, dt)
+                        status = f"flags {flags}: ok"
+                    except AssertionError as e:
+                        fails += 1
+                        status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
+                    print(f"{name:10s} {dt:9s} tile {tile:2d} {plan.shrink}/{plan.expand} splits {plan.splits:3d} "
+                          f"cpb {plan.cpb:3d} {status} ({time.time() - t0:.1f}s)", flush=True)
+        print(f"{fails} failed")
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+// The lora kernels' task functions run on the host, block after block, for checks of their logic
+// (check.py builds this as a shared library and calls emu_delta through ctypes).
+#include "host_cuda.h"
+#include "lora_mma.cu"
+
+namespace emu {
+Fiber fibers[NTHREADS];
+Fiber* cur = nullptr;
+ucontext_t sched_ctx;
+int block_arrived = 0, warp_arrived[4] = {0, 0, 0, 0};
+long long mma_count = 0;
+Stage stage[4];
+
+static void yield_wait(int kind) {
+  cur->wait = kind;
+  swapcontext(&cur->ctx, &sched_ctx);
+}
+void block_barrier() {
+  if (++block_arrived == NTHREADS) {
+    block_arrived = 0;
+    for (auto& f : fibers)
+      if (f.wait == 1) f.wait = 0;
+    return;
+  }
+  yield_wait(1);
+}
+void warp_barrier() {
+  const int w = cur->tid >> 5;
+  if (++warp_arrived[w] == 32) {
+    warp_arrived[w] = 0;
+    for (int t = 32 * w; t < 32 * w + 32; ++t)
+      if (fibers[t].wait == 2) fibers[t].wait = 0;
+    return;
+  }
+  yield_wait(2);
+}
+
+static void (*body)(int) = nullptr;
+static int body_arg = 0;
+static void trampoline(int tid) {
+  body(body_arg);
+  fibers[tid].done = true;
+  swapcontext(&fibers[tid].ctx, &sched_ctx);
+}
+
+// Runs body(u) as one block of 128 fibers.
+static void run_block(void (*fn)(int), int u) {
+  body = fn;
+  body_arg = u;
+  for (int t = 0; t < NTHREADS; ++t) {
+    Fiber& f = fibers[t];
+    f.tid = t;
+    f.done = false;
+    f.wait = 0;
+    if (f.stack.empty()) f.stack.resize(1 << 18);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, (void (*)())trampoline, 1, t);
+  }
+  block_arrived = 0;
+  for (int& w : warp_arrived) w = 0;
+  while (true) {
+    bool any = false, alldone = true;
+    for (int t = 0; t < NTHREADS; ++t) {
+      Fiber& f = fibers[t];
+      if (f.done) continue;
+      alldone = false;
+      if (f.wait) continue;
+      any = true;
+      cur = &f;
+      swapcontext(&sched_ctx, &f.ctx);
+    }
+    if (alldone) break;
+    if (!any) {
+      fprintf(stderr, "deadlock in block %d: barrier counts block %d warps %d %d %d %d\n", u, block_arrived,
+              warp_arrived[0], warp_arrived[1], warp_arrived[2], warp_arrived[3]);
+      abort();
+    }
+  }
+}
+}  // namespace emu
+
+struct Launch {
+  void *y;
+  const void *x, *A, *B;
+  const float* scaling;
+  const int *ranks, *out_offsets, *token_order, *slot_indptr;
+  float* ws;
+  int* counters;
+  int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
+      col_blocks, cpb, flags;
+};
+static Launch L;
+static std::vector<char> dsm(256 * 1024);
+static int s_indptr[4097];
+
+template <typename T> static lora::Args<T> args() {
+  return lora::Args<T>{(T*)L.y, (const T*)L.x, (const T*)L.A, (const T*)L.B, L.scaling, L.ranks, L.out_offsets,
+                       L.token_order, L.slot_indptr, L.ws, L.counters, L.num_slots, L.n_slices, L.max_rank,
+                       L.in_features, L.out_features, L.bucket, L.positions, L.rw, L.splits, L.k_split,
+                       L.col_blocks, L.cpb, L.flags};
+}
+template <typename T, int BM> static void shrink_block(int u) {
+  static lora::TileRows<BM> tr;
+  auto g = args<T>();
+  lora::shrink_task<T, BM>(g, dsm.data(), s_indptr, tr, u, false);
+}
+template <typename T, int BM, int BN> static void expand_block(int u) {
+  static lora::TileRows<BM> tr;
+  auto g = args<T>();
+  lora::expand_task<T, BM, BN>(g, dsm.data(), s_indptr, tr, u, false);
+}
+template <typename T, int BM> static void shrink4_block(int u) {
+  static lora::TileRows<BM> tr;
+  auto g = args<T>();
+  lora::shrink_stream_task<T, BM>(g, s_indptr, tr, u);
+}
+template <typename T, int BM> static void stream_block(int u) {
+  static lora::TileRows<BM> tr;
+  auto g = args<T>();
+  lora::expand_stream_task<T, BM>(g, s_indptr, tr, u);
+}
+
+static int g_shrink = 3;
+template <typename T, int BM, int BN> static void run(int expand, int shrink_blocks, int expand_blocks) {
+  for (int u = 0; u < shrink_blocks; ++u) emu::run_block(g_shrink == 4 ? shrink4_block<T, BM> : shrink_block<T, BM>, u);
+  for (int u = 0; u < expand_blocks; ++u)
+    emu::run_block(expand == 4 ? stream_block<T, BM> : expand_block<T, BM, BN>, u);
+}
+template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
+  if (bm == 16) run<T, 16, 64>(expand, sb, eb);
+  else if (bm == 32) run<T, 32, 128>(expand, sb, eb);
+  else if (bm == 64) run<T, 64, 128>(expand, sb, eb);
+  else return 2;
+  return 0;
+}
+
+extern "C" long long emu_mma_count() { return emu::mma_count; }
+// dtype 0 bf16, 1 fp16, 2 fp32; expand 3 or 4; dims: S n R in out bucket positions rw splits k_split col_blocks cpb flags
+extern "C" void emu_set_shrink(int v) { g_shrink = v; }
+extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
+                         const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,
+                         const int* token_order, const int* slot_indptr, float* ws, int* counters, const int* dims) {
+  L = Launch{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0], dims[1],
+             dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11], dims[12]};
+  if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
+  if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
+  return run_t<float>(bm, expand, shrink_blocks, expand_blocks);
+}
