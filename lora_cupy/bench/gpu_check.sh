@@ -6,8 +6,10 @@ set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/lora-cupy-out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+# At most 8 files under $OUT: a copy of the tree sent to a GPU host may carry no .git, so the
+# commit is given by whoever runs this (COMMIT=...), next to the GPU's name.
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; } | tee "$OUT/gpu.txt"
 start=$(date +%s)
 timeout 300 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider -rf --timeout=120 > "$OUT/pytest.log" 2>&1
 echo "pytest -m gpu rc=$? in $(( $(date +%s) - start ))s"
@@ -16,9 +18,10 @@ echo "demo rc=$?"
 timeout 120 python3 -m lora_cupy.bench.pool --device cuda:0 --steps 2000 --json "$OUT/bench_pool.json" > "$OUT/bench_pool.txt" 2>&1
 echo "bench pool rc=$?"
 if [ "${BENCH_KERNELS:-0}" = 1 ]; then
-  timeout 330 python3 -m lora_cupy.bench.kernels --json "$OUT/bench_kernels.json" > "$OUT/bench_kernels.txt" 2> "$OUT/bench_kernels.err"
+  timeout 330 python3 -m lora_cupy.bench.kernels --json "$OUT/bench_kernels.json" > "$OUT/bench_kernels.txt" 2>&1
   echo "bench kernels rc=$?"
 fi
 echo "---- pytest"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -25
 echo "---- demo"; tail -12 "$OUT/demo.txt"
 echo "---- bench pool"; cat "$OUT/bench_pool.txt"
+if [ "${BENCH_KERNELS:-0}" = 1 ]; then echo "---- bench kernels"; tail -40 "$OUT/bench_kernels.txt"; fi
