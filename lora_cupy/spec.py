@@ -20,8 +20,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .dtypes import itemsize, normalize_dtype
 
 DEFAULT_CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -256,13 +254,13 @@ class LoraSpec:
             leaf = name.rsplit(".", 1)[-1]
             if leaf not in wanted:
                 continue
-            m = _LAYER_RE.search(name + ".")
-            if m is None:
+            layer = layer_index(name)
+            if layer is None:
                 continue
             info = found.setdefault(leaf, {"in": mod.in_features, "out": mod.out_features, "layers": set()})
             if (info["in"], info["out"]) != (mod.in_features, mod.out_features):
                 raise ValueError(f"module {leaf!r} has different shapes at different layers")
-            info["layers"].add(int(m.group(1)))
+            info["layers"].add(layer)
         if not found:
             raise ValueError(f"no linear layer of the model matches {sorted(wanted)}")
         sharding = dict(sharding or {})
