@@ -4,7 +4,7 @@ Adapters are written in PEFT's ``save_pretrained`` format (random weights, mixed
 alphas, one with rslora), loaded at run time, and requests on them (and on the base model)
 arrive faster than the pool has slots, so some wait at admission and slots are evicted and
 reused. Every step runs the delta of every target at every layer and checks it against a
-float64 computation made straight from the adapter files.
+dense float64 ``scaling * B @ A`` per adapter, made from its files apart from the pool.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .dtypes import numpy_dtype
-from .spec import LoraSlice, LoraSpec, LoraTarget
+from .spec import PEFT_MODULES, LoraSlice, LoraSpec, LoraTarget
 
 HIDDEN, INTER, Q, KV = 256, 512, 256, 128
 
@@ -122,7 +122,7 @@ def run(args) -> dict:
     dtype = "float32" if device == "cpu" else "bfloat16"
     rng = np.random.default_rng(args.seed)
     spec = demo_spec(args.slots + 1, args.layers, dtype)
-    all_modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    all_modules = list(PEFT_MODULES)
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="lora-cupy-demo-")
     workdir = Path(tmp.name if tmp else tempfile.mkdtemp(prefix="lora-cupy-demo-"))
     oracle = DenseOracle(spec)
