@@ -64,7 +64,6 @@ class AdmitPicks:
     ``refused`` maps rids to why they could take no slot (the backstop).
     """
 
-    clock: int  # the table's clock when the admit began
     hits: list[tuple[Hashable, int]] = field(default_factory=list)
     misses: list[MissGroup] = field(default_factory=list)
     victims: list[int] = field(default_factory=list)
@@ -95,9 +94,6 @@ class SlotTable:
     def lookup(self, name: str) -> int | None:
         """The slot ``name`` is resident in, or None."""
         return self.slot_of.get(name)
-
-    def held_slot(self, rid: Hashable) -> int | None:
-        return self.held.get(rid)
 
     @property
     def free(self) -> int:
@@ -177,13 +173,10 @@ class SlotTable:
         return slot
 
     # -- an admit --------------------------------------------------------------------------
-    def victim_order(self, exclude: Iterable[int] = ()) -> list[int]:
+    def victim_order(self) -> list[int]:
         """Unheld slots in the order misses take them: empty by index, then by (last_use, index)."""
-        skip = set(exclude)
-        empty = [s for s in range(1, self.num_slots)
-                 if self.refcount[s] == 0 and self.resident[s] is None and s not in skip]
-        used = [s for s in range(1, self.num_slots)
-                if self.refcount[s] == 0 and self.resident[s] is not None and s not in skip]
+        empty = [s for s in range(1, self.num_slots) if self.refcount[s] == 0 and self.resident[s] is None]
+        used = [s for s in range(1, self.num_slots) if self.refcount[s] == 0 and self.resident[s] is not None]
         used.sort(key=lambda s: (self.last_use[s], s))
         return empty + used
 
@@ -194,7 +187,7 @@ class SlotTable:
         step order. Hits are held on return; misses are grouped by adapter and each waits
         for :meth:`finish_miss` (a miss whose read failed just never calls it).
         """
-        picks = AdmitPicks(clock=self.clock)
+        picks = AdmitPicks()
         by_name: dict[str, list[Hashable]] = {}
         for rid, name in rows:
             if rid in self.held:
