@@ -72,6 +72,7 @@ def test_reference_matches_dense_float64(seed, tokens, num_slots, max_rank, in_f
         bound = float(ml_dtypes.finfo(dt).eps) * np.linalg.norm(ref) + ACC_TOL * np.linalg.norm(delta)
         assert np.linalg.norm(got - ref) <= bound
 
+
 def test_padding_positions_address_nothing():
     rng = np.random.default_rng()
     w = random_weights(rng, 4, 8, 16, [12], "float32", ranks=[[0], [8], [3], [5]])
