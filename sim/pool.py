@@ -20,7 +20,7 @@ lands it with ``complete_read``. The host tier holds a copy while a live request
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
@@ -61,7 +61,6 @@ class SimRequest:
     touches: bool  # whether its adapter has anything for this pool
     slot: int | None = None  # the slot it holds (None: none yet)
     reserved: bool = False
-    failed: bool = False  # an admit failed it on a failed read
 
 
 @dataclass
@@ -93,11 +92,6 @@ class AdmitResult:
         return sum(1 for _, _, old in self.loads if old is not None)
 
 
-@dataclass
-class _Pending:
-    taken: list[tuple[object, int]] = field(default_factory=list)
-
-
 class SimPool:
     """One rank's model pool. ``decides``: whether this rank keeps reservations (the leader)."""
 
@@ -110,7 +104,7 @@ class SimPool:
         self.tier: dict[str, Copy] = {}  # host copies, one per adapter a live request names
         self._named: dict[str, int] = {}  # adapter -> live requests naming it
         self._reserved: dict[str, int] = {}  # adapter -> reserved rows holding no slot yet
-        self._pending: _Pending | None = None  # the last admit, until commit or rollback
+        self._taken: list[tuple[object, int]] = []  # (rid, slot) the last admit took, until commit
 
     @property
     def num_slots(self) -> int:
@@ -197,9 +191,9 @@ class SimPool:
         self._set_reserved(r, False)
         if r.adapter is not None:
             self._named[r.adapter] -= 1
-            if not self._named[r.adapter]:
-                del self._named[r.adapter]
-        if r.adapter is not None and not self.named(r.adapter):
+            if self._named[r.adapter]:
+                return
+            del self._named[r.adapter]
             self.tier.pop(r.adapter, None)
             a = self.adapters.get(r.adapter)
             if a is not None and not a.serving:
@@ -308,7 +302,6 @@ class SimPool:
         for a, g in miss_groups:
             if a in failed:
                 for r in g:
-                    r.failed = True
                     self._set_reserved(r, False)
                 failed_rows += [r.rid for r in g]
             elif not victims or not self._may_take(a, None):
@@ -323,19 +316,19 @@ class SimPool:
             self.slots.stamp(s)
         order = {rid: i for i, rid in enumerate(rids)}
         taken.sort(key=lambda t: order[t[0]])
-        self._pending = _Pending(list(taken))
+        self._taken = taken
         return AdmitResult(tuple(taken), tuple(sorted(hits, key=order.get)), tuple(loads),
                            tuple(sorted(failed_rows, key=order.get)), tuple(sorted(refused, key=order.get)))
 
     def commit(self) -> None:
         """The step ran: its admit can no longer be rolled back."""
-        self._pending = None
+        self._taken = []
 
     def rollback_admit(self) -> list[tuple[object, int]]:
         """Give back the slots the last admit took; what it loaded stays resident, unheld."""
-        pending, self._pending = self._pending, None
+        taken, self._taken = self._taken, []
         given = []
-        for rid, s in (pending.taken if pending else []):
+        for rid, s in taken:
             r = self.requests.get(rid)
             if r is not None and r.slot == s:
                 r.slot = None

@@ -90,7 +90,9 @@ class SimInstance:
                 # The last requests on an unloaded adapter were torn down before this reload was
                 # issued; landing their teardowns first is one of the orders that can happen.
                 while msg[1] in pool.adapters and not pool.serves(msg[1]):
-                    self.land_teardown(rank)
+                    if self.land_teardown(rank) is None:
+                        raise SimError(f"rank {rank}: reload of {msg[1]!r} while it still retires "
+                                       "and no teardown is pending")
                 pool.load_adapter(msg[1], touches=msg[2])
             else:
                 pool.unload_adapter(msg[1])
@@ -136,14 +138,19 @@ class SimInstance:
         self._deliver_until_ingested(0, rid)
         return self.leader.reserve(rid)
 
-    def admit(self, rids) -> AdmitResult:
-        """Admit ``rids`` on every rank, after every teardown issued since the last admit."""
-        rids = list(rids)
+    def land_before_admit(self, rids) -> None:
+        """What every rank must have seen before admitting ``rids``: every teardown issued
+        since the last admit, and the messages up to each row's ingest."""
         for r in range(self.world_size):
             while self.teardowns[r]:
                 self.land_teardown(r)
             for rid in rids:
                 self._deliver_until_ingested(r, rid)
+
+    def admit(self, rids) -> AdmitResult:
+        """Admit ``rids`` on every rank, after every teardown issued since the last admit."""
+        rids = list(rids)
+        self.land_before_admit(rids)
         # The collective: where each miss's copy stands, on every rank. A rank whose copy is
         # still in flight waits for it; any rank's failure fails the miss everywhere.
         failed: set[str] = set()
@@ -176,8 +183,9 @@ class SimInstance:
                 raise DivergenceError(f"{what}: rank {r} decided {per_rank[r]}, rank 0 {per_rank[0]}")
         snaps = [p.snapshot() for p in self.ranks]
         for r in range(1, self.world_size):
-            if snaps[r].refcounts != snaps[0].refcounts or snaps[r].last_used != snaps[0].last_used \
-                    or snaps[r].adapters != snaps[0].adapters:
+            # ``current`` may differ: an unload lands on each rank in its own time.
+            if (snaps[r].adapters, snaps[r].refcounts, snaps[r].last_used, snaps[r].clock) != \
+                    (snaps[0].adapters, snaps[0].refcounts, snaps[0].last_used, snaps[0].clock):
                 raise DivergenceError(f"after {what}: rank {r} table {snaps[r]} != rank 0 {snaps[0]}")
 
     def check_valid(self) -> None:

@@ -153,11 +153,7 @@ class LocalReadsInstance(sim.SimInstance):
 
     def admit(self, rids):
         rids = list(rids)
-        for r in range(self.world_size):
-            while self.teardowns[r]:
-                self.land_teardown(r)
-            for rid in rids:
-                self._deliver_until_ingested(r, rid)
+        self.land_before_admit(rids)
         results = []
         for r, pool in enumerate(self.ranks):
             for a in pool.pending_reads():

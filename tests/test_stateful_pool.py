@@ -392,11 +392,7 @@ class MirroredInstance(sim.SimInstance):
 
     def admit(self, rids):
         rids = list(rids)
-        for r in range(self.world_size):
-            while self.teardowns[r]:
-                self.land_teardown(r)
-            for rid in rids:
-                self._deliver_until_ingested(r, rid)
+        self.land_before_admit(rids)
         outs, steps = admit_on_every_rank(self.h.pools, rids, self.h.readers)
         for r in range(self.world_size):
             self.h.release(r)  # what the real ranks waited for has landed: mirror it
