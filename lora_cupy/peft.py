@@ -333,16 +333,16 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _read_tensors(path, header: Mapping[str, TensorInfo], names, adapter) -> dict[str, np.ndarray]:
-    """Read ``names`` with safetensors' NumPy API. BF16, which NumPy lacks, arrives from recent
-    safetensors as ``ml_dtypes.bfloat16``; where safetensors cannot give it, its bytes are
-    decoded from the file at the checked offsets instead."""
+def _read_tensors(path, header: Mapping[str, TensorInfo], adapter) -> dict[str, np.ndarray]:
+    """Read every tensor of ``header`` with safetensors' NumPy API. BF16, which NumPy lacks,
+    arrives from recent safetensors as ``ml_dtypes.bfloat16``; where safetensors cannot give
+    it, its bytes are decoded from the file at the checked offsets instead."""
     from safetensors import safe_open
 
     out = {}
     try:
         with safe_open(os.fspath(path), framework="np") as f:
-            for name in names:
+            for name in header:
                 try:
                     arr = f.get_tensor(name)
                 except Exception:
@@ -356,8 +356,8 @@ def _read_tensors(path, header: Mapping[str, TensorInfo], names, adapter) -> dic
         raise
     except Exception as e:  # SafetensorError, or anything else its parser raises
         raise AdapterFileError(f"corrupt safetensors: {e}", adapter=adapter, path=path) from None
-    for name in names:
-        info, arr = header[name], out[name]
+    for name, info in header.items():
+        arr = out[name]
         if arr.shape != info.shape or arr.dtype != _NUMPY_DTYPES[info.dtype]:
             raise AdapterFileError(f"corrupt safetensors: tensor {name!r} read as {arr.dtype} {arr.shape}, "
                                    f"header says {info.dtype} {info.shape}", adapter=adapter, path=path)
@@ -412,7 +412,7 @@ def digest_of(path: str | os.PathLike, name: str | None = None) -> str:
     if not weights.is_file():
         raise AdapterFileError(f"no {WEIGHTS_NAME}", adapter=name, path=weights)
     header = read_header(weights, name)
-    arrays = _read_tensors(weights, header, list(header), name)
+    arrays = _read_tensors(weights, header, name)
     return _canonical_digest(header, arrays, name, weights)
 
 
@@ -477,7 +477,7 @@ def read_peft_adapter(path: str | os.PathLike, spec: LoraSpec, name: str | None 
     modules = _map_modules(header, config, spec, name, weights_path)
     for m in modules:
         _check_shapes(m, header, config, spec, name, weights_path)
-    arrays = _read_tensors(weights_path, header, list(header), name)
+    arrays = _read_tensors(weights_path, header, name)
     digest = _canonical_digest(header, arrays, name, weights_path)
     targets = _assemble(modules, arrays, config, spec, name, weights_path)
     return AdapterWeights(name=name, path=str(path), digest=digest, targets=targets)
