@@ -27,7 +27,7 @@ import numpy as np
 from .addressing import LoraAddressing
 from .backends.base import LayerWeights
 from .buffers import AddressingBuffers, SlotWeights, slot_dtype
-from .device import as_device
+from .device import Device, as_device
 from .dtypes import normalize_dtype
 from .engine.resource import (AdmitOutcome, EngineResourceInfo, LoraStep, ResourceReqConfig, StepContext,
                               StepRows)
@@ -207,7 +207,7 @@ class LoraAdapterPool:
             self._requests[rid] = _Request(name, covers)
             self._live[name] += 1
             if covers:
-                self._store.acquire(name, info.path, info.digest, info.targets)
+                self._store.acquire(name, info.path, info.digest, info.image_bytes)
             else:
                 self._settle(rid, 0)
 
@@ -542,11 +542,8 @@ class LoraAdapterPool:
                     w = read.result()
                     targets = frozenset(w.targets)
                     need = self._store.image_bytes(targets)
-                    cap = self._store.max_bytes
-                    if cap is not None and need > cap:
-                        err = CapacityError(f"its host copy takes {need} bytes; the host tier holds at most {cap}",
-                                            adapter=name, path=path)
-                    else:
+                    err = self._store.too_big(name, path, need)
+                    if err is None:
                         result = self._adapters[name] = ServedAdapter(name, path, w.digest, targets, need)
                         self._served.add(name)
         if err is not None:

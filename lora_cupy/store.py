@@ -133,22 +133,29 @@ class LoraAdapterStore:
                     "failed": states.count(FAILED), "queued_jobs": len(self._jobs)}
 
     # -- the tier ----------------------------------------------------------------------------
-    def acquire(self, name: str, path, digest: str | None = None, targets=None) -> HostCopy:
+    def too_big(self, name: str, path, need: int) -> CapacityError | None:
+        """The refusal of an adapter whose image of ``need`` bytes could never fit the tier."""
+        if self.max_bytes is None or need <= self.max_bytes:
+            return None
+        return CapacityError(f"its host copy takes {need} bytes; the host tier holds at most {self.max_bytes}",
+                             adapter=name, path=path)
+
+    def acquire(self, name: str, path, digest: str | None = None, need: int | None = None) -> HostCopy:
         """One more live request names ``name``: its copy is kept, and read if not held yet.
 
-        ``targets`` (the target names the adapter covers, known from its load) size the
-        read's image; without them the read is sized for every target. Never blocks on a file.
+        ``need``: the bytes its image takes (:meth:`image_bytes` of the targets it covers,
+        known from its load); None sizes the read for every target. Never blocks on a file.
         """
-        need = self.image_bytes(targets if targets is not None else self.spec.target_names)
+        if need is None:
+            need = self.image_bytes(self.spec.target_names)
         with self._cond:
             self._check_open()
             e = self._entries.get(name)
             if e is None:
                 e = self._entries[name] = HostCopy(name, str(path), digest, need)
-                if self.max_bytes is not None and need > self.max_bytes:
-                    self._fail(e, CapacityError(
-                        f"its host copy takes {need} bytes; the host tier holds at most {self.max_bytes}",
-                        adapter=name, path=path))
+                err = self.too_big(name, path, need)
+                if err is not None:
+                    self._fail(e, err)
                 else:
                     self._jobs.append(_ReadJob(e))
                     self._cond.notify_all()
@@ -178,8 +185,7 @@ class LoraAdapterStore:
         if self._entries.get(e.name) is e:
             del self._entries[e.name]
         if e.state == READY and e.image is not None:
-            self._held -= e.image.nbytes
-            self.device.keep_alive(e.image)  # a copy from it may still be queued
+            self._held -= e.image.nbytes  # a copy into a slot keeps it alive itself (the pool's keep_alive)
             e.image = None
         self._cond.notify_all()
 
