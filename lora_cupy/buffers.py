@@ -9,7 +9,6 @@ graph can read step after step.
 from __future__ import annotations
 
 import bisect
-from typing import Any
 
 import numpy as np
 
@@ -66,9 +65,10 @@ class AddressingBuffers:
     """One row grouping's addressing: a host staging buffer per parity, and one fixed device
     buffer per (capture bucket, parity) holding ``token_order[bucket]`` then ``slot_indptr[S+1]``.
 
-    Before staging into a parity's host buffer, the copy that last read it must have run
-    (its event): so plan(N+1) never overwrites what step N's copy still reads. Alternating
-    parities (double-buffering) makes that wait, and the device buffer's reuse, free.
+    Before staging into a parity's host buffer, the caller waits for the copy that last read
+    it (the pool keeps one event per parity, after all its groupings' copies): so plan(N+1)
+    never overwrites what step N's copy still reads. Alternating parities (double-buffering)
+    makes that wait, and the device buffer's reuse, free.
     """
 
     def __init__(self, spec: LoraSpec, device: Device, grouping: int):
@@ -79,7 +79,6 @@ class AddressingBuffers:
         width = self.buckets[-1] + self.S + 1
         self.host = [device.host_zeros(width, np.int32) for _ in range(2)]
         self.dev = {(b, p): device.zeros(b + self.S + 1, np.int32) for b in self.buckets for p in range(2)}
-        self.fence: list[Any] = [None, None]
         self._arange = np.arange(self.buckets[-1], dtype=np.int32)
         self._slot_ids = np.arange(self.S + 1, dtype=slot_dtype(self.S))
         self._views: dict[tuple, LoraAddressing] = {}  # (bucket, parity, rows, active) -> views
@@ -91,7 +90,7 @@ class AddressingBuffers:
         Returns the step's addressing (views sized to its rows), the launch views (the same
         buffer with ``token_order`` spanning the whole bucket: what a layer hands the kernels,
         so a graph captured on one step replays for every step of its bucket), and the
-        ``(device, host)`` copy the caller queues, with the fence after it. Vectorized; only
+        ``(device, host)`` copy the caller queues. Vectorized; only
         small temporaries are allocated, and the views are cached."""
         per, starts, total = rows.grouped(self.grouping)
         k = bisect.bisect_left(self.buckets, max(total, 1))
@@ -99,9 +98,6 @@ class AddressingBuffers:
             raise ValueError(f"{total} rows at grouping {self.grouping} exceed the largest capture bucket "
                              f"{self.buckets[-1]}")
         bucket, S = self.buckets[k], self.S
-        fence = self.fence[parity]
-        if fence is not None and not fence.done:
-            fence.synchronize()
         h = self.host[parity]
         order = np.argsort(slots, kind="stable")  # [rows] rows grouped by slot, stable
         row_ptr = np.searchsorted(slots[order], self._slot_ids)  # [S+1] each slot's first row

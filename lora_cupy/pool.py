@@ -128,7 +128,7 @@ class LoraAdapterPool:
         groupings = sorted({1, *(t.row_grouping for t in spec.targets)})
         self._buffers = {g: AddressingBuffers(spec, self.device, g) for g in groupings}
         self._parity = 0
-        self._fences: list[Any] = [None, None]  # cuda: each parity's fence event, recorded again per plan
+        self._fences: list[Any] = [None, None]  # each parity's event after its last copy (cuda: re-recorded)
         self._slot_dtype = slot_dtype(spec.num_slots)
         self._requests: dict[Hashable, _Request] = {}
         self._settled: dict[Hashable, int] = {}  # rid -> its slot (0: needs none here)
@@ -426,14 +426,14 @@ class LoraAdapterPool:
             if self._force_double_buffer or ctx.preplanned:
                 self._parity ^= 1
             parity = self._parity
+            fence = self._fences[parity]
+            if fence is not None and not fence.done:
+                fence.synchronize()  # the copy that last read this parity's host buffers has run
             addressing, launch, copies = {}, {}, []
             for g, b in self._buffers.items():
                 addressing[g], launch[g], copy = b.stage(rows, slots, parity)
                 copies.append(copy)
-            fence = self.device.copy_batch(copies, reuse=self._fences[parity])
-            self._fences[parity] = fence if self.device.is_cuda else None
-            for b in self._buffers.values():
-                b.fence[parity] = fence
+            fence = self._fences[parity] = self.device.copy_batch(copies, reuse=fence)
             plan = LoraStepPlan(ctx.seq, addressing, launch, addressing[1].active,
                                 None if self.device.is_cuda else fence)
         ctx.plan_results[self] = plan
