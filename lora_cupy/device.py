@@ -39,9 +39,6 @@ class HostEvent:
     def done(self) -> bool:
         return self._flag.is_set()
 
-    def query(self) -> bool:
-        return self._flag.is_set()
-
     def synchronize(self, timeout: float | None = None) -> None:
         if not self._flag.wait(timeout):
             raise TimeoutError("host stream event did not complete in time")

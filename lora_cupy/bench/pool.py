@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 import time
+import zlib
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def _reader(rank: int):
     """Random adapters of ``rank`` at every target, made in memory (seeded by name)."""
 
     def read(path, spec: LoraSpec, name=None) -> AdapterWeights:
-        rng = np.random.default_rng(abs(hash(name)) % (1 << 32))
+        rng = np.random.default_rng(zlib.crc32(str(name).encode()))  # str hash() differs per process
         dt = numpy_dtype(spec.dtype)
         targets = {}
         for t in spec.targets:
