@@ -25,24 +25,22 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _positive_float(text: str) -> float:
+def _float(text: str, *, zero_ok: bool) -> float:
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    if not (v >= 0 if zero_ok else v > 0) or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number {'>=' if zero_ok else '>'} 0")
     return v
+
+
+def _positive_float(text: str) -> float:
+    return _float(text, zero_ok=False)
 
 
 def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return v
+    return _float(text, zero_ok=True)
 
 
 def _slot_list(text: str) -> list[int]:
@@ -119,8 +117,9 @@ def main(argv=None) -> int:
                                    seed=args.seed)
         if args.save_trace:
             trace.write(args.save_trace)
-        config = PlayerConfig(args.slots[-1], args.max_batch, args.step_time, args.read_base,
-                              args.read_per_rank, args.admission)
+        config = PlayerConfig(num_slots=args.slots[-1], max_batch=args.max_batch,
+                              step_time=args.step_time, read_base=args.read_base,
+                              read_per_rank=args.read_per_rank, admission=args.admission)
     except TraceError as e:
         print(f"python -m sim: error: {e}", file=sys.stderr)
         return 2
@@ -138,11 +137,11 @@ def main(argv=None) -> int:
     try:
         save_report(result, args.plot, sweep=sweep or None)
         if args.json:
-            payload = json.loads(result.to_json())
+            payload = result.to_dict()
             if sweep:
                 payload["sweep"] = [r.summary() for r in sweep]
             with open(args.json, "w") as f:
-                json.dump(payload, f, indent=1)
+                json.dump(payload, f, indent=1, allow_nan=True)
     except OSError as e:
         print(f"python -m sim: error: cannot write output: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import heapq
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +83,10 @@ class PlayResult:
     running: np.ndarray
     queued: np.ndarray
     makespan: float
-    adapter_requests: int = field(init=False)
 
-    def __post_init__(self):
-        self.adapter_requests = self.hits + self.misses
+    @property
+    def adapter_requests(self) -> int:
+        return self.hits + self.misses
 
     @property
     def hit_rate(self) -> float:
@@ -115,15 +115,19 @@ class PlayResult:
                 "p99_wait_s": self.p99_wait, "mean_held_slots": self.mean_occupancy(),
                 "makespan_s": self.makespan}
 
-    def to_json(self, path=None, *, series: bool = True) -> str:
-        """The summary (and with ``series`` the occupancy series) as JSON, written to ``path``."""
+    def to_dict(self, *, series: bool = True) -> dict:
+        """The config and summary (and with ``series`` the occupancy series and waits) as plain data."""
         out = {"config": asdict(self.config), "summary": self.summary()}
         if series:
             out["occupancy"] = {"time_s": self.times.tolist(), "held": self.held.tolist(),
                                 "resident": self.resident.tolist(), "running": self.running.tolist(),
                                 "queued": self.queued.tolist()}
             out["waits_s"] = self.waits.tolist()
-        text = json.dumps(out, indent=1, allow_nan=True)
+        return out
+
+    def to_json(self, path=None, *, series: bool = True) -> str:
+        """``to_dict`` as JSON, also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(series=series), indent=1, allow_nan=True)
         if path is not None:
             Path(path).write_text(text)
         return text

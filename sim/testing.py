@@ -1,7 +1,7 @@
 """Hypothesis settings for the simulator's and the pool's property suites.
 
-``LORA_CUPY_HYPOTHESIS_PROFILE`` picks the budget: ``ci`` (the default; every suite together
-runs in about two minutes on two cores) or ``long`` (many more examples and longer
+``LORA_CUPY_HYPOTHESIS_PROFILE`` picks the budget: ``ci`` (the default; the stateful suites
+together run in under a minute on two cores) or ``long`` (many more examples and longer
 histories, for a soak run). Suites take their settings from ``hypothesis_settings`` rather
 than loading a profile globally, so other suites in the same session keep their own.
 

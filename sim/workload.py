@@ -139,9 +139,9 @@ def read_trace(path, *, default_rank: int = 16) -> Trace:
         raise TraceError(f"trace file {path}: cannot be read ({e.strerror or e})") from None
     if path.suffix.lower() == ".csv":
         rows = list(csv.DictReader(text.splitlines()))
-        missing = {"arrival", "adapter", "tokens"} - set(rows[0] if rows else {})
         if not rows:
             raise TraceError(f"trace file {path}: no requests (want a header arrival,adapter,tokens)")
+        missing = {"arrival", "adapter", "tokens"} - set(rows[0])
         if missing:
             raise TraceError(f"trace file {path}: missing column(s) {sorted(missing)}")
         first_row = 2  # the header is line 1
