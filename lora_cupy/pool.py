@@ -350,7 +350,7 @@ class LoraAdapterPool:
             if agreed[i] != READY:
                 mine = e is not None and local[i] == FAILED and e.error is not None
                 err = e.error if mine else LoraError("its read failed on another rank of the instance",
-                                                     adapter=m.name)
+                                                     adapter=m.name, path=None if e is None else e.path)
             if err is not None:
                 for rid in m.rids:
                     failed[rid] = err
@@ -376,7 +376,9 @@ class LoraAdapterPool:
                 self.stats["loads"] += 1
             for rid, why in picks.refused.items():
                 name = self._requests[rid].adapter if rid in self._requests else None
-                failed[rid] = CapacityError(f"request {rid!r} gets no slot: {why}", adapter=name)
+                info = self._adapters.get(name)
+                failed[rid] = CapacityError(f"request {rid!r} gets no slot: {why}", adapter=name,
+                                            path=None if info is None else info.path)
         ctx.state[self] = rec
         self.stats["admits"] += 1
         return AdmitOutcome.fail(failed) if failed else AdmitOutcome.OK

@@ -429,6 +429,7 @@ def test_agree_is_one_call_per_admit_with_misses_and_fails_rows_another_rank_fai
         out, _, _ = run_step(pool, rids[:3])
         assert len(calls) == 1 and calls[0].tolist() == [READY, READY]
         assert set(out.failed) == {0} and isinstance(out.failed[0], LoraError) and "another rank" in str(out.failed[0])
+        assert out.failed[0].adapter == "ad0" and out.failed[0].path == paths["ad0"]
         snap = pool.snapshot()
         assert "ad0" not in snap.slot_of and snap.slot_of["ad1"] == 1  # ad1 got the first victim
         assert 0 not in snap.reserved  # the failed row holds nothing

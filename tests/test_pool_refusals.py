@@ -227,7 +227,7 @@ def test_file_replaced_after_load_fails_on_its_digest(pool, paths, tmp_path):
     assert pool.snapshot().held == {}
 
 
-def test_full_pool_refuses_a_miss_at_admit_without_change(pool):
+def test_full_pool_refuses_a_miss_at_admit_without_change(pool, paths):
     serve_one(pool, "a", "ad0")
     serve_one(pool, "b", "ad1")  # both slots held
     ingest(pool, "c", "ad2")
@@ -235,7 +235,8 @@ def test_full_pool_refuses_a_miss_at_admit_without_change(pool):
     assert pool.reserve("c", "llm", ("llm",), False) == 0  # backpressure at admission
     before = held_state(pool)
     out, _, _ = run_step(pool, ["c"])  # admitted anyway (outside the protocol): the backstop
-    assert isinstance(out.failed["c"], CapacityError) and "c" in str(out.failed["c"])
+    err = out.failed["c"]
+    assert isinstance(err, CapacityError) and err.adapter == "ad2" and err.path == paths["ad2"]
     assert held_state(pool) == before
     pool.remove_request("a")
     assert pool.reserve("c", "llm", ("llm",), False) == 1
