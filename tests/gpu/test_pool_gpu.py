@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lora_cupy.adapter import AdapterWeights
 from lora_cupy.addressing import group_by_slot
 from lora_cupy.backends.cupy import TOLERANCE
 from lora_cupy.backends.reference import dense_delta64
@@ -61,7 +62,7 @@ def test_host_copies_are_pinned_and_slots_hold_exact_weights(tmp_path):
         snap = pool.snapshot()
         for rid, name in enumerate(paths):
             assert_slot_holds(pool, snap.held[rid], name)
-        assert_slot_holds(pool, 0, "zero", image=_empty_image())
+        assert_slot_holds(pool, 0, "zero", image=AdapterWeights("zero", "", "", {}))  # slot 0 holds nothing
         addr = pool.addressing()
         assert isinstance(addr.token_order, cupy.ndarray)
         want_order, want_indptr = group_by_slot(np.repeat([snap.held[r] for r in range(3)], [3, 1, 2]),
@@ -83,13 +84,6 @@ def test_host_copies_are_pinned_and_slots_hold_exact_weights(tmp_path):
         np.testing.assert_allclose(got, want, atol=4 * TOLERANCE["float32"] * (1 + np.abs(want).max()), rtol=0)
     finally:
         pool.close()
-
-
-def _empty_image():
-    class _Img:
-        targets: dict = {}
-
-    return _Img()
 
 
 def test_captured_layer_replays_with_each_new_plan(tmp_path):
