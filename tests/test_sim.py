@@ -434,22 +434,25 @@ def test_admit_backstop_keeps_every_promise_and_read_in_flight_changes_nothing()
        st.integers(2, 5))
 @hypothesis_settings(max_examples=60)
 def test_same_history_same_decisions(history, num_slots):
-    """Invariant 5: decisions depend only on the history (two pools, one history)."""
-    pools = [_pool(num_slots, *"abcdef") for _ in range(2)]
+    """Invariant 5: decisions depend only on the history (two pools, one history), not on
+    what else differs between ranks: the order adapters were loaded in, the request ids."""
+    pools = [_pool(num_slots, *"abcdef"), _pool(num_slots, *"fedcba")]
     outs = [[], []]
     for k, p in enumerate(pools):
         live = []
         for i, (name, drop) in enumerate(history):
-            if p.ingest_request(i, name):
+            rid = i if k == 0 else ("rank1", -i)
+            if p.ingest_request(rid, name):
                 p.complete_read(name)
-            if p.reserve(i) is Reserve.WAIT:
-                for rid in live:
-                    p.remove_request(rid)
+            if p.reserve(rid) is Reserve.WAIT:
+                for old in live:
+                    p.remove_request(old)
                 live = []
-                p.reserve(i)
-            outs[k].append(p.admit([i]))
+                p.reserve(rid)
+            res = p.admit([rid])
+            outs[k].append((res.loads, [s for _, s in res.slots], len(res.hits)))
             p.commit()
-            live.append(i)
+            live.append(rid)
             if drop:
                 p.remove_request(live.pop(0))
     assert outs[0] == outs[1] and pools[0].snapshot() == pools[1].snapshot()

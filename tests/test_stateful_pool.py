@@ -595,8 +595,11 @@ def test_a_follower_read_that_fails_after_the_agreement_fails_everywhere():
         pools[0].store.get("a").wait(TIMEOUT)
         assert pools[0].reserve(0, NODE, (NODE,), False) == 1
         outs, _ = admit_on_every_rank(pools, [0], readers)
-        assert set(outs[0].failed) == set(outs[1].failed)
-        assert pools[0].snapshot().refcount == pools[1].snapshot().refcount
+        assert set(outs[0].failed) == set(outs[1].failed) == {0}
+        assert not isinstance(outs[0].failed[0], CapacityError)  # failed on the read, not refused
+        snaps = [p.snapshot() for p in pools]
+        assert snaps[0].refcount == snaps[1].refcount and not any(snaps[0].refcount)
+        assert snaps[0].resident == snaps[1].resident and "a" not in snaps[0].slot_of
     finally:
         for p in pools:
             p.close()
