@@ -114,8 +114,8 @@ def generate_trace(num_requests: int, *, rate: float, num_adapters: int, zipf: f
     if not 0 <= base_fraction <= 1:
         raise TraceError(f"base_fraction must lie in [0, 1], got {base_fraction}")
     mix = dict(DEFAULT_RANK_MIX if rank_mix is None else rank_mix)
-    if not mix or any(int(r) < 1 or not w > 0 for r, w in mix.items()):
-        raise TraceError(f"rank mix needs ranks >= 1 with positive weights, got {mix}")
+    if not mix or any(int(r) < 1 or not (w > 0 and math.isfinite(w)) for r, w in mix.items()):
+        raise TraceError(f"rank mix needs ranks >= 1 with finite positive weights, got {mix}")
     rng = np.random.default_rng(seed)
     n, a = int(num_requests), int(num_adapters)
     arrival = np.cumsum(rng.exponential(1.0 / rate, n))  # [N]
