@@ -80,7 +80,7 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
   if (tid < BM) {
     const int p = p0 + tid;
     int s = 0;
-    if (p < pend) s = max(slot_of_position(s_indptr, num_slots, p), 0);
+    if (p < pend && p < positions) s = max(slot_of_position(s_indptr, num_slots, p), 0);
     tr.tok[tid] = s > 0 ? t : -1;
     tr.slot[tid] = s;
   }

@@ -19,6 +19,8 @@ streams (a side lane beside the main chain) each need a backend of their own.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -160,6 +162,7 @@ def rank_block(shrink: str, dtype: str) -> int:
     return RANK_BLOCK if shrink == "v3" else STREAM_RANK_BLOCK[normalize_dtype(dtype)]
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
@@ -483,6 +486,10 @@ class CupyBackend:
         float32, ``ranks[S, n]`` int32), ``token_order[T]`` and ``slot_indptr[S + 1]`` int32. y is
         changed in place; rows of slot 0 and positions past ``slot_indptr[S]`` are left untouched.
         Launches on torch's current stream when x or y is a torch tensor, else on CuPy's.
+
+        The launch depends on ``len(token_order)`` (its bucket and the position count), so a
+        captured graph serves later steps only if ``token_order`` spans the whole capture bucket
+        (as :class:`~lora_cupy.delta.LoraLayerDelta` passes it), with ``slot_indptr[S] <= T``.
         """
         call = check_call(self.limits, y, x, w, token_order, slot_indptr)
         if call is not None:
