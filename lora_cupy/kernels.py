@@ -9,6 +9,7 @@ needs no GPU.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from collections.abc import Mapping
@@ -91,10 +92,22 @@ def kernel_sources() -> list[Path]:
 
 
 def read_source(file: str, defines: Mapping[str, object] | None = None) -> str:
-    """The source of ``file`` with ``#define NAME VALUE`` lines for a variant prepended."""
+    """The source of ``file`` with ``#define NAME VALUE`` lines for a variant prepended.
+
+    A first comment line carries the sha256 of every shared header: CuPy keys its compile cache on
+    the source text and options alone, so without it an edited ``.cuh`` would reuse a stale module.
+    """
     text = (kernel_dir() / file).read_text()
-    head = "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
+    head = f"// headers {_headers_digest()}\n"
+    head += "".join(f"#define {k} {v}\n" for k, v in sorted((defines or {}).items()))
     return head + text
+
+
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(kernel_dir().glob("*.cuh")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def run_options() -> tuple[str, ...]:

@@ -43,3 +43,15 @@ def test_missing_template_instantiation_is_refused():
     src = kernels.read_source(fam.file)
     with pytest.raises(kernels.KernelCompileError):
         kernels.compile_source(src, fam.file, "sm_90", ("no_such_kernel<float>",))
+
+
+def test_source_names_its_headers(tmp_path, monkeypatch):
+    """CuPy caches on the source text: an edited header must change the text it compiles."""
+    for p in kernels.kernel_dir().glob("*.cu*"):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(kernels, "kernel_dir", lambda: tmp_path)
+    file = next(iter(kernels.FAMILIES.values())).file
+    before = kernels.read_source(file)
+    header = tmp_path / "common.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert kernels.read_source(file) != before
