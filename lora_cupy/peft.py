@@ -504,6 +504,8 @@ def _map_modules(header, config: PeftLoraConfig, spec: LoraSpec, adapter, path) 
         if m.group("param") == "bias":
             raise refuse(UnsupportedAdapterError, f"tensor {key!r} is a LoRA bias: bias is not supported")
         module = m.group("module").removeprefix(_PREFIX)
+        if not spec.owns_module(module):
+            continue  # another node's module (an encoder's, for the LLM's pool): its pool reads it
         part = m.group("part")
         mod = by_path.get(module)
         if mod is None:

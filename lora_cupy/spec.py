@@ -119,6 +119,11 @@ class LoraSpec:
 
     ``num_slots`` counts slot 0, the zero adapter, which is never handed out: a pool of
     ``num_slots`` holds ``num_slots - 1`` adapters at once.
+
+    ``module_prefix`` is where this pool's node sits in the model's module paths (after PEFT's
+    ``base_model.model.``), e.g. ``"model.visual."`` for a vision encoder and
+    ``"model.language_model."`` for the LLM of one model: an adapter's modules outside it belong
+    to another node's pool and are skipped here, not refused. Empty: every module is this node's.
     """
 
     targets: tuple[LoraTarget, ...]
@@ -129,6 +134,7 @@ class LoraSpec:
     tp_rank: int = 0
     tp_size: int = 1
     node: str = "llm"
+    module_prefix: str = ""
     _by_name: Mapping[str, LoraTarget] = field(default=None, init=False, repr=False, compare=False)
     _by_module: Mapping[str, tuple[LoraTarget, int | None]] = field(
         default=None, init=False, repr=False, compare=False)
@@ -173,6 +179,10 @@ class LoraSpec:
     @property
     def target_names(self) -> tuple[str, ...]:
         return tuple(t.name for t in self.targets)
+
+    def owns_module(self, module_path: str) -> bool:
+        """Whether a module path (after ``base_model.model.``) belongs to this pool's node."""
+        return module_path.startswith(self.module_prefix)
 
     def module_target(self, module: str) -> tuple[LoraTarget, int | None] | None:
         """The target (and slice index) a PEFT module name maps onto; ``None`` for no target.
