@@ -111,22 +111,34 @@ def pick_device(choice: str) -> str:
 
 
 def run(args) -> dict:
+    """Write the adapters, serve the requests, and return the summary; the pool and the
+    temporary adapter folder are closed whatever happens."""
+    from .pool import LoraAdapterPool
+
+    device = pick_device(args.device)
+    spec = demo_spec(args.slots + 1, args.layers, "float32" if device == "cpu" else "bfloat16")
+    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="lora-cupy-demo-")
+    workdir = Path(tmp.name if tmp else tempfile.mkdtemp(prefix="lora-cupy-demo-"))
+    pool = LoraAdapterPool(spec, device)
+    try:
+        return serve(args, pool, workdir)
+    finally:
+        pool.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def serve(args, pool, workdir: Path) -> dict:
     from tqdm import tqdm
 
     from .delta import LoraLayerDelta
     from .engine.admission import AdmissionQueue
     from .engine.resource import LoraStep, ResourceReqConfig, StepContext
-    from .pool import LoraAdapterPool
 
-    device = pick_device(args.device)
-    dtype = "float32" if device == "cpu" else "bfloat16"
+    spec, device, dtype = pool.spec, pool.device.name, pool.spec.dtype
     rng = np.random.default_rng(args.seed)
-    spec = demo_spec(args.slots + 1, args.layers, dtype)
     all_modules = list(PEFT_MODULES)
-    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="lora-cupy-demo-")
-    workdir = Path(tmp.name if tmp else tempfile.mkdtemp(prefix="lora-cupy-demo-"))
     oracle = DenseOracle(spec)
-    pool = LoraAdapterPool(spec, device)
     names = []
     for k in range(args.adapters):
         name = f"adapter{k}"
@@ -218,9 +230,6 @@ def run(args) -> dict:
         "admission_wait_request_steps": waited_steps, "worst_relative_error": worst,
         "seconds": round(time.perf_counter() - started, 2),
     }
-    pool.close()
-    if tmp is not None:
-        tmp.cleanup()
     return summary
 
 
