@@ -277,21 +277,7 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
     }
   }
 
-  // the last column group of the tile to finish reading v zeroes it for the next launch
-  int* readers = g.counters + 2 + g.tiles(BM) + tile;
-  __syncthreads();
-  if (tid == 0) last_reader = atomicAdd(readers, 1) == groups - 1;
-  __syncthreads();
-  if (last_reader) {
-    __threadfence();
-    const int r4 = g.rw / 4;
-    for (int e = tid; e < BM * n * r4; e += THREADS) {
-      const int row = e / (n * r4), jj = (e / r4) % n, c4 = (e % r4) * 4;
-      if (tr.tok[row] >= 0 && c4 < ((pr[jj][tr.run_of[row]] + 15) & ~15))
-        __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(p0 + row) * n + jj) * g.rw + c4), make_float4(0.f, 0.f, 0.f, 0.f));
-    }
-    if (tid == 0) atomicExch(readers, 0);
-  }
+  release_v<T, BM>(g, tr, pr, last_reader, tile, groups, p0, n);
 }
 
 }  // namespace lora

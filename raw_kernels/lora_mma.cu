@@ -308,6 +308,33 @@ __device__ __forceinline__ void add_pair(T* p, float d0, float d1, bool both) {
   }
 }
 
+// After a column group's last read of v: the last group of the tile to finish zeroes the tile's
+// v, so the next launch (or graph replay) starts from zero. Each group releases its reads of v
+// (fence, then count); the last one acquires them (count, then fence) before it writes.
+template <typename T, int BM>
+__device__ void release_v(const Args<T>& g, const TileRows<BM>& tr, const int (&pr)[MAX_SLICES][BM],
+                          int& last_reader, int tile, int groups, int p0, int n) {
+  const int tid = threadIdx.x;
+  int* readers = g.counters + 2 + g.tiles(BM) + tile;
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last_reader = atomicAdd(readers, 1) == groups - 1;
+  }
+  __syncthreads();
+  if (last_reader) {
+    __threadfence();
+    const int r4 = g.rw / 4;
+    for (int e = tid; e < BM * n * r4; e += THREADS) {
+      const int row = e / (n * r4), jj = (e / r4) % n, c4 = (e % r4) * 4;
+      if (tr.tok[row] >= 0 && c4 < ((pr[jj][tr.run_of[row]] + 15) & ~15))
+        __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(p0 + row) * n + jj) * g.rw + c4),
+               make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+    if (tid == 0) atomicExch(readers, 0);
+  }
+}
+
 template <typename T, int BM, int BN>
 struct Expand {
   using M = typename Op<T>::type;
@@ -549,21 +576,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   cp_async_wait<0>();
 
-  // the last column group of the tile to finish reading v zeroes it for the next launch
-  int* readers = g.counters + 2 + g.tiles(BM) + tile;
-  __syncthreads();
-  if (tid == 0) last_reader = atomicAdd(readers, 1) == groups - 1;
-  __syncthreads();
-  if (last_reader) {
-    __threadfence();
-    const int r4 = g.rw / 4;
-    for (int e = tid; e < BM * n * r4; e += THREADS) {
-      const int row = e / (n * r4), jj = (e / r4) % n, c4 = (e % r4) * 4;
-      if (tr.tok[row] >= 0 && c4 < ((pr[jj][tr.run_of[row]] + 15) & ~15))
-        __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(p0 + row) * n + jj) * g.rw + c4), make_float4(0.f, 0.f, 0.f, 0.f));
-    }
-    if (tid == 0) atomicExch(readers, 0);
-  }
+  release_v<T, BM>(g, tr, pr, last_reader, tile, groups, p0, n);
 }
 
 template <typename T, int BM, int BN>
