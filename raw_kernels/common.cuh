@@ -173,4 +173,51 @@ __device__ __forceinline__ void mma_frags(float (&d)[4], const Frags<M, SA, EA>&
   if constexpr (SB) mma16816<M>(d, fa.a, fb.bl);
 }
 
+// ---- fragments read straight from global memory with k permuted inside each k-step: logical
+// ranks / features {2 tq, 2 tq + 1, 8 + 2 tq, 9 + 2 tq} of a 16-wide k-step are the consecutive
+// elements 4 tq .. 4 tq + 3, so a lane's share of a row is one 8-byte (fp32: 16-byte) load. A
+// product stays exact as long as both operands use the same permutation.
+
+// A fragment (rows row0 and row0 + 8) of fp32 rows: base points at row 0, element 4 tq of the
+// k-step; stride is floats per row; a row that is not ok reads as zero; values times scale.
+template <typename M, bool SPLIT>
+__device__ __forceinline__ void load_frag_rows(Frags<M, SPLIT, float>& fa, const float* base, size_t stride,
+                                               int row0, bool ok0, bool ok1, float scale) {
+  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 f0 = ok0 ? *reinterpret_cast<const float4*>(base + (size_t)row0 * stride) : z;
+  const float4 f1 = ok1 ? *reinterpret_cast<const float4*>(base + (size_t)(row0 + 8) * stride) : z;
+  pack_scaled<M, SPLIT>(f0.x, f0.y, scale, fa.a[0], fa.al[0]);
+  pack_scaled<M, SPLIT>(f1.x, f1.y, scale, fa.a[1], fa.al[1]);
+  pack_scaled<M, SPLIT>(f0.z, f0.w, scale, fa.a[2], fa.al[2]);
+  pack_scaled<M, SPLIT>(f1.z, f1.w, scale, fa.a[3], fa.al[3]);
+}
+
+// B fragment of one row of a [rows][stride] array: elements k0 .. k0 + 3 of row `row`, zero from
+// kmax on and everywhere when !ok; vec: the row start is 16-byte aligned and stride % 4 == 0.
+template <typename T, typename M, bool SPLIT>
+__device__ __forceinline__ void load_frag_col(Frags<M, SPLIT, T>& fb, const T* base, size_t stride, int row, bool ok,
+                                              int k0, int kmax, bool vec) {
+  const T* p = base + (size_t)row * stride + k0;
+  if constexpr (sizeof(T) == 2) {
+    if (ok && vec && k0 + 4 <= kmax) {
+      const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
+      fb.b[0] = q.x;
+      fb.b[1] = q.y;
+      return;
+    }
+  } else {
+    if (ok && vec && k0 + 4 <= kmax) {
+      const float4 f = __ldg(reinterpret_cast<const float4*>(p));
+      pack_scaled<M, SPLIT>(f.x, f.y, 1.f, fb.b[0], fb.bl[0]);
+      pack_scaled<M, SPLIT>(f.z, f.w, 1.f, fb.b[1], fb.bl[1]);
+      return;
+    }
+  }
+  float f[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) f[c] = ok && k0 + c < kmax ? to_float(p[c]) : 0.f;
+  pack_scaled<M, SPLIT>(f[0], f[1], 1.f, fb.b[0], fb.bl[0]);
+  pack_scaled<M, SPLIT>(f[2], f[3], 1.f, fb.b[1], fb.bl[1]);
+}
+
 }  // namespace lora

@@ -92,41 +92,12 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
   // v fragments of (run k, slice j, k-step ks): rows outside the run are zero
   auto v_frag = [&](Frags<M, C::SPLIT, float>& fa, int k, int j, int ks) {
     const int lo = tr.run_lo[k], hi = tr.run_hi[k];
-    const float scale = ps[j][k];
-    const float* base = g.ws + ((size_t)p0 * n + j) * g.rw + ks * 16 + 4 * tq;
-    const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float4 f0 = row0 >= lo && row0 < hi ? *reinterpret_cast<const float4*>(base + (size_t)row0 * n * g.rw) : z;
-    const float4 f1 = row1 >= lo && row1 < hi ? *reinterpret_cast<const float4*>(base + (size_t)row1 * n * g.rw) : z;
-    pack_scaled<M, C::SPLIT>(f0.x, f0.y, scale, fa.a[0], fa.al[0]);
-    pack_scaled<M, C::SPLIT>(f1.x, f1.y, scale, fa.a[1], fa.al[1]);
-    pack_scaled<M, C::SPLIT>(f0.z, f0.w, scale, fa.a[2], fa.al[2]);
-    pack_scaled<M, C::SPLIT>(f1.z, f1.w, scale, fa.a[3], fa.al[3]);
+    load_frag_rows<M, C::SPLIT>(fa, g.ws + ((size_t)p0 * n + j) * g.rw + ks * 16 + 4 * tq, (size_t)n * g.rw, row0,
+                                row0 >= lo && row0 < hi, row1 >= lo && row1 < hi, ps[j][k]);
   };
   // B fragment of column col (zero outside [ca, cz)), ranks 16 ks + 4 tq .. + 3 (zero from r on)
   auto b_frag = [&](Frags<M, C::SPLIT, T>& fb, const T* bs, int col, int ca, int cz, int r, int ks) {
-    const int k0 = ks * 16 + 4 * tq;
-    const bool ok = col >= ca && col < cz;
-    const T* p = bs + (size_t)col * R + k0;
-    if constexpr (sizeof(T) == 2) {
-      if (ok && vec_b && k0 + 4 <= r) {
-        const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
-        fb.b[0] = q.x;
-        fb.b[1] = q.y;
-        return;
-      }
-    } else {
-      if (ok && vec_b && k0 + 4 <= r) {
-        const float4 f = __ldg(reinterpret_cast<const float4*>(p));
-        pack_scaled<M, C::SPLIT>(f.x, f.y, 1.f, fb.b[0], fb.bl[0]);
-        pack_scaled<M, C::SPLIT>(f.z, f.w, 1.f, fb.b[1], fb.bl[1]);
-        return;
-      }
-    }
-    float f[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) f[c] = ok && k0 + c < r ? to_float(p[c]) : 0.f;
-    pack_scaled<M, C::SPLIT>(f[0], f[1], 1.f, fb.b[0], fb.bl[0]);
-    pack_scaled<M, C::SPLIT>(f[2], f[3], 1.f, fb.b[1], fb.bl[1]);
+    load_frag_col<T, M, C::SPLIT>(fb, bs, R, col, col >= ca && col < cz, ks * 16 + 4 * tq, r, vec_b);
   };
 
   // a warp with one run of one slice keeps that run's v fragments for every pass

@@ -20,6 +20,8 @@
 // lora_shrink / lora_expand: one task per block, 128 threads, a 1-D grid sized by the bucket only.
 // lora_shrink_stream / lora_expand_stream (v4, shrink_stream.cuh / expand_stream.cuh): the same
 //   tasks and grids with x, or y, streamed through registers by each warp on its own.
+// lora_shrink_pipe / lora_expand_pipe (v5, shrink_pipe.cuh / expand_pipe.cuh): the same tasks and
+//   grids with x, or y, streamed by each warp through its own ring of cp.async stages.
 // lora_fused: both in one launch; each block takes a ticket when it starts, shrink tasks first, and
 //   an expand task (after prefetching its y and B) waits for its tile's ready count, raised only by
 //   blocks already running.
@@ -588,6 +590,8 @@ __host__ __device__ constexpr int fused_smem() {
 
 #include "expand_stream.cuh"
 #include "shrink_stream.cuh"
+#include "expand_pipe.cuh"
+#include "shrink_pipe.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -665,4 +669,24 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   LORA_ARGS;
   lora::require_smem(4 * (num_slots + 1));
   lora::expand_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
+}
+
+// The v5 kernels (shrink_pipe.cuh, expand_pipe.cuh): dynamic shared memory holds the warps' rings
+// of stages, then slot_indptr; registers capped for 4 blocks per multiprocessor.
+template <typename T, int BM>
+__global__ void __launch_bounds__(128, 4) lora_shrink_pipe(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::TileRows<BM> tr;
+  LORA_ARGS;
+  lora::require_smem(lora::Pipe<T>::SMEM + 4 * (num_slots + 1));
+  lora::shrink_pipe_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Pipe<T>::SMEM), tr, blockIdx.x);
+}
+
+template <typename T, int BM>
+__global__ void __launch_bounds__(128, 4) lora_expand_pipe(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::TileRows<BM> tr;
+  LORA_ARGS;
+  lora::require_smem(lora::Pipe<T>::SMEM + 4 * (num_slots + 1));
+  lora::expand_pipe_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Pipe<T>::SMEM), tr, blockIdx.x);
 }

@@ -67,6 +67,8 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
         lines.append(f"static_assert(lora::Stream<{ct}>::BN == {kernels.STREAM_BN}, \"v4 expand {dtype}\");")
         lines.append(f"static_assert(lora::StreamShrink<{ct}>::RB == {kernels.STREAM_RANK_BLOCK[dtype]}, "
                      f"\"v4 shrink {dtype}\");")
+        lines.append(f"static_assert(lora::Pipe<{ct}>::SMEM == {kernels.PIPE_SMEM}, \"v5 rings {dtype}\");")
+        lines.append(f"static_assert(lora::Pipe<{ct}>::COLS == {kernels.PIPE_COLS[dtype]}, \"v5 chunk {dtype}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
@@ -139,23 +141,28 @@ def test_workspace_is_v_at_the_largest_bucket():
     assert ints == 2 + 2 * 4096 // 16
 
 
+@pytest.mark.parametrize("version", ["v4", "v5"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_f,out,n,R", SHAPES)
-def test_v4_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R, dtype):
-    """The v4 kernels: 32-column passes, column groups a multiple of the warps that share an
-    m-tile, no more expand blocks than one wave of 4 per multiprocessor once y is large, rank
-    blocks of the v4 shrink; a fused launch stays v3 whatever is asked."""
+def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R, dtype, version):
+    """The v4 / v5 kernels: passes of STREAM_BN / PIPE_COLS columns, column groups a multiple of
+    the warps that share an m-tile, no more expand blocks than one wave of 4 per multiprocessor
+    once y is large, rank blocks of each shrink, whole chunks per split; a fused launch stays v3
+    whatever is asked."""
+    bn = kernels.STREAM_BN if version == "v4" else kernels.PIPE_COLS[dtype]
+    rb = kernels.STREAM_RANK_BLOCK[dtype] if version == "v4" else cb.RANK_BLOCK
     for b in (128, 256, 512, 1024, 4096):
         for tile in kernels.MMA_SHRINK_BM:
-            p = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=False, shrink="v4", expand="v4")
-            assert (p.shrink, p.expand, p.bn) == ("v4", "v4", kernels.STREAM_BN)
+            p = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=False, shrink=version, expand=version)
+            assert (p.shrink, p.expand, p.bn) == (version, version, bn)
             assert p.col_blocks * p.bn >= out > (p.col_blocks - 1) * p.bn
             share = 64 // tile
             assert p.cpb == p.col_blocks or p.cpb % share == 0
             assert p.expand_blocks <= max(p.tiles, cb.STREAM_BLOCKS_PER_SM * cb.DEFAULT_SMS)
-            assert p.rank_blocks == -(-R // kernels.STREAM_RANK_BLOCK[dtype])
+            assert p.rank_blocks == -(-R // rb)
             assert p.shrink_blocks == p.tiles * p.splits * n * p.rank_blocks
-            f = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=True, shrink="v4", expand="v4")
+            assert p.k_split % (128 // cb._ITEMSIZE[dtype]) == 0 and p.splits * p.k_split >= in_f
+            f = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=True, shrink=version, expand=version)
             assert (f.shrink, f.expand) == ("v3", "v3")
 
 
@@ -175,7 +182,7 @@ def test_v4_defaults_name_unfused_buckets_and_keep_a_pools_plan_whatever_its_ran
 
 def test_unknown_kernel_versions_are_refused():
     with pytest.raises(ValueError, match="expand"):
-        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", expand="v5")
+        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", expand="v6")
     with pytest.raises(ValueError, match="shrink"):
         cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", shrink="v2")
 
@@ -289,30 +296,30 @@ def test_targets():
     assert not bench.targets_met(big, 36.0, 24.0, 40.0)
 
 
-def test_v3_and_v4_are_timed_side_by_side_where_the_launch_is_unfused():
+def test_kernel_versions_are_timed_side_by_side_where_the_launch_is_unfused():
     for row in bench.rows():
         names = set(bench.kernel_variants(row, sweep=False))
         unfused = (row.bucket or row.T) > 64
         assert names >= {"default"}
         assert (set(bench.VERSIONS) <= names) == unfused
-        assert (set(bench.V4_TILES) <= names) == (unfused and row.group == "core")
+        assert (set(bench.V5_TILES) <= names) == (unfused and row.group == "core")
 
 
 def test_versions_table_picks_the_fastest_correct_version():
     row = bench.Row("core", 4096, 4096, (4096,), (16,) * 32, 16)
     k = lambda us, ok=True: {"us": us, "err": 1e-3, "ok": ok}  # noqa: E731
     res = {"row": bench.asdict(row), "label": row.label, "floor_us": 26.0, "best_baseline_us": 44.0,
-           "kernels": {"default": k(73.0), "v3": k(73.0), "v4": k(30.0, ok=False), "s4e3": k(60.0),
-                       "s3e4": k(36.0)},
-           "parts": {"v3.shrink": 20.0, "v3.expand": 50.0}}
+           "kernels": {"default": k(73.0), "v3": k(73.0), "v4": k(30.0, ok=False), "v5": k(60.0),
+                       "s3e5": k(36.0)},
+           "parts": {"v3.shrink": 20.0, "v3.expand": 50.0, "v5.expand": 18.5}}
     lines = bench._versions_table([res]).splitlines()
     assert len(lines) == 3 and lines[2].startswith(row.label[:40])
     cells = lines[2][40:].split()
-    assert cells[2] == "ERR" and "s3e4" in cells  # v4 over tolerance never wins
+    assert cells[2] == "ERR" and "s3e5" in cells  # v4 over tolerance never wins
     assert cells[cells.index("|") - 1] == "yes"  # 36 us: 72% of a 26 us floor and under 44
-    assert lines[2].endswith("| 20.0 50.0")
+    assert lines[2].endswith("| 20.0 50.0 - - - 18.5")
     fused = {**res, "kernels": {"default": k(9.0)}}
-    assert len(bench._versions_table([fused]).splitlines()) == 2  # rows without v4 are left out
+    assert len(bench._versions_table([fused]).splitlines()) == 2  # rows without v5 are left out
 
 
 def test_rows_cover_the_issue():

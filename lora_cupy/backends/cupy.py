@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (CUDA_TYPES, EXPAND_VARIANTS, MMA_SHRINK_BM, MMA_TILES, SHRINK_VARIANTS, STREAM_BN,
-                       STREAM_RANK_BLOCK, load_module, mma_family)
+from ..kernels import (CUDA_TYPES, EXPAND_VARIANTS, MMA_SHRINK_BM, MMA_TILES, PIPE_COLS, PIPE_SMEM,
+                       SHRINK_VARIANTS, STREAM_BN, STREAM_RANK_BLOCK, load_module, mma_family)
 from ..spec import LoraSpec
 from .base import LayerWeights
 
@@ -80,6 +80,11 @@ def fused_smem(dtype: str, bm: int, bn: int) -> int:
     return max(shrink_smem(dtype, bm), expand_smem(dtype, bm, bn))
 
 
+def stream_smem(variant: str) -> int:
+    """Dynamic shared memory of a v4 / v5 kernel before slot_indptr: v5's rings of stages, v4 none."""
+    return PIPE_SMEM if variant == "v5" else 0
+
+
 #: Blocks per multiprocessor the v4 kernels are built for (``__launch_bounds__(128, 4)``).
 STREAM_BLOCKS_PER_SM = 4
 
@@ -91,9 +96,10 @@ class LaunchPlan:
     ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per column
     block and ``cpb`` column blocks per expand block, ``splits`` blocks over ``in`` per shrink
     tile (``k_split`` features each). ``shrink`` and ``expand`` name the kernels of an unfused
-    launch: ``"v3"`` (tiles through shared memory) or ``"v4"`` (each warp streams x, or y, through
+    launch: ``"v3"`` (tiles through shared memory), ``"v4"`` (each warp streams x, or y, through
     registers: shrink rank blocks of ``STREAM_RANK_BLOCK``, expand column blocks of
-    ``STREAM_BN``); a fused launch always runs v3.
+    ``STREAM_BN``) or ``"v5"`` (each warp streams x, or y, through its own ring of cp.async
+    stages: expand column blocks of ``PIPE_COLS``); a fused launch always runs v3.
     """
 
     bucket: int
@@ -158,8 +164,8 @@ def default_shrink(bucket: int) -> str:
 
 
 def rank_block(shrink: str, dtype: str) -> int:
-    """Ranks per shrink block: 64 for v3, ``STREAM_RANK_BLOCK[dtype]`` for v4."""
-    return RANK_BLOCK if shrink == "v3" else STREAM_RANK_BLOCK[normalize_dtype(dtype)]
+    """Ranks per shrink block: 64 for v3 and v5, ``STREAM_RANK_BLOCK[dtype]`` for v4."""
+    return STREAM_RANK_BLOCK[normalize_dtype(dtype)] if shrink == "v4" else RANK_BLOCK
 
 
 @functools.lru_cache(maxsize=4096)
@@ -172,8 +178,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block; expand blocks take several column blocks each once there are more than about four
     per multiprocessor, so each block's fixed start is spread over more of y. The v4 expand
-    takes as many column blocks per block (a multiple of the warps sharing an m-tile,
-    ``64 // bm``) as fit every block in one wave of ``STREAM_BLOCKS_PER_SM`` blocks per
+    and v5 expands take as many column blocks per block (a multiple of the warps sharing an
+    m-tile, ``64 // bm``) as fit every block in one wave of ``STREAM_BLOCKS_PER_SM`` blocks per
     multiprocessor, so each warp streams a long run of y.
     """
     dtype = normalize_dtype(dtype)
@@ -196,8 +202,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
-    if expand == "v4":
-        bn = STREAM_BN
+    if expand in ("v4", "v5"):
+        bn = STREAM_BN if expand == "v4" else PIPE_COLS[dtype]
         col_blocks = _ceil(out_features, bn)
         share = 64 // bm  # warps that take turns on one m-tile's column blocks
         groups = max(1, (STREAM_BLOCKS_PER_SM * num_sms) // tiles)  # column groups per tile, at most
@@ -471,6 +477,9 @@ class CupyBackend:
                 fn = mod.get_function(f"lora_{kind}_stream<{ct}, {bm}>")
                 fn.max_dynamic_shared_size_bytes = extra
                 self._fns[(dtype, f"{kind}_v4", bm)] = fn
+                fn = mod.get_function(f"lora_{kind}_pipe<{ct}, {bm}>")  # v5: the warps' rings first
+                fn.max_dynamic_shared_size_bytes = PIPE_SMEM + extra
+                self._fns[(dtype, f"{kind}_v5", bm)] = fn
 
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
@@ -546,13 +555,15 @@ class CupyBackend:
                 (plan.shrink_blocks + plan.expand_blocks,), (THREADS,), args,
                 shared_mem=fused_smem(dtype, plan.bm, plan.bn) + extra)
         else:
-            if "shrink" in parts and plan.shrink == "v4":
-                self._fns[(dtype, "shrink_v4", plan.bm)]((plan.shrink_blocks,), (THREADS,), args, shared_mem=extra)
+            if "shrink" in parts and plan.shrink != "v3":
+                self._fns[(dtype, f"shrink_{plan.shrink}", plan.bm)](
+                    (plan.shrink_blocks,), (THREADS,), args, shared_mem=stream_smem(plan.shrink) + extra)
             elif "shrink" in parts:
                 self._fns[(dtype, "shrink", plan.bm)](
                     (plan.shrink_blocks,), (THREADS,), args, shared_mem=shrink_smem(dtype, plan.bm) + extra)
-            if "expand" in parts and plan.expand == "v4":
-                self._fns[(dtype, "expand_v4", plan.bm)]((plan.expand_blocks,), (THREADS,), args, shared_mem=extra)
+            if "expand" in parts and plan.expand != "v3":
+                self._fns[(dtype, f"expand_{plan.expand}", plan.bm)](
+                    (plan.expand_blocks,), (THREADS,), args, shared_mem=stream_smem(plan.expand) + extra)
             elif "expand" in parts:
                 self._fns[(dtype, "expand", plan.bm)](
                     (plan.expand_blocks,), (THREADS,), args,

@@ -357,15 +357,17 @@ def copy_bandwidth() -> float:
 VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
                               for t in (16, 32, 64) for f in (False, True)}}
 #: Kernel versions timed side by side on every row whose bucket launches shrink and expand apart:
-#: s = shrink, e = expand, 3 / 4 = v3 (shared-memory tiles) / v4 (streamed through registers).
+#: s = shrink, e = expand, 3 / 4 / 5 = v3 (shared-memory tiles) / v4 (streamed through registers) /
+#: v5 (streamed through each warp's ring of cp.async stages).
 VERSIONS = {"v3": dict(shrink="v3", expand="v3"), "v4": dict(shrink="v4", expand="v4"),
-            "s4e3": dict(shrink="v4", expand="v3"), "s3e4": dict(shrink="v3", expand="v4")}
-#: On the core rows, v4 at every tile as well.
-V4_TILES = {f"v4t{t}": dict(shrink="v4", expand="v4", tile=t) for t in (16, 32, 64)}
+            "v5": dict(shrink="v5", expand="v5"), "s3e4": dict(shrink="v3", expand="v4"),
+            "s3e5": dict(shrink="v3", expand="v5"), "s5e3": dict(shrink="v5", expand="v3")}
+#: On the core rows, v5 at every tile as well.
+V5_TILES = {f"v5t{t}": dict(shrink="v5", expand="v5", tile=t) for t in (16, 32, 64)}
 
 
 def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
-    """The backend options timed on one row: the default, then v3 / v4 (unfused buckets only)."""
+    """The backend options timed on one row: the default, then v3 / v4 / v5 (unfused buckets only)."""
     from ..backends.cupy import default_fused
     from ..spec import LoraSpec, LoraTarget
 
@@ -374,7 +376,7 @@ def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
     if not default_fused(spec.bucket_for(row.bucket or row.T)):
         out.update(VERSIONS)
         if row.group == "core":
-            out.update(V4_TILES)
+            out.update(V5_TILES)
     return out
 
 
@@ -448,15 +450,16 @@ def _table(results: list[dict], bw: float) -> str:
 
 
 def _versions_table(results: list[dict]) -> str:
-    """v3 against v4 on the rows that run both: full-call times, the kernels alone where timed,
-    the best version, the best baseline, and whether the best version meets the issue's bars."""
-    names = [n for n in ("default", *VERSIONS, *V4_TILES)]
+    """The kernel versions on the rows that run them all: full-call times, the kernels alone where
+    timed, the best version, the best baseline, and whether the best version meets the issue's bars."""
+    names = [n for n in ("default", *VERSIONS, *V5_TILES)]
+    alone_keys = [f"{v}.{k}" for v in ("v3", "v4", "v5") for k in ("shrink", "expand")]
     head = (f"{'row':40s} " + " ".join(f"{n:>6s}" for n in names)
-            + f" {'best':>5s} {'base':>6s} {'floor':>6s} bars | s3 e3 s4 e4 alone")
-    lines = ["v3 vs v4 (us; ERR = over tolerance, '-' = not run)", head]
+            + f" {'best':>5s} {'base':>6s} {'floor':>6s} bars | s3 e3 s4 e4 s5 e5 alone")
+    lines = ["kernel versions (us; ERR = over tolerance, '-' = not run)", head]
     for r in results:
         ks = r["kernels"]
-        if "v4" not in ks:
+        if "v5" not in ks:
             continue
         cells, best_name, best_us = [], None, math.inf
         for n in names:
@@ -473,7 +476,7 @@ def _versions_table(results: list[dict]) -> str:
         base = r["best_baseline_us"]
         met = best_name is not None and targets_met(row, best_us, r["floor_us"], base)
         p = r.get("parts", {})
-        alone = " ".join(f"{p[k]:.1f}" for k in ("v3.shrink", "v3.expand", "v4.shrink", "v4.expand") if k in p)
+        alone = " ".join(f"{p[k]:.1f}" if k in p else "-" for k in alone_keys)
         lines.append(f"{r['label'][:40]:40s} " + " ".join(cells)
                      + f" {best_name or '-':>5s} {base if base is not None else math.nan:6.1f} "
                        f"{r['floor_us']:6.1f} {'yes' if met else 'no':>4s} | {alone}")

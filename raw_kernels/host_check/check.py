@@ -7,11 +7,14 @@ the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poiso
 and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
-    python raw_kernels/host_check/check.py --shrink v4 --expand v4 [--sms 1] [--misalign] [--asan]
+    python raw_kernels/host_check/check.py --shrink v5 --expand v5 [--sms 1] [--misalign] [--asan]
+        [--cp-async late|early]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
-run python with ``LD_PRELOAD`` of libasan so numpy's arrays get red zones).
+run python with ``LD_PRELOAD`` of libasan so numpy's arrays get red zones); ``--cp-async`` makes
+each emulated cp.async land at the wait that retires it (late, the default: a read before its wait
+sees stale data) or when issued (early: a stage overwritten while still read shows).
 """
 
 from __future__ import annotations
@@ -133,8 +136,8 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
-    lib.emu_set_shrink(4 if plan.shrink == "v4" else 3)
-    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, 4 if plan.expand == "v4" else 3, plan.shrink_blocks,
+    lib.emu_set_shrink(int(plan.shrink[1:]))
+    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, int(plan.expand[1:]), plan.shrink_blocks,
                        plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
     assert rc == 0, f"no kernel for tile {plan.bm}"
@@ -148,8 +151,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--tiles", default="16,32,64")
-    ap.add_argument("--shrink", default="v4", choices=("v3", "v4"))
-    ap.add_argument("--expand", default="v4", choices=("v3", "v4"))
+    ap.add_argument("--shrink", default="v5", choices=cb.SHRINK_VARIANTS)
+    ap.add_argument("--expand", default="v5", choices=cb.EXPAND_VARIANTS)
+    ap.add_argument("--cp-async", default="late", choices=("late", "early"),
+                    help="when an emulated cp.async lands: at the wait that retires it, or at once")
     ap.add_argument("--sms", type=int, default=cb.DEFAULT_SMS)
     ap.add_argument("--misalign", action="store_true")
     ap.add_argument("--asan", action="store_true")
@@ -157,6 +162,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         lib = ctypes.CDLL(str(build(Path(tmp), args.asan)))
+        lib.emu_set_cp_early(int(args.cp_async == "early"))
         rng = np.random.default_rng(args.seed)
         fails = 0
         for name in args.cases.split(","):

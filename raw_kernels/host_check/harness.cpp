@@ -9,6 +9,8 @@ Fiber* cur = nullptr;
 ucontext_t sched_ctx;
 int block_arrived = 0, warp_arrived[4] = {0, 0, 0, 0};
 long long mma_count = 0;
+AsyncQueue async_q[NTHREADS];
+bool cp_early = false;
 Stage stage[4];
 
 static void yield_wait(int kind) {
@@ -52,6 +54,7 @@ static void run_block(void (*fn)(int), int u) {
     f.tid = t;
     f.done = false;
     f.wait = 0;
+    async_q[t] = AsyncQueue{};
     if (f.stack.empty()) f.stack.resize(1 << 18);
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack.data();
@@ -117,6 +120,16 @@ template <typename T, int BM> static void shrink4_block(int u) {
   auto g = args<T>();
   lora::shrink_stream_task<T, BM>(g, s_indptr, tr, u);
 }
+template <typename T, int BM> static void shrink5_block(int u) {
+  static lora::TileRows<BM> tr;
+  auto g = args<T>();
+  lora::shrink_pipe_task<T, BM>(g, dsm.data(), s_indptr, tr, u);
+}
+template <typename T, int BM> static void pipe_block(int u) {
+  static lora::TileRows<BM> tr;
+  auto g = args<T>();
+  lora::expand_pipe_task<T, BM>(g, dsm.data(), s_indptr, tr, u);
+}
 template <typename T, int BM> static void stream_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
@@ -125,9 +138,10 @@ template <typename T, int BM> static void stream_block(int u) {
 
 static int g_shrink = 3;
 template <typename T, int BM, int BN> static void run(int expand, int shrink_blocks, int expand_blocks) {
-  for (int u = 0; u < shrink_blocks; ++u) emu::run_block(g_shrink == 4 ? shrink4_block<T, BM> : shrink_block<T, BM>, u);
+  for (int u = 0; u < shrink_blocks; ++u)
+    emu::run_block(g_shrink == 5 ? shrink5_block<T, BM> : g_shrink == 4 ? shrink4_block<T, BM> : shrink_block<T, BM>, u);
   for (int u = 0; u < expand_blocks; ++u)
-    emu::run_block(expand == 4 ? stream_block<T, BM> : expand_block<T, BM, BN>, u);
+    emu::run_block(expand == 5 ? pipe_block<T, BM> : expand == 4 ? stream_block<T, BM> : expand_block<T, BM, BN>, u);
 }
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (bm == 16) run<T, 16, 64>(expand, sb, eb);
@@ -138,8 +152,9 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
-// dtype 0 bf16, 1 fp16, 2 fp32; expand 3 or 4; dims: S n R in out bucket positions rw splits k_split col_blocks cpb flags
+// dtype 0 bf16, 1 fp16, 2 fp32; expand 3, 4 or 5; dims: S n R in out bucket positions rw splits k_split col_blocks cpb flags
 extern "C" void emu_set_shrink(int v) { g_shrink = v; }
+extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
                          const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,
                          const int* token_order, const int* slot_indptr, float* ws, int* counters, const int* dims) {

@@ -80,6 +80,7 @@ inline unsigned __float_as_uint(float f) {
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline void __syncthreads() { emu::block_barrier(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 inline int __syncthreads_or(int pred) {
   static int acc;
   emu::block_barrier();
@@ -147,15 +148,46 @@ template <typename P> inline void __stcg(P* p, P v) {
   *p = v;
 }
 
+namespace emu {
+// cp.async as the hardware may run it at its latest: a copy is recorded when issued and made only
+// when a wait_group retires its group (or, with early set, at once: the other extreme).
+struct Copy {
+  void* dst;
+  const void* src;
+  int bytes;
+};
+struct AsyncQueue {
+  std::vector<std::vector<Copy>> groups;
+  std::vector<Copy> open;
+};
+extern AsyncQueue async_q[NTHREADS];
+extern bool cp_early;
+inline void apply(const Copy& c) {
+  memset(c.dst, 0, 16);
+  if (c.bytes) memcpy(c.dst, c.src, c.bytes);
+}
+}  // namespace emu
+
 namespace lora {
 inline void cp_async16(void* smem, const void* gmem, int src_bytes) {
   emu::check_align(smem, 16);
   emu::check_align(gmem, src_bytes ? 16 : 1);
-  memset(smem, 0, 16);
-  if (src_bytes) memcpy(smem, gmem, src_bytes);
+  const emu::Copy c{smem, gmem, src_bytes};
+  if (emu::cp_early) emu::apply(c);
+  else emu::async_q[emu::cur->tid].open.push_back(c);
 }
-inline void cp_async_commit() {}
-template <int N> inline void cp_async_wait() {}
+inline void cp_async_commit() {
+  auto& q = emu::async_q[emu::cur->tid];
+  q.groups.push_back(std::move(q.open));
+  q.open.clear();
+}
+template <int N> inline void cp_async_wait() {
+  auto& q = emu::async_q[emu::cur->tid];
+  while ((int)q.groups.size() > N) {
+    for (const auto& c : q.groups.front()) emu::apply(c);
+    q.groups.erase(q.groups.begin());
+  }
+}
 inline unsigned dynamic_smem_size() { return 1u << 30; }
 inline int load_acquire(const int* p) { return *p; }
 }  // namespace lora

@@ -1,4 +1,4 @@
-"""The CUDA backend against the float64 oracle: every kernel variant (v3 and v4 expand, fused, SIMT),
+"""The CUDA backend against the float64 oracle: every kernel variant (v3, v4 and v5, fused, SIMT),
 dtype, awkward size and mix, torch tensors and CuPy arrays alike, and CUDA graphs replayed under new
 addressing."""
 
@@ -24,14 +24,19 @@ def _gpu_count() -> int:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
 DTYPES = ("bfloat16", "float16", "float32")
-#: shrink / expand kernel versions of an unfused launch: v3 (shared-memory tiles), v4 (streamed)
+#: shrink / expand kernel versions of an unfused launch: v3 (shared-memory tiles), v4 (streamed
+#: through registers), v5 (streamed through each warp's ring of cp.async stages)
 VERSIONS = {"v3": dict(shrink="v3", expand="v3"), "v4": dict(shrink="v4", expand="v4"),
-            "s4e3": dict(shrink="v4", expand="v3"), "s3e4": dict(shrink="v3", expand="v4")}
+            "v5": dict(shrink="v5", expand="v5"),
+            "s4e3": dict(shrink="v4", expand="v3"), "s3e4": dict(shrink="v3", expand="v4"),
+            "s5e3": dict(shrink="v5", expand="v3"), "s3e5": dict(shrink="v3", expand="v5")}
 VARIANTS = {f"mma{t}-fused": dict(kernel="mma", tile=t, fused=True) for t in (16, 32, 64)}
 VARIANTS.update({f"mma{t}-{v}": dict(kernel="mma", tile=t, fused=False, **VERSIONS[v])
-                 for t in (16, 32, 64) for v in ("v3", "v4")})
+                 for t in (16, 32, 64) for v in ("v3", "v4", "v5")})
 VARIANTS.update({"mma16-s4e3": dict(kernel="mma", tile=16, fused=False, **VERSIONS["s4e3"]),
-                 "mma64-s3e4": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e4"])})
+                 "mma64-s3e4": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e4"]),
+                 "mma32-s5e3": dict(kernel="mma", tile=32, fused=False, **VERSIONS["s5e3"]),
+                 "mma64-s3e5": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e5"])})
 VARIANTS["simt"] = dict(kernel="simt")
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -121,15 +126,15 @@ def test_delta_matches_oracle(make_case, check, name, dtype, variant):
 
 
 @pytest.mark.parametrize("mix", ["distinct", "uniform", "zipf", "identical", "skewed"])
-@pytest.mark.parametrize("T,version", [(16, None), (64, None), (300, "v3"), (300, "v4"), (4096, "v3"),
-                                       (4096, "v4")])
+@pytest.mark.parametrize("T,version", [(16, None), (64, None), (300, "v3"), (300, "v4"), (300, "v5"),
+                                       (4096, "v3"), (4096, "v4"), (4096, "v5")])
 def test_popularity_mixes(make_case, check, mix, T, version):
     case = make_case(T=T, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), dtype="bfloat16",
                      mix=mix, num_slots=33, active=min(32, T))
     check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
-@pytest.mark.parametrize("T,version", [(64, None), (300, "v3"), (300, "v4")])
+@pytest.mark.parametrize("T,version", [(64, None), (300, "v3"), (300, "v4"), (300, "v5"), (4096, "v5")])
 def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     """Rank-16 adapters in a pool of max rank 128, the rest of every slot poisoned with NaN."""
     case = make_case(T=T, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
@@ -147,7 +152,7 @@ def dev_misaligned(h: np.ndarray):
 
 
 @pytest.mark.parametrize("misaligned", [False, True])
-@pytest.mark.parametrize("version", ["v3", "v4"])
+@pytest.mark.parametrize("version", ["v3", "v4", "v5"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_streams_awkward_slices_and_misaligned_rows(make_case, check, dtype, version, misaligned):
     """One multiprocessor planned for: one split of ``in`` per shrink (a plain store of v where one
@@ -201,7 +206,7 @@ def _new_addressing(make_case, spec_case, T, mix):
 
 
 LAUNCHES = {"v3": dict(fused=False, **VERSIONS["v3"]), "v4": dict(fused=False, **VERSIONS["v4"]),
-            "fused": dict(fused=True)}
+            "v5": dict(fused=False, **VERSIONS["v5"]), "fused": dict(fused=True)}
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
