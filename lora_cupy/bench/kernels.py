@@ -249,12 +249,26 @@ class Timer:
     ``"diff"`` = (graph of calls and flushes - graph of flushes) / calls, ``"events"`` = CUDA
     events around each call inside the graph (falls back to ``"diff"`` where that fails)."""
 
-    def __init__(self, replays: int = 10, method: str = "diff"):
+    def __init__(self, replays: int = 10, method: str = "diff", flush: str = "write"):
         import torch
 
+        if flush not in ("write", "read"):
+            raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
         self.replays = replays
-        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        self.flush_buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+        self.flush_out = torch.zeros((), dtype=torch.int64, device="cuda")
+        self.flush_kind = flush
         self.events_in_graphs = method == "events"
+
+    def flush(self) -> None:
+        """Push the previous call's data out of L2: ``write`` zeroes FLUSH_BYTES (L2 is left full of
+        dirty lines, which the next call's misses write back to DRAM), ``read`` sums them (clean)."""
+        import torch
+
+        if self.flush_kind == "write":
+            self.flush_buf.zero_()
+        else:
+            torch.sum(self.flush_buf, dtype=torch.int64, out=self.flush_out)
 
     def __call__(self, fn) -> float:
         import torch
@@ -290,7 +304,7 @@ class Timer:
 
         def body():
             for s, e in zip(starts, ends):
-                self.flush.zero_()
+                self.flush()
                 s.record()
                 fn()
                 e.record()
@@ -311,12 +325,12 @@ class Timer:
 
         def with_calls():
             for _ in range(CALLS_PER_GRAPH):
-                self.flush.zero_()
+                self.flush()
                 fn()
 
         def flushes():
             for _ in range(CALLS_PER_GRAPH):
-                self.flush.zero_()
+                self.flush()
 
         totals = []
         for body in (with_calls, flushes):
@@ -513,6 +527,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--method", choices=("events", "diff"), default="diff",
                     help="events around each call inside the graph, or (calls + flushes - flushes) / calls")
+    ap.add_argument("--match", default="", help="only rows whose label holds this text")
+    ap.add_argument("--flush", choices=("write", "read"), default="write",
+                    help="L2 flush before each call: zero 256 MB (dirty lines, the default) or read them")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no row after this many seconds (also: env BENCH_END_AT, epoch seconds)")
     args = ap.parse_args(argv)
@@ -521,21 +538,21 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device", file=sys.stderr)
         return 2
-    todo = [r for r in rows() if not args.groups or r.group in args.groups.split(",")]
+    todo = [r for r in rows() if (not args.groups or r.group in args.groups.split(",")) and args.match in r.label]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {len(todo)} rows", file=sys.stderr)
-    timer = Timer(args.replays, args.method)
+    timer = Timer(args.replays, args.method, args.flush)
     import torch as _t
 
     calib = {}
     for m in ("events", "diff"):  # what the method reads for nothing at all, and for an empty kernel
-        t = Timer(args.replays, m)
+        t = Timer(args.replays, m, args.flush)
         calib[m] = {"nothing": t(lambda: None), "empty_kernel": t(lambda: _t.cuda._sleep(0))}
     print(f"calibration (us): {calib}", file=sys.stderr)
     results, skipped = [], []
     t0, stop = time.time(), _deadline(args)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw": bw,
-            "method": "events" if timer.events_in_graphs else "diff", "calibration_us": calib}
+            "method": "events" if timer.events_in_graphs else "diff", "flush": args.flush, "calibration_us": calib}
     for i, row in enumerate(todo):
         if time.time() > stop:
             skipped.append(row.label)

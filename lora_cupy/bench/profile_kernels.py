@@ -1,10 +1,11 @@
 """Profile the tensor-core delta under Nsight Compute: one delta per configuration, then a summary.
 
     ncu --clock-control none -k regex:lora_ --csv --page raw --metrics ... \\
-        python3 lora_cupy/bench/profile_kernels.py > ncu.csv
+        python3 lora_cupy/bench/profile_kernels.py [LABEL_TEXT ...] > ncu.csv
     python3 lora_cupy/bench/profile_kernels.py --summarize ncu.csv
 
-Kernels appear in CONFIGS order: a fused configuration launches one kernel, the others two.
+Kernels appear in CONFIGS order (only those whose label holds one of the LABEL_TEXTs, when given):
+a fused configuration launches one kernel, the others two.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import sys
 
 #: Metrics asked for by name; the sections (SpeedOfLight, LaunchStats, Occupancy, WarpStateStats,
 #: MemoryWorkloadAnalysis) add the rest, and the summary picks columns by pattern.
-METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_red.sum")
+METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_red.sum",
+           "l1tex__t_sector_hit_rate.pct", "lts__t_sector_hit_rate.pct", "smsp__inst_executed.sum",
+           "lts__t_bytes.sum")
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis")
 SHOW = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_red.sum",
         "dram__throughput.avg.pct_of_peak_sustained_elapsed", "sm__warps_active.avg.pct_of_peak_sustained_active",
         "launch__registers_per_thread", "launch__occupancy_limit_registers", "launch__occupancy_limit_shared_mem",
-        "launch__grid_size")
+        "launch__grid_size", "l1tex__t_sector_hit_rate.pct", "lts__t_sector_hit_rate.pct", "smsp__inst_executed.sum",
+        "lts__t_bytes.sum")
 
 
 def configs():
@@ -29,6 +33,8 @@ def configs():
     return [
         ("T4096 r16 s32", core(4096, 16, 32), {}),
         ("T4096 r64 s32", core(4096, 64, 32), {}),
+        ("T4096 r16 s32 v5", core(4096, 16, 32), dict(shrink="v5", expand="v5")),
+        ("T4096 r64 s32 v5", core(4096, 64, 32), dict(shrink="v5", expand="v5")),
         ("T1024 r16 s32", core(1024, 16, 32), {}),
         ("T256 r16 s32", core(256, 16, 32), {}),
         ("T64 r16 s32 fused", core(64, 16, 32), dict(fused=True)),
@@ -38,7 +44,7 @@ def configs():
     ]
 
 
-def run() -> None:
+def run(only: list[str]) -> None:
     import torch
 
     from lora_cupy.backends.base import LayerWeights
@@ -46,6 +52,8 @@ def run() -> None:
     from lora_cupy.bench.kernels import build
 
     for label, row, kw in configs():
+        if only and not any(o in label for o in only):
+            continue
         d = build(row, 0)
         w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
         be = CupyBackend(d.spec, **kw)
@@ -85,4 +93,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--summarize":
         summarize(sys.argv[2])
     else:
-        run()
+        run(sys.argv[1:])
