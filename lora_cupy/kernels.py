@@ -177,6 +177,19 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
                           name_expressions=fam.name_expressions)
 
 
+def env_defines() -> dict[str, str]:
+    """``#define``s for tuning runs from ``LORA_CUPY_KERNEL_DEFINES`` ("NAME=VALUE,NAME=VALUE")."""
+    text = os.environ.get("LORA_CUPY_KERNEL_DEFINES", "").strip()
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier() or not value.strip():
+            raise ValueError(f"LORA_CUPY_KERNEL_DEFINES: {item!r} is not NAME=VALUE")
+        out[name] = value.strip()
+    return out
+
+
 def load_module(family: str, defines: Mapping[str, object] | None = None):
-    """The memoized ``cupy.RawModule`` of one kernel family and variant."""
-    return _load(family, tuple(sorted((defines or {}).items())))
+    """The memoized ``cupy.RawModule`` of one kernel family and variant (plus any
+    ``LORA_CUPY_KERNEL_DEFINES`` of the environment, for tuning runs)."""
+    return _load(family, tuple(sorted({**env_defines(), **(defines or {})}.items())))

@@ -9,12 +9,17 @@
 //   - y of the next DEPTH - 1 chunks is in flight in the warp's ring of shared-memory stages
 //     (cp.async, 16 bytes a lane, whole lines of each row): bytes in flight cost no registers;
 //   - v * scaling and B fragments come straight from global memory (L1 / L2) with ranks permuted
-//     inside each k-step (common.cuh), the sum is added to the stage in fp32 and rounded once (an
-//     element whose delta is exactly zero keeps its bits), and the stage goes back to y as whole
-//     lines with 16-byte stores;
+//     inside each k-step (common.cuh): a warp with one run of one slice (rank <= 64) keeps its v
+//     fragments in registers and loads the next chunk's first k-step of B one chunk ahead;
+//   - the sum is added to the stage in fp32 and rounded once (an element whose delta is exactly
+//     zero keeps its bits), and the stage goes back to y as whole lines with 16-byte stores;
 //   - rows of slot 0 and padding are neither read nor written.
 // The last column group of a tile to finish zeroes the tile's v, as in the v3 expand.
 #pragma once
+
+#ifndef LORA_EXPAND_PIPE_KREG
+#define LORA_EXPAND_PIPE_KREG 4  // k-steps of v a warp keeps in registers (ranks up to 16 x this)
+#endif
 
 namespace lora {
 
@@ -126,6 +131,34 @@ __device__ void expand_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
     }
   };
 
+  // A warp whose rows are one run of one slice of rank <= 16 KREG keeps that run's v * scaling
+  // fragments in registers, and loads the B fragments of its next chunk's first k-step while it
+  // works on this one: no load of the loop waits on memory but those of ranks past 16.
+  constexpr int KREG = LORA_EXPAND_PIPE_KREG;
+  const bool cached = n == 1 && kb >= 0 && ka == kb && pr[0][ka] > 0 && pr[0][ka] <= 16 * KREG;
+  Frags<M, SPLIT, float> vc[KREG];
+  Frags<M, SPLIT, T> bnext[NT];
+  const T* bs_c = cached ? g.B + (size_t)tr.run_slot[ka] * out * R : g.B;
+  const int r_c = cached ? pr[0][ka] : 0;
+  auto load_b0 = [&](int i) {  // B fragments of chunk i, k-step 0
+    const int c0 = (first + WC * i) * C::COLS, c1 = min(c0 + C::COLS, out);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = c0 + nt * 8 + gq;
+      load_frag_col<T, M, SPLIT>(bnext[nt], bs_c, R, col, col < c1, 4 * tq, r_c, vec_b);
+    }
+  };
+  if (cached && passes > 0) {
+    const int lo = tr.run_lo[ka], hi = tr.run_hi[ka];
+    const float* vb = g.ws + (size_t)p0 * g.rw + 4 * tq;
+#pragma unroll
+    for (int ks = 0; ks < KREG; ++ks)
+      if (ks * 16 < r_c)
+        load_frag_rows<M, SPLIT>(vc[ks], vb + ks * 16, (size_t)g.rw, row0, row0 >= lo && row0 < hi,
+                                 row1 >= lo && row1 < hi, ps[0][ka]);
+    load_b0(0);
+  }
+
 #pragma unroll
   for (int i = 0; i < D - 1; ++i) issue(i);
   for (int i = 0; i < passes; ++i) {
@@ -133,7 +166,32 @@ __device__ void expand_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
     __syncwarp();
     issue(i + D - 1);  // into the stage chunk i - 1 used: its stores read it before the barrier above
     const int c0 = (first + WC * i) * C::COLS;
-    compute(c0);
+    if (cached) {
+      Frags<M, SPLIT, T> bcur[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) bcur[nt] = bnext[nt];
+      if (i + 1 < passes) load_b0(i + 1);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+        mma_frags<M, SPLIT, SPLIT>(acc[nt], vc[0], bcur[nt]);
+      }
+      const int c1 = min(c0 + C::COLS, out);
+#pragma unroll
+      for (int ks = 1; ks < KREG; ++ks) {
+        if (ks * 16 < r_c) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const int col = c0 + nt * 8 + gq;
+            load_frag_col<T, M, SPLIT>(bcur[nt], bs_c, R, col, col < c1, ks * 16 + 4 * tq, r_c, vec_b);
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) mma_frags<M, SPLIT, SPLIT>(acc[nt], vc[ks], bcur[nt]);
+        }
+      }
+    } else {
+      compute(c0);
+    }
     T* st = ring + (i % D) * C::STAGE;
     // add in the MMA layout: lane (gq, tq) holds rows gq, gq + 8, columns 8 nt + 2 tq, + 1
 #pragma unroll

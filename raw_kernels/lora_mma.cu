@@ -672,9 +672,16 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
 }
 
 // The v5 kernels (shrink_pipe.cuh, expand_pipe.cuh): dynamic shared memory holds the warps' rings
-// of stages, then slot_indptr; registers capped for 4 blocks per multiprocessor.
+// of stages, then slot_indptr; registers capped for 3 blocks per multiprocessor (shared memory
+// would allow 4: LORA_*_PIPE_BLOCKS set that when the kernels are built).
+#ifndef LORA_EXPAND_PIPE_BLOCKS
+#define LORA_EXPAND_PIPE_BLOCKS 3
+#endif
+#ifndef LORA_SHRINK_PIPE_BLOCKS
+#define LORA_SHRINK_PIPE_BLOCKS 3
+#endif
 template <typename T, int BM>
-__global__ void __launch_bounds__(128, 4) lora_shrink_pipe(LORA_PARAMS) {
+__global__ void __launch_bounds__(128, LORA_SHRINK_PIPE_BLOCKS) lora_shrink_pipe(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
@@ -683,7 +690,7 @@ __global__ void __launch_bounds__(128, 4) lora_shrink_pipe(LORA_PARAMS) {
 }
 
 template <typename T, int BM>
-__global__ void __launch_bounds__(128, 4) lora_expand_pipe(LORA_PARAMS) {
+__global__ void __launch_bounds__(128, LORA_EXPAND_PIPE_BLOCKS) lora_expand_pipe(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;

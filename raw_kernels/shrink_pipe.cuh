@@ -11,7 +11,8 @@
 //     chunks in flight in the warp's ring of shared-memory stages;
 //   - x fragments come from the stage and A fragments (8 ranks x 4 features a lane) straight from
 //     global memory (L1 / L2), features permuted inside each k-step the same way for both
-//     (common.cuh); n-tiles past the run's rank are skipped and its A rows are never read;
+//     (common.cuh); those of the first 16 ranks are loaded one step ahead; n-tiles past the
+//     run's rank are skipped and its A rows are never read;
 //   - when a warp leaves a run, lanes pair up so each holds 4 consecutive ranks of a row and add
 //     them into v with one 16-byte red.add (a plain store when one warp alone writes each element).
 #pragma once
@@ -90,6 +91,26 @@ __device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
 #pragma unroll
   for (int i = 0; i < NTW; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
+  // A fragments of the first 16 ranks of step f (every k-step), loaded one step ahead so the
+  // loop waits on memory only for ranks past 16
+  constexpr int KS = C::COLS / 16;
+  Frags<M, SPLIT, T> anext[KS][2];
+  auto load_a0 = [&](int f) {
+    if (f >= F) return;
+    const int k = ka + f / per, r = run_r[k];
+    if (r == 0) return;
+    const int k0 = kbeg + (cl + WK * (f % per)) * C::COLS;
+    const T* ab = g.A + tr.run_slot[k] * a_slot + ((size_t)j * R + rb * RB) * in;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int rank = nt * 8 + gq;
+        load_frag_col<T, M, SPLIT>(anext[ks][nt], ab, in, rank, rank < r, k0 + ks * 16 + 4 * tq, kend, vec);
+      }
+  };
+  load_a0(0);
+
 #pragma unroll
   for (int f = 0; f < D - 1; ++f) issue(f);
   for (int f = 0; f < F; ++f) {
@@ -97,12 +118,19 @@ __device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
     __syncwarp();
     issue(f + D - 1);  // into the stage step f - 1 read: every lane is past it (barrier above)
     const int k = ka + f / per, r = run_r[k];
+    Frags<M, SPLIT, T> acur[KS][2];
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      acur[ks][0] = anext[ks][0];
+      acur[ks][1] = anext[ks][1];
+    }
+    load_a0(f + 1);
     if (r > 0) {
       const int k0 = kbeg + (cl + WK * (f % per)) * C::COLS;
       const T* st = ring + (f % D) * C::STAGE;
       const T* ab = g.A + tr.run_slot[k] * a_slot + ((size_t)j * R + rb * RB) * in;
 #pragma unroll
-      for (int ks = 0; ks < C::COLS / 16; ++ks) {
+      for (int ks = 0; ks < KS; ++ks) {
         Frags<M, SPLIT, T> fa;
         const T* p = st + gq * C::LD + ks * 16 + 4 * tq;
         if constexpr (sizeof(T) == 4) {
@@ -120,8 +148,10 @@ __device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
           fa.a[2] = w0.y;
           fa.a[3] = w1.y;
         }
+        mma_frags<M, SPLIT, SPLIT>(acc[0], fa, acur[ks][0]);
+        if (r > 8) mma_frags<M, SPLIT, SPLIT>(acc[1], fa, acur[ks][1]);
 #pragma unroll
-        for (int nt = 0; nt < NTW; ++nt) {
+        for (int nt = 2; nt < NTW; ++nt) {
           if (nt * 8 < r) {
             const int rank = nt * 8 + gq;
             Frags<M, SPLIT, T> fb;

@@ -55,3 +55,16 @@ def test_source_names_its_headers(tmp_path, monkeypatch):
     header = tmp_path / "common.cuh"
     header.write_text(header.read_text() + "\n// edited\n")
     assert kernels.read_source(file) != before
+
+
+def test_environment_defines_are_parsed_and_bad_ones_refused(monkeypatch):
+    from lora_cupy import kernels
+
+    monkeypatch.setenv("LORA_CUPY_KERNEL_DEFINES", "LORA_EXPAND_PIPE_KREG=2, LORA_SHRINK_PIPE_BLOCKS=4")
+    assert kernels.env_defines() == {"LORA_EXPAND_PIPE_KREG": "2", "LORA_SHRINK_PIPE_BLOCKS": "4"}
+    monkeypatch.setenv("LORA_CUPY_KERNEL_DEFINES", "")
+    assert kernels.env_defines() == {}
+    for bad in ("KREG", "1X=2", "A="):
+        monkeypatch.setenv("LORA_CUPY_KERNEL_DEFINES", bad)
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            kernels.env_defines()

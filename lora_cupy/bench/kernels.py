@@ -268,7 +268,7 @@ class Timer:
         if self.flush_kind == "write":
             self.flush_buf.zero_()
         else:
-            torch.sum(self.flush_buf, dtype=torch.int64, out=self.flush_out)
+            torch.sum(self.flush_buf, dim=0, dtype=torch.int64, out=self.flush_out)
 
     def __call__(self, fn) -> float:
         import torch
