@@ -18,7 +18,7 @@
 #pragma once
 
 #ifndef LORA_EXPAND_PIPE_KREG
-#define LORA_EXPAND_PIPE_KREG 4  // k-steps of v a warp keeps in registers (ranks up to 16 x this)
+#define LORA_EXPAND_PIPE_KREG 2  // k-steps of v a warp keeps in registers (ranks up to 16 x this)
 #endif
 
 namespace lora {

@@ -672,13 +672,14 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
 }
 
 // The v5 kernels (shrink_pipe.cuh, expand_pipe.cuh): dynamic shared memory holds the warps' rings
-// of stages, then slot_indptr; registers capped for 3 blocks per multiprocessor (shared memory
-// would allow 4: LORA_*_PIPE_BLOCKS set that when the kernels are built).
+// of stages, then slot_indptr; registers capped for LORA_*_PIPE_BLOCKS blocks per multiprocessor
+// (4, as many as the rings allow: on an H200 4 blocks with v of ranks <= 32 in registers ran the
+// T=4096 expand 17% faster than 3 blocks with ranks <= 64, raw_kernels/NOTES.md).
 #ifndef LORA_EXPAND_PIPE_BLOCKS
-#define LORA_EXPAND_PIPE_BLOCKS 3
+#define LORA_EXPAND_PIPE_BLOCKS 4
 #endif
 #ifndef LORA_SHRINK_PIPE_BLOCKS
-#define LORA_SHRINK_PIPE_BLOCKS 3
+#define LORA_SHRINK_PIPE_BLOCKS 4
 #endif
 template <typename T, int BM>
 __global__ void __launch_bounds__(128, LORA_SHRINK_PIPE_BLOCKS) lora_shrink_pipe(LORA_PARAMS) {
