@@ -400,7 +400,7 @@ class CupyBackend:
     """Runs the slot-grouped delta on one CUDA device with the tensor-core kernels.
 
     ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile``,
-    ``fused``, ``shrink`` and ``expand`` (``"v3"`` / ``"v4"``) override the per-bucket choices of
+    ``fused``, ``shrink`` and ``expand`` (``"v3"`` / ``"v4"`` / ``"v5"``) override the per-bucket choices of
     :func:`plan_launch` (for benchmarks and tests); ``num_sms`` defaults to the device's
     multiprocessor count.
     """
