@@ -46,33 +46,22 @@ __device__ void expand_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
   constexpr bool SPLIT = Op<T>::SPLIT;
   constexpr int MT = BM / 16, WC = 4 / MT;  // m-tiles; warps that share an m-tile's chunks
   constexpr int NT = C::NT, D = C::DEPTH;
-  __shared__ int s_off[MAX_SLICES + 1];
-  __shared__ int pr[MAX_SLICES][BM];    // rank of (slice, run)
-  __shared__ float ps[MAX_SLICES][BM];  // scaling of (slice, run)
-  __shared__ int last_reader;
+  __shared__ RunMeta<BM> rm;
+  const int(&pr)[MAX_SLICES][BM] = rm.pr;
+  const float(&ps)[MAX_SLICES][BM] = rm.ps;
+  const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int groups = g.col_groups(), cg = u % groups, tile = u / groups, p0 = tile * BM;
   read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend || tr.nrun == 0) return;
   const int out = g.out_features, n = g.n_slices, nrun = tr.nrun, R = g.max_rank;
-  if (tid <= n) s_off[tid] = g.out_offsets ? g.out_offsets[tid] : (tid == 0 ? 0 : out);
-  for (int e = tid; e < n * nrun; e += THREADS) {
-    const int jj = e / nrun, k = e % nrun, idx = tr.run_slot[k] * n + jj;
-    pr[jj][k] = min(g.ranks[idx], R);
-    ps[jj][k] = g.scaling[idx];
-  }
-  __syncthreads();
+  read_run_meta<T, BM>(g, tr, rm);
 
   const int m0 = (warp % MT) * 16, cl = warp / MT;
   const int row0 = m0 + gq, row1 = row0 + 8;
   const bool live0 = tr.tok[row0] >= 0, live1 = tr.tok[row1] >= 0;
-  int ka = nrun, kb = -1;  // the runs meeting this warp's rows
-  for (int k = 0; k < nrun; ++k) {
-    if (tr.run_lo[k] < m0 + 16 && tr.run_hi[k] > m0) {
-      ka = min(ka, k);
-      kb = k;
-    }
-  }
+  int ka, kb;  // the runs meeting this warp's rows
+  runs_meeting<BM>(tr, m0, ka, kb);
   const int first = g.cpb * cg + cl, last = min(g.cpb * (cg + 1), g.col_blocks);
   const int passes = kb >= 0 && first < last ? (last - first + WC - 1) / WC : 0;
   const bool vec_y = g.flags & 4, vec_b = g.flags & 2;
@@ -229,7 +218,7 @@ __device__ void expand_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
   }
   cp_async_wait<0>();
 
-  release_v<T, BM>(g, tr, pr, last_reader, tile, groups, p0, n);
+  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n);
 }
 
 }  // namespace lora

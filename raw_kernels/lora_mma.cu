@@ -122,6 +122,41 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
   __syncthreads();
 }
 
+// The first and last runs of a tile meeting rows [m0, m0 + 16) (ka > kb where none does).
+template <int BM>
+__device__ __forceinline__ void runs_meeting(const TileRows<BM>& tr, int m0, int& ka, int& kb) {
+  ka = tr.nrun;
+  kb = -1;
+  for (int k = 0; k < tr.nrun; ++k) {
+    if (tr.run_lo[k] < m0 + 16 && tr.run_hi[k] > m0) {
+      ka = min(ka, k);
+      kb = k;
+    }
+  }
+}
+
+// What an expand block reads once after its tile: slice offsets, and rank and scaling of every
+// (slice, run); last_reader is release_v's flag.
+template <int BM>
+struct RunMeta {
+  int s_off[MAX_SLICES + 1];
+  int pr[MAX_SLICES][BM];    // rank of (slice, run), at most the pool's
+  float ps[MAX_SLICES][BM];  // scaling of (slice, run)
+  int last_reader;
+};
+
+template <typename T, int BM>
+__device__ void read_run_meta(const Args<T>& g, const TileRows<BM>& tr, RunMeta<BM>& rm) {
+  const int tid = threadIdx.x, n = g.n_slices, nrun = tr.nrun;
+  if (tid <= n) rm.s_off[tid] = g.out_offsets ? g.out_offsets[tid] : (tid == 0 ? 0 : g.out_features);
+  for (int e = tid; e < n * nrun; e += THREADS) {
+    const int jj = e / nrun, k = e % nrun, idx = tr.run_slot[k] * n + jj;
+    rm.pr[jj][k] = min(g.ranks[idx], g.max_rank);
+    rm.ps[jj][k] = g.scaling[idx];
+  }
+  __syncthreads();
+}
+
 // ------------------------------------------------------------------------------------------------
 // shrink
 template <typename T, int BM>
@@ -363,23 +398,17 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
                             bool fused) {
   using C = Expand<T, BM, BN>;
   using M = typename C::M;
-  __shared__ int s_off[MAX_SLICES + 1];
-  __shared__ int pr[MAX_SLICES][BM];    // rank of (slice, run)
-  __shared__ float ps[MAX_SLICES][BM];  // scaling of (slice, run)
-  __shared__ int last_reader;
+  __shared__ RunMeta<BM> rm;
+  const int(&pr)[MAX_SLICES][BM] = rm.pr;
+  const float(&ps)[MAX_SLICES][BM] = rm.ps;
+  const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int groups = g.col_groups(), cg = u % groups, tile = u / groups, p0 = tile * BM;
   read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend || tr.nrun == 0) return;
   const int out = g.out_features, n = g.n_slices, nrun = tr.nrun;
   const int cb0 = cg * g.cpb, cb1 = min(cb0 + g.cpb, g.col_blocks);
-  if (tid <= n) s_off[tid] = g.out_offsets ? g.out_offsets[tid] : (tid == 0 ? 0 : out);
-  for (int e = tid; e < n * nrun; e += THREADS) {
-    const int jj = e / nrun, k = e % nrun, idx = tr.run_slot[k] * n + jj;
-    pr[jj][k] = min(g.ranks[idx], g.max_rank);
-    ps[jj][k] = g.scaling[idx];
-  }
-  __syncthreads();
+  read_run_meta<T, BM>(g, tr, rm);
 
   const bool vec_y = g.flags & 4, vec_b = g.flags & 2;
   constexpr int YCPR = BN / C::CH;
@@ -578,7 +607,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   cp_async_wait<0>();
 
-  release_v<T, BM>(g, tr, pr, last_reader, tile, groups, p0, n);
+  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n);
 }
 
 template <typename T, int BM, int BN>

@@ -40,13 +40,8 @@ __device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
   __syncthreads();
 
   const int m0 = (warp % MT) * 16, cl = warp / MT;
-  int ka = tr.nrun, kb = -1;  // the runs meeting this warp's rows
-  for (int k = 0; k < tr.nrun; ++k) {
-    if (tr.run_lo[k] < m0 + 16 && tr.run_hi[k] > m0) {
-      ka = min(ka, k);
-      kb = k;
-    }
-  }
+  int ka, kb;  // the runs meeting this warp's rows
+  runs_meeting<BM>(tr, m0, ka, kb);
   const int kbeg = q * g.k_split, kend = min(kbeg + g.k_split, in);
   const int nk = kend > kbeg ? (kend - kbeg + C::COLS - 1) / C::COLS : 0;  // chunks of the split
   const int per = nk > cl ? (nk - cl + WK - 1) / WK : 0;                   // of them this warp's

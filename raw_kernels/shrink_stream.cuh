@@ -90,13 +90,8 @@ __device__ void shrink_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
   const int m0 = (warp % MT) * 16, kw = warp / MT;
   const int row0 = m0 + gq, row1 = row0 + 8;
   const int tok0 = tr.tok[row0], tok1 = tr.tok[row1];
-  int ka = tr.nrun, kb = -1;  // the runs meeting this warp's rows, less those of rank 0 at either end
-  for (int k = 0; k < tr.nrun; ++k) {
-    if (tr.run_lo[k] < m0 + 16 && tr.run_hi[k] > m0) {
-      ka = min(ka, k);
-      kb = k;
-    }
-  }
+  int ka, kb;  // the runs meeting this warp's rows, less those of rank 0 at either end
+  runs_meeting<BM>(tr, m0, ka, kb);
   while (ka <= kb && run_r[ka] == 0) ++ka;
   while (kb >= ka && run_r[kb] == 0) --kb;
   const int kbeg = q * g.k_split, kend = min(kbeg + g.k_split, in);

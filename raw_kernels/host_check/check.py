@@ -45,19 +45,12 @@ from lora_cupy.kernels import cuda_include_dirs  # noqa: E402
 PTX_FUNCTIONS = ("void cp_async16(", "void cp_async_commit(", "void cp_async_wait(", "unsigned dynamic_smem_size(",
                  "int load_acquire(", "void mma16816<__nv_bfloat16>(", "void mma16816<__half>(")
 
-CASES = {  # the shapes of tests/gpu/test_kernels.py
-    "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
-    "T3-odd": dict(T=3, in_f=77, slices=(61,), max_rank=13, ranks=(1, 8, 13), mix="distinct"),
-    "T7-qkv": dict(T=7, in_f=200, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64), mix="uniform"),
-    "T133-zipf": dict(T=133, in_f=320, slices=(64, 72), max_rank=128, ranks=(1, 8, 13, 64, 128), mix="zipf",
-                      num_slots=17, active=12),
-    "T133-skew": dict(T=133, in_f=200, slices=(200,), max_rank=128, ranks=(8, 13, 128), mix="skewed"),
-    "T1000": dict(T=1000, in_f=512, slices=(136, 248), max_rank=64, ranks=(16, 64), mix="uniform",
-                  num_slots=33, active=8),
-    "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
-                 mix="zipf", num_slots=17, active=12),
-    "pad100": dict(T=100, in_f=256, slices=(256,), max_rank=16, ranks=(16,), mix="uniform", pad_to=128),
-}
+from test_kernels import CASES as GPU_CASES  # noqa: E402
+
+#: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp.
+CASES = {**GPU_CASES,
+         "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
+                      mix="zipf", num_slots=17, active=12)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
