@@ -17,6 +17,11 @@
 // The last column group of a tile to finish zeroes the tile's v, as in the v3 expand.
 #pragma once
 
+// Measurement only (wrong results): 1 = the v5 kernels skip their fragments and MMAs, 2 = the
+// expand also skips its adds, streaming y back as it came (raw_kernels/NOTES.md, v5 probes).
+#ifndef LORA_PIPE_PROBE
+#define LORA_PIPE_PROBE 0
+#endif
 #ifndef LORA_EXPAND_PIPE_KREG
 #define LORA_EXPAND_PIPE_KREG 2  // k-steps of v a warp keeps in registers (ranks up to 16 x this)
 #endif
@@ -155,7 +160,10 @@ __device__ void expand_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
     __syncwarp();
     issue(i + D - 1);  // into the stage chunk i - 1 used: its stores read it before the barrier above
     const int c0 = (first + WC * i) * C::COLS;
-    if (cached) {
+    if (LORA_PIPE_PROBE >= 1) {  // measurement only: no fragments, no MMA
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    } else if (cached) {
       Frags<M, SPLIT, T> bcur[NT];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) bcur[nt] = bnext[nt];
@@ -188,7 +196,7 @@ __device__ void expand_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
       const int col = nt * 8 + 2 * tq;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if ((h ? live1 : live0) && c0 + col < out) {
+        if (LORA_PIPE_PROBE < 2 && (h ? live1 : live0) && c0 + col < out) {
           T* p = st + (gq + 8 * h) * C::LD + col;
           if constexpr (sizeof(T) == 4) {
             float2 w = *reinterpret_cast<float2*>(p);

@@ -119,8 +119,8 @@ __device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, T
       acur[ks][0] = anext[ks][0];
       acur[ks][1] = anext[ks][1];
     }
-    load_a0(f + 1);
-    if (r > 0) {
+    if (LORA_PIPE_PROBE == 0) load_a0(f + 1);
+    if (LORA_PIPE_PROBE == 0 && r > 0) {
       const int k0 = kbeg + (cl + WK * (f % per)) * C::COLS;
       const T* st = ring + (f % D) * C::STAGE;
       const T* ab = g.A + tr.run_slot[k] * a_slot + ((size_t)j * R + rb * RB) * in;
