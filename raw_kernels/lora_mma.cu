@@ -379,7 +379,7 @@ struct Expand {
   static constexpr int CH = 16 / sizeof(T);
   static constexpr int KC = 16;  // ranks per pipeline stage (one k-step)
   static constexpr int LDB = KC + 8, LDV = KC + 8, LDY = BN + CH;  // conflict-free fragment rows
-  static constexpr int STAGES = BM >= 64 ? 2 : 3;  // also the ring of y tiles
+  static constexpr int STAGES = BM >= 64 && BN >= 128 ? 2 : 3;  // also the ring of y tiles
   static constexpr int WM = BM >= 32 ? 2 : 1, WN = 4 / WM, MT = BM / WM / 16, NT = BN / WN / 8;
   static constexpr int BCPR = KC / CH, VCPR = KC / 4;  // 16-byte chunks per row of B, of v
   static constexpr int STAGE_BYTES = BN * LDB * (int)sizeof(T) + BM * LDV * 4;
@@ -633,8 +633,11 @@ __host__ __device__ constexpr int fused_smem() {
                   splits, k_split, col_blocks, cpb, flags}
 
 // Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
+#ifndef LORA_SHRINK_BLOCKS
+#define LORA_SHRINK_BLOCKS 1
+#endif
 template <typename T, int BM>
-__global__ void __launch_bounds__(128) lora_shrink(LORA_PARAMS) {
+__global__ void __launch_bounds__(128, LORA_SHRINK_BLOCKS) lora_shrink(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
@@ -643,8 +646,11 @@ __global__ void __launch_bounds__(128) lora_shrink(LORA_PARAMS) {
                            blockIdx.x, false);
 }
 
+#ifndef LORA_EXPAND_BLOCKS
+#define LORA_EXPAND_BLOCKS 1
+#endif
 template <typename T, int BM, int BN>
-__global__ void __launch_bounds__(128) lora_expand(LORA_PARAMS) {
+__global__ void __launch_bounds__(128, LORA_EXPAND_BLOCKS) lora_expand(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
