@@ -45,7 +45,7 @@ _DTYPES = tuple(CUDA_TYPES.values())
 #: Tile heights (positions per block) of the tensor-core shrink.
 MMA_SHRINK_BM = (16, 32, 64)
 #: (tile height, column block) pairs of the tensor-core expand and of the fused kernel.
-MMA_TILES = ((16, 64), (32, 128), (64, 64))
+MMA_TILES = ((16, 64), (32, 128), (64, 128))
 #: Columns of one pass of the v4 ("stream") expand, ``Stream<T>::BN`` in expand_stream.cuh.
 STREAM_BN = 32
 #: Ranks per block of the v4 ("stream") shrink per dtype, ``StreamShrink<T>::RB`` in shrink_stream.cuh.

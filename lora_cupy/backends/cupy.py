@@ -71,7 +71,7 @@ def shrink_smem(dtype: str, bm: int) -> int:
 
 def expand_smem(dtype: str, bm: int, bn: int) -> int:
     size = _ITEMSIZE[dtype]
-    stages = 2 if bm >= 64 and bn >= 128 else 3  # pipeline stages, and y tiles in the ring
+    stages = 2 if bm >= 64 else 3  # pipeline stages, and y tiles in the ring
     stage = bn * 24 * size + bm * 24 * 4  # B and v rows of 16 ranks, padded by 8
     return stages * (stage + bm * (bn + 16 // size) * size)
 

@@ -146,7 +146,7 @@ template <typename T, int BM, int BN> static void run(int expand, int shrink_blo
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (bm == 16) run<T, 16, 64>(expand, sb, eb);
   else if (bm == 32) run<T, 32, 128>(expand, sb, eb);
-  else if (bm == 64) run<T, 64, 64>(expand, sb, eb);
+  else if (bm == 64) run<T, 64, 128>(expand, sb, eb);
   else return 2;
   return 0;
 }
