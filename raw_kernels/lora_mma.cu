@@ -633,9 +633,10 @@ __host__ __device__ constexpr int fused_smem() {
                   splits, k_split, col_blocks, cpb, flags}
 
 // Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
-// Blocks per multiprocessor the v3 kernels' registers are capped for (tuning runs may set them):
-// the shrink at 4 (its shared memory allows 4; on an H200 the T=4096 shrink ran 21-26% faster
-// than uncapped at 165 registers and 3 blocks), the expand uncapped (4 blocks made it slower).
+// Blocks per multiprocessor the v3 shrink's registers are capped for (tuning runs may set it): 4,
+// as its shared memory allows (on an H200 the T=4096 shrink ran 21-26% faster than uncapped at 165
+// registers and 3 blocks). The expand stays uncapped: capped for 4 blocks it ran slower, and an
+// explicit minimum of 1 block let ptxas take 186 registers (2 blocks) and slowed it by a third.
 #ifndef LORA_SHRINK_BLOCKS
 #define LORA_SHRINK_BLOCKS 4
 #endif
@@ -649,11 +650,8 @@ __global__ void __launch_bounds__(128, LORA_SHRINK_BLOCKS) lora_shrink(LORA_PARA
                            blockIdx.x, false);
 }
 
-#ifndef LORA_EXPAND_BLOCKS
-#define LORA_EXPAND_BLOCKS 1
-#endif
 template <typename T, int BM, int BN>
-__global__ void __launch_bounds__(128, LORA_EXPAND_BLOCKS) lora_expand(LORA_PARAMS) {
+__global__ void __launch_bounds__(128) lora_expand(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;

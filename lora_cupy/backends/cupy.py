@@ -176,7 +176,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     """The launch plan of one target shape at one capture bucket.
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
-    with 16-byte reductions at L2), never below one stage of ``in`` per block; expand blocks take several column blocks each once there are more than about four
+    with 16-byte reductions at L2), never below one stage of ``in`` per block, counting one rank
+    block per tile (so a rank-128 pool splits ``in`` as a rank-16 pool does); expand blocks take several column blocks each once there are more than about four
     per multiprocessor, so each block's fixed start is spread over more of y. The v4 expand
     and v5 expands take as many column blocks per block (a multiple of the warps sharing an
     m-tile, ``64 // bm``) as fit every block in one wave of ``STREAM_BLOCKS_PER_SM`` blocks per
@@ -198,7 +199,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     rank_blocks = _ceil(max_rank, rank_block(shrink, dtype))
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
-    base = tiles * n_slices * rank_blocks
+    base = tiles * n_slices  # rank blocks past an adapter's rank stop at once: they do not count
     want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
