@@ -177,8 +177,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block, counting one rank
-    block per tile (so a rank-128 pool splits ``in`` as a rank-16 pool does); expand blocks take several column blocks each once there are more than about four
-    per multiprocessor, so each block's fixed start is spread over more of y. The v4 expand
+    block per tile (so a rank-128 pool splits ``in`` as a rank-16 pool does); expand blocks take
+    several column blocks each once there are more than about four per multiprocessor, so each
+    block's fixed start is spread over more of y. The v4 expand
     and v5 expands take as many column blocks per block (a multiple of the warps sharing an
     m-tile, ``64 // bm``) as fit every block in one wave of ``STREAM_BLOCKS_PER_SM`` blocks per
     multiprocessor, so each warp streams a long run of y.
