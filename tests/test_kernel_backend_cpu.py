@@ -331,3 +331,8 @@ def test_rows_cover_the_issue():
     assert all(r.slots <= r.T for r in rs)
     labels = [r.label for r in rs]
     assert len(labels) == len(set(labels))
+
+
+def test_timer_refuses_an_unknown_flush_before_touching_a_device():
+    with pytest.raises(ValueError, match="flush must be 'write' or 'read'"):
+        bench.Timer(flush="evict")
