@@ -422,8 +422,10 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
         kernels[name] = {"us": us, "err": err, "ok": err < TOLERANCE[row.dtype],
                          "plan": {k: getattr(plan, k) for k in ("bm", "bn", "splits", "k_split", "fused", "cpb",
                                                                   "shrink", "expand")}}
-        if row.group == "core" and row.T >= 1024 and plan.bm == default_tile(plan.bucket):  # each kernel alone
-            call = check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr)
+        call = check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr)
+        kernels[name]["occupancy"] = be.occupancy(call)
+        if row.group in ("core", "poolrank") and row.T >= 1024 and plan.bm == default_tile(plan.bucket):
+            # each kernel alone
             for part, version in (("shrink", plan.shrink), ("expand", plan.expand)):
                 if f"{version}.{part}" not in parts:
                     parts[f"{version}.{part}"] = timer(lambda: be._run(call, (part,)))
@@ -447,7 +449,7 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
 
 def _table(results: list[dict], bw: float) -> str:
     head = (f"{'row':44s} {'plan':>14s} {'us':>7s} {'floor':>6s} {'%fl':>4s} {'loop':>7s} {'bmm':>7s} "
-            f"{'gemm':>7s} {'err':>8s} ok")
+            f"{'gemm':>7s} {'err':>8s} {'occ':>5s} ok")
     lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s", head, "-" * len(head)]
     for r in results:
         k = r["kernels"]["default"]
@@ -457,8 +459,9 @@ def _table(results: list[dict], bw: float) -> str:
             plan += f" {p['shrink']}" if p["shrink"] == p["expand"] else f" s{p['shrink'][1]}e{p['expand'][1]}"
         b = r["baselines"]
         bs = [f"{b[n]:7.1f}" if n in b else f"{'-':>7s}" for n in ("loop", "bmm", "gemm")]
+        occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
         lines.append(f"{r['label']:44s} {plan:>14s} {r['us']:7.1f} {r['floor_us']:6.1f} "
-                     f"{100 * r['share_of_floor']:4.0f} {' '.join(bs)} {k['err']:8.1e} "
+                     f"{100 * r['share_of_floor']:4.0f} {' '.join(bs)} {k['err']:8.1e} {occ:>5s} "
                      f"{'yes' if r['target_ok'] else 'NO'}")
     return "\n".join(lines)
 
