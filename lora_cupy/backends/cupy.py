@@ -607,12 +607,9 @@ class CupyBackend:
         res = {}
         with self._device:
             for name, fn, _, smem in self._kernels(call):
-                def attr(a, f=fn.ptr):
-                    return driver.funcGetAttribute(a, f)
-
-                res[name] = {"registers": int(attr(driver.CU_FUNC_ATTRIBUTE_NUM_REGS)),
-                             "local_bytes": int(attr(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)),
-                             "smem": int(smem) + int(attr(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)),
+                attrs = fn.attributes  # a RawKernel's (CuPy): num_regs, local_size_bytes, ...
+                res[name] = {"registers": int(attrs["num_regs"]), "local_bytes": int(attrs["local_size_bytes"]),
+                             "smem": int(smem) + int(attrs["shared_size_bytes"]),
                              "blocks_per_sm": int(driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                                 fn.ptr, THREADS, int(smem)))}
+                                 fn.kernel.ptr, THREADS, int(smem)))}
         return res
