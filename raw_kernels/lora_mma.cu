@@ -292,6 +292,7 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, char* meta, TileRows<
     if (s > 0) r = min(max(rank_of(g, st, s, j) - rb * C::RB, 0), C::RB);
     row_r[tid] = r;
   }
+  // also the last read of the slot table, which an unfused shrink keeps in its stages' memory
   const int any = __syncthreads_or(tid < BM && row_r[tid] > 0);
   const int in = g.in_features;
   const int kbeg = q * g.k_split, kend = min(kbeg + g.k_split, in);
@@ -734,7 +735,8 @@ __host__ __device__ constexpr int fused_smem() {
                   num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw,  \
                   splits, k_split, col_blocks, cpb, flags}
 
-// Dynamic shared memory: the kernel's stages (and y tiles), then its slot table (SlotTable).
+// Dynamic shared memory: the kernel's stages (and y tiles), then its slot table (SlotTable); a
+// shrink's table shares the stages' memory.
 // Blocks per multiprocessor the v3 shrink's registers are capped for (tuning runs may set it): 4,
 // as its shared memory allows (on an H200 the T=4096 shrink ran 21-26% faster than uncapped at 165
 // registers and 3 blocks). The expand stays uncapped: capped for 4 blocks it ran slower, and an
@@ -747,8 +749,10 @@ __global__ void __launch_bounds__(128, LORA_SHRINK_BLOCKS) lora_shrink(LORA_PARA
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  lora::require_smem(lora::Shrink<T, BM>::SMEM + lora::slot_table_bytes(num_slots, n_slices, flags & 8, false));
-  lora::shrink_task<T, BM>(g, dsmem, dsmem + lora::Shrink<T, BM>::SMEM, tr, blockIdx.x, false);
+  // the slot table shares the stages' memory: a shrink reads it before the barrier that precedes
+  // its first copy into a stage (one block more per multiprocessor at tile 64 with 33 slots)
+  lora::require_smem(max(lora::Shrink<T, BM>::SMEM, lora::slot_table_bytes(num_slots, n_slices, flags & 8, false)));
+  lora::shrink_task<T, BM>(g, dsmem, dsmem, tr, blockIdx.x, false);
 }
 
 template <typename T, int BM, int BN>
@@ -832,8 +836,8 @@ __global__ void __launch_bounds__(128, LORA_SHRINK_PIPE_BLOCKS) lora_shrink_pipe
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  lora::require_smem(lora::Pipe<T>::SMEM + lora::slot_table_bytes(num_slots, n_slices, flags & 8, false));
-  lora::shrink_pipe_task<T, BM>(g, dsmem, dsmem + lora::Pipe<T>::SMEM, tr, blockIdx.x);
+  lora::require_smem(max(lora::Pipe<T>::SMEM, lora::slot_table_bytes(num_slots, n_slices, flags & 8, false)));
+  lora::shrink_pipe_task<T, BM>(g, dsmem, dsmem, tr, blockIdx.x);  // the table in the rings, as lora_shrink's
 }
 
 template <typename T, int BM>

@@ -37,7 +37,7 @@ __device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, char* meta, Tile
   if (p0 >= tr.pend) return;
   for (int k = tid; k < tr.nrun; k += THREADS)
     run_r[k] = min(max(rank_of(g, st, tr.run_slot[k], j) - rb * RB, 0), RB);
-  __syncthreads();
+  __syncthreads();  // the last read of the slot table, which shares the rings' memory
 
   const int m0 = (warp % MT) * 16, cl = warp / MT;
   int ka, kb;  // the runs meeting this warp's rows

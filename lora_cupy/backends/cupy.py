@@ -590,8 +590,9 @@ class CupyBackend:
         out = []
         if "shrink" in parts:
             key = (dtype, "shrink", plan.bm) if plan.shrink == "v3" else (dtype, f"shrink_{plan.shrink}", plan.bm)
+            # a shrink's slot table shares its stages' memory (read before the first copy into them)
             smem = shrink_smem(dtype, plan.bm) if plan.shrink == "v3" else stream_smem(plan.shrink)
-            out.append((f"shrink {plan.shrink}", self._fns[key], plan.shrink_blocks, smem + one))
+            out.append((f"shrink {plan.shrink}", self._fns[key], plan.shrink_blocks, max(smem, one)))
         if "expand" in parts:
             key = (dtype, "expand", plan.bm) if plan.expand == "v3" else (dtype, f"expand_{plan.expand}", plan.bm)
             smem = expand_smem(dtype, plan.bm, plan.bn) if plan.expand == "v3" else stream_smem(plan.expand)

@@ -108,7 +108,7 @@ template <typename T> static lora::Args<T> args() {
 template <typename T, int BM> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::shrink_task<T, BM>(g, dsm.data(), meta.data(), tr, u, false);
+  lora::shrink_task<T, BM>(g, dsm.data(), dsm.data(), tr, u, false);  // the table in the stages, as on a GPU
 }
 template <typename T, int BM, int BN> static void expand_block(int u) {
   static lora::TileRows<BM> tr;
@@ -123,7 +123,7 @@ template <typename T, int BM> static void shrink4_block(int u) {
 template <typename T, int BM> static void shrink5_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::shrink_pipe_task<T, BM>(g, dsm.data(), meta.data(), tr, u);
+  lora::shrink_pipe_task<T, BM>(g, dsm.data(), dsm.data(), tr, u);
 }
 template <typename T, int BM> static void pipe_block(int u) {
   static lora::TileRows<BM> tr;
