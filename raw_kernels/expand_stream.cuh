@@ -53,7 +53,7 @@ __device__ __forceinline__ unsigned add_word(unsigned w, float d0, float d1) {
 }
 
 template <typename T, int BM>
-__device__ void expand_stream_task(const Args<T>& g, char* meta, TileRows<BM>& tr, int u) {
+__device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>& tr, int u) {
   using C = Stream<T>;
   using M = typename C::M;
   constexpr int MT = BM / 16, WC = 4 / MT;  // m-tiles; warps that share an m-tile's passes
@@ -61,14 +61,13 @@ __device__ void expand_stream_task(const Args<T>& g, char* meta, TileRows<BM>& t
   __shared__ RunMeta<BM> rm;
   const int(&pr)[MAX_SLICES][BM] = rm.pr;
   const float(&ps)[MAX_SLICES][BM] = rm.ps;
+  const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int groups = g.col_groups(), cg = u % groups, tile = u / groups, p0 = tile * BM;
-  const SlotTable st = slot_table(g, meta, -1);
-  const int* s_off = st.off;
-  read_tile<T, BM>(tr, st, g, p0, true);
+  read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend || tr.nrun == 0) return;
   const int out = g.out_features, n = g.n_slices, nrun = tr.nrun, R = g.max_rank;
-  read_run_meta<T, BM>(g, tr, st, rm);
+  read_run_meta<T, BM>(g, tr, rm);
 
   const int m0 = (warp % MT) * 16, cl = warp / MT;
   const int row0 = m0 + gq, row1 = row0 + 8;

@@ -29,8 +29,7 @@
 // ranks [S, n] i32, out_offsets [n + 1] i32 (null: one slice), token_order [positions] i32,
 // slot_indptr [S + 1] i32, ws = v [bucket, n, rw] f32 (rw = R rounded up to 16), counters i32:
 // [0] ticket, [1] done, [2, 2 + tiles) ready, [2 + tiles, 2 + 2 * tiles) v readers done.
-// flags: 1 = x and A take 16-byte loads, 2 = B does, 4 = y does (else element-wise paths); 8 =
-// ranks and scalings staged in the slot table (SlotTable).
+// flags: 1 = x and A take 16-byte loads, 2 = B does, 4 = y does (else element-wise paths).
 #include "common.cuh"
 
 namespace lora {
@@ -82,110 +81,21 @@ struct TileRows {
   int warp_count[4];
 };
 
-// What a block reads of the pool and the addressing before its tile, in dynamic shared memory after
-// its stages: slot_indptr [S + 1]; an expand's slice offsets [n + 1]; and, where the host found
-// the table small (flags & 8: S * n <= STAGE_SLOTS_MAX), the rank (at most the pool's) of every
-// slot in the task's slice (a shrink) or of every (slot, slice) with its scaling (an expand, and
-// the fused kernel, which stages before it knows its task). Unstaged ranks and scalings are read
-// per run after the tile, one round of loads later.
-constexpr int STAGE_SLOTS_MAX = 512;
-struct SlotTable {
-  int* indptr;   // [S + 1]
-  int* off;      // [n + 1] (expand) or null
-  int* rank;     // [S] (one slice), [S * n] (every slice) or null (not staged)
-  float* scale;  // [S * n] (every slice, staged) or null
-  int j;         // the slice of a one-slice table, -1 for every slice
-};
-template <typename T>
-__device__ __forceinline__ SlotTable slot_table(const Args<T>& g, char* at, int j) {
-  const int S = g.num_slots, n = g.n_slices;
-  const bool staged = g.flags & 8;
-  int* p = reinterpret_cast<int*>(at);
-  SlotTable st{p, nullptr, nullptr, nullptr, j};
-  p += S + 1;
-  if (j < 0) {
-    st.off = p;
-    p += n + 1;
-  }
-  if (staged) {
-    st.rank = p;
-    if (j < 0) st.scale = reinterpret_cast<float*>(p + S * n);
-  }
-  return st;
-}
-// Bytes of a slot table (mirrored by slot_table_bytes in lora_cupy/backends/cupy.py).
-__host__ __device__ constexpr int slot_table_bytes(int S, int n, bool staged, bool every_slice) {
-  return 4 * (S + 1) + (every_slice ? 4 * (n + 1) + (staged ? 8 * S * n : 0) : (staged ? 4 * S : 0));
-}
-
-// The rank of slot s in slice j, at most the pool's.
-template <typename T>
-__device__ __forceinline__ int rank_of(const Args<T>& g, const SlotTable& st, int s, int j) {
-  if (st.rank) return st.rank[st.j < 0 ? s * g.n_slices + j : s];
-  return min(g.ranks[s * g.n_slices + j], g.max_rank);
-}
-template <typename T>
-__device__ __forceinline__ float scale_of(const Args<T>& g, const SlotTable& st, int s, int j) {
-  return st.scale ? st.scale[s * g.n_slices + j] : g.scaling[s * g.n_slices + j];
-}
-
-// Fills a slot table: every load is issued before the first shared store of its group of four, so
-// the table takes one round of loads (with whatever the caller issued just before). No barrier.
-template <typename T>
-__device__ void stage_slots(const Args<T>& g, const SlotTable& st) {
-  const int S = g.num_slots, n = g.n_slices, tid = threadIdx.x;
-  const int no = st.off ? n + 1 : 0, nr = st.rank ? (st.j < 0 ? S * n : S) : 0;
-  const int e_off = S + 1, e_rank = e_off + no, total = e_rank + nr;
-  for (int base = 0; base < total; base += 4 * THREADS) {
-    int iv[4];
-    float fv[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int e = base + k * THREADS + tid;
-      iv[k] = 0;
-      fv[k] = 0.f;
-      if (e < e_off) {
-        iv[k] = g.slot_indptr[e];
-      } else if (e < e_rank) {
-        const int jj = e - e_off;
-        iv[k] = g.out_offsets ? g.out_offsets[jj] : (jj == 0 ? 0 : g.out_features);
-      } else if (e < total) {
-        const int idx = st.j < 0 ? e - e_rank : (e - e_rank) * n + st.j;
-        iv[k] = g.ranks[idx];
-        if (st.scale) fv[k] = g.scaling[idx];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int e = base + k * THREADS + tid;
-      if (e < e_off) {
-        st.indptr[e] = iv[k];
-      } else if (e < e_rank) {
-        st.off[e - e_off] = iv[k];
-      } else if (e < total) {
-        st.rank[e - e_rank] = min(iv[k], g.max_rank);
-        if (st.scale) st.scale[e - e_rank] = fv[k];
-      }
-    }
-  }
-}
-
-// Reads the tile's token rows (from pre_tok, when the caller has them in shared memory) and, with
-// stage, the slot table, in one round of loads; then finds the runs.
-template <typename T, int BM>
-__device__ void read_tile(TileRows<BM>& tr, const SlotTable& st, const Args<T>& g, int p0, bool stage,
-                          const int* pre_tok = nullptr) {
+// Reads slot_indptr and the tile's token rows in one round of loads, then finds the runs.
+template <int BM>
+__device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict__ slot_indptr,
+                          const int* __restrict__ token_order, int num_slots, int positions, int p0) {
   static_assert(BM <= 128, "a tile has at most 128 positions");
-  const int tid = threadIdx.x, num_slots = g.num_slots, positions = g.positions;
+  const int tid = threadIdx.x;
+  for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
   int t = -1;
-  if (tid < BM && p0 + tid < positions) t = pre_tok ? pre_tok[p0 + tid] : g.token_order[p0 + tid];
-  if (stage) stage_slots<T>(g, st);
+  if (tid < BM && p0 + tid < positions) t = token_order[p0 + tid];
   __syncthreads();
-  const int pend = st.indptr[num_slots];
+  const int pend = s_indptr[num_slots];
   if (tid < BM) {
     const int p = p0 + tid;
     int s = 0;
-    if (p < pend && p < positions) s = max(slot_of_position(st.indptr, num_slots, p), 0);
+    if (p < pend && p < positions) s = max(slot_of_position(s_indptr, num_slots, p), 0);
     tr.tok[tid] = s > 0 ? t : -1;
     tr.slot[tid] = s;
   }
@@ -238,22 +148,24 @@ __device__ __forceinline__ void runs_meeting(const TileRows<BM>& tr, int m0, int
   }
 }
 
-// What an expand block reads once after its tile: rank and scaling of every (slice, run), from
-// the slot table where it was staged (else from global memory); last_reader is release_v's flag.
+// What an expand block reads once after its tile: slice offsets, and rank and scaling of every
+// (slice, run); last_reader is release_v's flag.
 template <int BM>
 struct RunMeta {
+  int s_off[MAX_SLICES + 1];
   int pr[MAX_SLICES][BM];    // rank of (slice, run), at most the pool's
   float ps[MAX_SLICES][BM];  // scaling of (slice, run)
   int last_reader;
 };
 
 template <typename T, int BM>
-__device__ void read_run_meta(const Args<T>& g, const TileRows<BM>& tr, const SlotTable& st, RunMeta<BM>& rm) {
+__device__ void read_run_meta(const Args<T>& g, const TileRows<BM>& tr, RunMeta<BM>& rm) {
   const int tid = threadIdx.x, n = g.n_slices, nrun = tr.nrun;
+  if (tid <= n) rm.s_off[tid] = g.out_offsets ? g.out_offsets[tid] : (tid == 0 ? 0 : g.out_features);
   for (int e = tid; e < n * nrun; e += THREADS) {
-    const int jj = e / nrun, k = e % nrun, s = tr.run_slot[k];
-    rm.pr[jj][k] = rank_of(g, st, s, jj);
-    rm.ps[jj][k] = scale_of(g, st, s, jj);
+    const int jj = e / nrun, k = e % nrun, idx = tr.run_slot[k] * n + jj;
+    rm.pr[jj][k] = min(g.ranks[idx], g.max_rank);
+    rm.ps[jj][k] = g.scaling[idx];
   }
   __syncthreads();
 }
@@ -275,24 +187,22 @@ struct Shrink {
 };
 
 template <typename T, int BM>
-__device__ void shrink_task(const Args<T>& g, char* dsmem, char* meta, TileRows<BM>& tr, int u, bool fused,
-                            const int* pre_tok = nullptr) {
+__device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u,
+                            bool fused) {
   using C = Shrink<T, BM>;
   using M = typename C::M;
   __shared__ int row_r[BM];  // this row's rank inside the rank block (0..64)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const ShrinkTask task = shrink_task_of<T, BM>(g, u);
   const int q = task.q, j = task.j, rb = task.rb, tile = task.tile, p0 = tile * BM;
-  const SlotTable st = slot_table(g, meta, fused ? -1 : j);  // the fused kernel staged every slice
-  read_tile<T, BM>(tr, st, g, p0, !fused, pre_tok);
+  read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend) return;
   if (tid < BM) {
     const int s = tr.slot[tid];
     int r = 0;
-    if (s > 0) r = min(max(rank_of(g, st, s, j) - rb * C::RB, 0), C::RB);
+    if (s > 0) r = min(max(min(g.ranks[s * g.n_slices + j], g.max_rank) - rb * C::RB, 0), C::RB);
     row_r[tid] = r;
   }
-  // also the last read of the slot table, which an unfused shrink keeps in its stages' memory
   const int any = __syncthreads_or(tid < BM && row_r[tid] > 0);
   const int in = g.in_features;
   const int kbeg = q * g.k_split, kend = min(kbeg + g.k_split, in);
@@ -496,22 +406,21 @@ struct ExpandWalk {
 };
 
 template <typename T, int BM, int BN>
-__device__ void expand_task(const Args<T>& g, char* dsmem, char* meta, TileRows<BM>& tr, int u, bool fused,
-                            const int* pre_tok = nullptr) {
+__device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u,
+                            bool fused) {
   using C = Expand<T, BM, BN>;
   using M = typename C::M;
   __shared__ RunMeta<BM> rm;
   const int(&pr)[MAX_SLICES][BM] = rm.pr;
   const float(&ps)[MAX_SLICES][BM] = rm.ps;
+  const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int groups = g.col_groups(), cg = u % groups, tile = u / groups, p0 = tile * BM;
-  const SlotTable st = slot_table(g, meta, -1);
-  const int* s_off = st.off;
-  read_tile<T, BM>(tr, st, g, p0, !fused, pre_tok);
+  read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend || tr.nrun == 0) return;
   const int out = g.out_features, n = g.n_slices, nrun = tr.nrun;
   const int cb0 = cg * g.cpb, cb1 = min(cb0 + g.cpb, g.col_blocks);
-  read_run_meta<T, BM>(g, tr, st, rm);
+  read_run_meta<T, BM>(g, tr, rm);
 
   const bool vec_y = g.flags & 4, vec_b = g.flags & 2;
   constexpr int YCPR = BN / C::CH;
@@ -735,8 +644,7 @@ __host__ __device__ constexpr int fused_smem() {
                   num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw,  \
                   splits, k_split, col_blocks, cpb, flags}
 
-// Dynamic shared memory: the kernel's stages (and y tiles), then its slot table (SlotTable); a
-// shrink's table shares the stages' memory.
+// Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
 // Blocks per multiprocessor the v3 shrink's registers are capped for (tuning runs may set it): 4,
 // as its shared memory allows (on an H200 the T=4096 shrink ran 21-26% faster than uncapped at 165
 // registers and 3 blocks). The expand stays uncapped: capped for 4 blocks it ran slower, and an
@@ -749,10 +657,9 @@ __global__ void __launch_bounds__(128, LORA_SHRINK_BLOCKS) lora_shrink(LORA_PARA
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  // the slot table shares the stages' memory: a shrink reads it before the barrier that precedes
-  // its first copy into a stage (one block more per multiprocessor at tile 64 with 33 slots)
-  lora::require_smem(max(lora::Shrink<T, BM>::SMEM, lora::slot_table_bytes(num_slots, n_slices, flags & 8, false)));
-  lora::shrink_task<T, BM>(g, dsmem, dsmem, tr, blockIdx.x, false);
+  lora::require_smem(lora::Shrink<T, BM>::SMEM + 4 * (num_slots + 1));
+  lora::shrink_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Shrink<T, BM>::SMEM), tr,
+                           blockIdx.x, false);
 }
 
 template <typename T, int BM, int BN>
@@ -760,37 +667,28 @@ __global__ void __launch_bounds__(128) lora_expand(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  lora::require_smem(lora::Expand<T, BM, BN>::SMEM + lora::slot_table_bytes(num_slots, n_slices, flags & 8, true));
-  lora::expand_task<T, BM, BN>(g, dsmem, dsmem + lora::Expand<T, BM, BN>::SMEM, tr, blockIdx.x, false);
+  lora::require_smem(lora::Expand<T, BM, BN>::SMEM + 4 * (num_slots + 1));
+  lora::expand_task<T, BM, BN>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Expand<T, BM, BN>::SMEM), tr,
+                               blockIdx.x, false);
 }
 
-// The fused kernel stages the slot table (every slice: its task is not known yet) and, when the
-// bucket's positions fit one per thread, every token row, in the same round as its ticket.
 template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   __shared__ int ticket;
-  __shared__ int all_tok[lora::THREADS];
   LORA_ARGS;
-  lora::require_smem(lora::fused_smem<T, BM, BN>() + lora::slot_table_bytes(num_slots, n_slices, flags & 8, true));
-  char* meta = dsmem + lora::fused_smem<T, BM, BN>();
-  const int tid = threadIdx.x, tiles = g.tiles(BM);
+  lora::require_smem(lora::fused_smem<T, BM, BN>() + 4 * (num_slots + 1));
+  int* s_indptr = reinterpret_cast<int*>(dsmem + lora::fused_smem<T, BM, BN>());
+  const int tiles = g.tiles(BM);
   const int n_shrink = tiles * splits * n_slices * g.rank_blocks();
-  const bool pre = positions <= lora::THREADS;
-  int tk = 0, t = -1;
-  if (tid == 0) tk = atomicAdd(counters, 1);
-  if (pre && tid < positions) t = token_order[tid];
-  lora::stage_slots<T>(g, lora::slot_table(g, meta, -1));
-  if (pre) all_tok[tid] = t;
-  if (tid == 0) ticket = tk;
+  if (threadIdx.x == 0) ticket = atomicAdd(counters, 1);
   __syncthreads();
   const int u = ticket;
-  const int* pre_tok = pre ? all_tok : nullptr;
-  if (u < n_shrink) lora::shrink_task<T, BM>(g, dsmem, meta, tr, u, true, pre_tok);
-  else lora::expand_task<T, BM, BN>(g, dsmem, meta, tr, u - n_shrink, true, pre_tok);
+  if (u < n_shrink) lora::shrink_task<T, BM>(g, dsmem, s_indptr, tr, u, true);
+  else lora::expand_task<T, BM, BN>(g, dsmem, s_indptr, tr, u - n_shrink, true);
   __syncthreads();
-  if (tid == 0) {
+  if (threadIdx.x == 0) {
     __threadfence();
     if (atomicAdd(counters + 1, 1) == (int)gridDim.x - 1) {  // every other block has finished
       for (int i = 0; i < tiles; ++i) counters[2 + i] = 0;
@@ -802,14 +700,14 @@ __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
 }
 
 // The v4 kernels (shrink_stream.cuh, expand_stream.cuh): registers capped for 4 blocks per
-// multiprocessor; dynamic shared memory holds the slot table alone.
+// multiprocessor; dynamic shared memory holds slot_indptr alone.
 template <typename T, int BM>
 __global__ void __launch_bounds__(128, 4) lora_shrink_stream(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  lora::require_smem(lora::slot_table_bytes(num_slots, n_slices, flags & 8, false));
-  lora::shrink_stream_task<T, BM>(g, dsmem, tr, blockIdx.x);
+  lora::require_smem(4 * (num_slots + 1));
+  lora::shrink_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
 }
 
 template <typename T, int BM>
@@ -817,12 +715,12 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  lora::require_smem(lora::slot_table_bytes(num_slots, n_slices, flags & 8, true));
-  lora::expand_stream_task<T, BM>(g, dsmem, tr, blockIdx.x);
+  lora::require_smem(4 * (num_slots + 1));
+  lora::expand_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
 }
 
 // The v5 kernels (shrink_pipe.cuh, expand_pipe.cuh): dynamic shared memory holds the warps' rings
-// of stages, then the slot table; registers capped for LORA_*_PIPE_BLOCKS blocks per multiprocessor
+// of stages, then slot_indptr; registers capped for LORA_*_PIPE_BLOCKS blocks per multiprocessor
 // (4, as many as the rings allow: on an H200 4 blocks with v of ranks <= 32 in registers ran the
 // T=4096 expand 17% faster than 3 blocks with ranks <= 64, raw_kernels/NOTES.md).
 #ifndef LORA_EXPAND_PIPE_BLOCKS
@@ -836,8 +734,8 @@ __global__ void __launch_bounds__(128, LORA_SHRINK_PIPE_BLOCKS) lora_shrink_pipe
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  lora::require_smem(max(lora::Pipe<T>::SMEM, lora::slot_table_bytes(num_slots, n_slices, flags & 8, false)));
-  lora::shrink_pipe_task<T, BM>(g, dsmem, dsmem, tr, blockIdx.x);  // the table in the rings, as lora_shrink's
+  lora::require_smem(lora::Pipe<T>::SMEM + 4 * (num_slots + 1));
+  lora::shrink_pipe_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Pipe<T>::SMEM), tr, blockIdx.x);
 }
 
 template <typename T, int BM>
@@ -845,6 +743,6 @@ __global__ void __launch_bounds__(128, LORA_EXPAND_PIPE_BLOCKS) lora_expand_pipe
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
-  lora::require_smem(lora::Pipe<T>::SMEM + lora::slot_table_bytes(num_slots, n_slices, flags & 8, true));
-  lora::expand_pipe_task<T, BM>(g, dsmem, dsmem + lora::Pipe<T>::SMEM, tr, blockIdx.x);
+  lora::require_smem(lora::Pipe<T>::SMEM + 4 * (num_slots + 1));
+  lora::expand_pipe_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Pipe<T>::SMEM), tr, blockIdx.x);
 }

@@ -20,7 +20,7 @@
 namespace lora {
 
 template <typename T, int BM>
-__device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, char* meta, TileRows<BM>& tr, int u) {
+__device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u) {
   using C = Pipe<T>;
   using M = typename Op<T>::type;
   constexpr bool SPLIT = Op<T>::SPLIT;
@@ -32,12 +32,11 @@ __device__ void shrink_pipe_task(const Args<T>& g, char* dsmem, char* meta, Tile
   const int R = g.max_rank, n = g.n_slices, in = g.in_features;
   const ShrinkTask task = shrink_task_of<T, BM>(g, u);
   const int q = task.q, j = task.j, rb = task.rb, tile = task.tile, p0 = tile * BM;
-  const SlotTable st = slot_table(g, meta, j);
-  read_tile<T, BM>(tr, st, g, p0, true);
+  read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend) return;
   for (int k = tid; k < tr.nrun; k += THREADS)
-    run_r[k] = min(max(rank_of(g, st, tr.run_slot[k], j) - rb * RB, 0), RB);
-  __syncthreads();  // the last read of the slot table, which shares the rings' memory
+    run_r[k] = min(max(min(g.ranks[tr.run_slot[k] * n + j], R) - rb * RB, 0), RB);
+  __syncthreads();
 
   const int m0 = (warp % MT) * 16, cl = warp / MT;
   int ka, kb;  // the runs meeting this warp's rows

@@ -70,7 +70,7 @@ __device__ __forceinline__ void operand(const unsigned (&w)[4 * sizeof(T) / 2], 
 }
 
 template <typename T, int BM>
-__device__ void shrink_stream_task(const Args<T>& g, char* meta, TileRows<BM>& tr, int u) {
+__device__ void shrink_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>& tr, int u) {
   using C = StreamShrink<T>;
   using M = typename C::M;
   constexpr int MT = BM / 16, WK = 4 / MT;  // m-tiles; warps that take turns on an m-tile's chunks
@@ -80,11 +80,10 @@ __device__ void shrink_stream_task(const Args<T>& g, char* meta, TileRows<BM>& t
   const int R = g.max_rank, n = g.n_slices, in = g.in_features;
   const ShrinkTask task = shrink_task_of<T, BM>(g, u);
   const int q = task.q, j = task.j, rb = task.rb, tile = task.tile, p0 = tile * BM;
-  const SlotTable st = slot_table(g, meta, j);
-  read_tile<T, BM>(tr, st, g, p0, true);
+  read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend) return;
   for (int k = tid; k < tr.nrun; k += THREADS)
-    run_r[k] = min(max(rank_of(g, st, tr.run_slot[k], j) - rb * C::RB, 0), C::RB);
+    run_r[k] = min(max(min(g.ranks[tr.run_slot[k] * n + j], R) - rb * C::RB, 0), C::RB);
   __syncthreads();
 
   const int m0 = (warp % MT) * 16, kw = warp / MT;

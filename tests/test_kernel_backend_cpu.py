@@ -70,17 +70,13 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
         lines.append(f"static_assert(lora::Pipe<{ct}>::SMEM == {kernels.PIPE_SMEM}, \"v5 rings {dtype}\");")
         lines.append(f"static_assert(lora::Pipe<{ct}>::COLS == {kernels.PIPE_COLS[dtype]}, \"v5 chunk {dtype}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
-    lines.append(f"static_assert(lora::STAGE_SLOTS_MAX == {cb.STAGE_SLOTS_MAX}, \"staged slot table\");")
-    for S, n, staged, every in ((1, 1, False, False), (33, 3, True, False), (33, 3, True, True), (4096, 8, False, True)):
-        lines.append(f"static_assert(lora::slot_table_bytes({S}, {n}, {str(staged).lower()}, {str(every).lower()}) == "
-                     f"{cb.slot_table_bytes(S, n, staged, every)}, \"slot table {S} {n}\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
-    extra = cb.SLOT_TABLE_MAX_BYTES
+    extra = 4 * (cb.MAX_SLOTS + 1)
     for bm, bn in kernels.MMA_TILES:
         assert cb.fused_smem(dtype, bm, bn) + extra <= 227 * 1024
         assert cb.fused_smem(dtype, bm, bn) >= max(cb.shrink_smem(dtype, bm), cb.expand_smem(dtype, bm, bn))
@@ -236,30 +232,18 @@ def test_a_valid_call_gives_pointers_dims_and_flags():
     call = _call(T=100, in_f=64, out=96, n=3, R=16)
     assert call.dims == (5, 3, 16, 64, 96) and call.positions == 100
     assert call.plan.bucket == 128 and call.rw == 16
-    assert call.flags == 15  # 16-byte x and A, B, y; 5 slots x 3 slices: the slot table staged
+    assert call.flags == 7
     assert call.ptrs[6] == 4096  # the slice-offset table of the target
     assert not call.torch
     assert _call(T=100).plan == _call(T=128).plan  # the bucket, not the count
 
 
 def test_awkward_sizes_and_misaligned_pointers_take_the_element_paths():
-    assert _call(in_f=77).flags == 14
-    assert _call(R=13).flags == 13
-    assert _call(out=90).flags == 11
-    assert _call(y=FakeDeviceArray((10, 96), "<u2", ptr=(1 << 30) + 2)).flags == 11
-    assert _call(dtype="float32", in_f=66).flags == 14  # 4 floats per 16 bytes
-
-
-def test_only_a_small_slot_table_is_staged():
-    assert cb.stages_slots(33, 1) and cb.stages_slots(64, 8) and cb.stages_slots(cb.STAGE_SLOTS_MAX, 1)
-    assert not cb.stages_slots(cb.STAGE_SLOTS_MAX + 1, 1) and not cb.stages_slots(65, 8)
-    # slot_indptr alone for an unstaged shrink; offsets, ranks and scalings for a staged expand
-    assert cb.slot_table_bytes(33, 3, False, False) == 4 * 34
-    assert cb.slot_table_bytes(33, 3, True, False) == 4 * 34 + 4 * 33
-    assert cb.slot_table_bytes(33, 3, True, True) == 4 * 34 + 4 * 4 + 8 * 99
-    assert cb.SLOT_TABLE_MAX_BYTES >= max(cb.slot_table_bytes(S, n, cb.stages_slots(S, n), every)
-                                          for S in (1, 33, 512, 513, cb.MAX_SLOTS) for n in (1, 3, cb.MAX_SLICES)
-                                          for every in (False, True))
+    assert _call(in_f=77).flags == 6
+    assert _call(R=13).flags == 5
+    assert _call(out=90).flags == 3
+    assert _call(y=FakeDeviceArray((10, 96), "<u2", ptr=(1 << 30) + 2)).flags == 3
+    assert _call(dtype="float32", in_f=66).flags == 6  # 4 floats per 16 bytes
 
 
 def test_no_positions_is_no_launch():

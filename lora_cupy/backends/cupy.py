@@ -80,29 +80,6 @@ def fused_smem(dtype: str, bm: int, bn: int) -> int:
     return max(shrink_smem(dtype, bm), expand_smem(dtype, bm, bn))
 
 
-#: Slot tables of at most this many (slot, slice) entries are staged whole (ranks and scalings read
-#: with slot_indptr, one round of loads before the tile's data); larger ones are read per run.
-STAGE_SLOTS_MAX = 512
-
-
-def slot_table_bytes(S: int, n: int, staged: bool, every_slice: bool) -> int:
-    """Dynamic shared memory a kernel takes after its stages (lora_mma.cu's ``SlotTable``):
-    slot_indptr; an expand's (every slice) slice offsets; the staged ranks (and an expand's scalings)."""
-    if every_slice:
-        return 4 * (S + 1) + 4 * (n + 1) + (8 * S * n if staged else 0)
-    return 4 * (S + 1) + (4 * S if staged else 0)
-
-
-def stages_slots(S: int, n: int) -> bool:
-    """Whether a launch stages the whole slot table (flag 8)."""
-    return S * n <= STAGE_SLOTS_MAX
-
-
-#: The most any slot table takes (the dynamic shared memory each kernel is allowed above its stages).
-SLOT_TABLE_MAX_BYTES = max(slot_table_bytes(MAX_SLOTS, MAX_SLICES, False, True),
-                           slot_table_bytes(STAGE_SLOTS_MAX, 1, True, True))
-
-
 def stream_smem(variant: str) -> int:
     """Dynamic shared memory of a v4 / v5 kernel before slot_indptr: v5's rings of stages, v4 none."""
     return PIPE_SMEM if variant == "v5" else 0
@@ -405,8 +382,7 @@ def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indp
     ch = 16 // _ITEMSIZE[X.dtype]
     flags = ((1 if in_f % ch == 0 and X.ptr % 16 == 0 and A.ptr % 16 == 0 else 0)
              | (2 if R % ch == 0 and B.ptr % 16 == 0 else 0)
-             | (4 if out % ch == 0 and Y.ptr % 16 == 0 else 0)
-             | (8 if stages_slots(S, n) else 0))
+             | (4 if out % ch == 0 and Y.ptr % 16 == 0 else 0))
     return LaunchArgs(dtype=X.dtype, plan=plan, rw=rw, flags=flags,
                       ptrs=(Y.ptr, X.ptr, A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr, TO.ptr, IP.ptr),
                       dims=(S, n, R, in_f, out), positions=T, torch=Y.is_torch or X.is_torch)
@@ -481,7 +457,7 @@ class CupyBackend:
     def _load(self, dtype: str) -> None:
         """Compile (or fetch from CuPy's cache) and load every kernel of one dtype."""
         ct = CUDA_TYPES[dtype]
-        extra = SLOT_TABLE_MAX_BYTES
+        extra = 4 * (MAX_SLOTS + 1)
         if self.kernel == "simt":
             mod = load_module("lora_delta")
             for kind in ("shrink", "expand"):
@@ -581,22 +557,19 @@ class CupyBackend:
     def _kernels(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")):
         """``(name, function, blocks, dynamic shared memory)`` of each kernel one checked call launches."""
         dtype, plan = call.dtype, call.plan
-        S, n = call.dims[:2]
-        staged = bool(call.flags & 8)
-        one, every = slot_table_bytes(S, n, staged, False), slot_table_bytes(S, n, staged, True)
+        extra = 4 * (call.dims[0] + 1)  # slot_indptr, after the stages
         if plan.fused:
             return [("fused v3", self._fns[(dtype, "fused", plan.bm)], plan.shrink_blocks + plan.expand_blocks,
-                     fused_smem(dtype, plan.bm, plan.bn) + every)]
+                     fused_smem(dtype, plan.bm, plan.bn) + extra)]
         out = []
         if "shrink" in parts:
             key = (dtype, "shrink", plan.bm) if plan.shrink == "v3" else (dtype, f"shrink_{plan.shrink}", plan.bm)
-            # a shrink's slot table shares its stages' memory (read before the first copy into them)
             smem = shrink_smem(dtype, plan.bm) if plan.shrink == "v3" else stream_smem(plan.shrink)
-            out.append((f"shrink {plan.shrink}", self._fns[key], plan.shrink_blocks, max(smem, one)))
+            out.append((f"shrink {plan.shrink}", self._fns[key], plan.shrink_blocks, smem + extra))
         if "expand" in parts:
             key = (dtype, "expand", plan.bm) if plan.expand == "v3" else (dtype, f"expand_{plan.expand}", plan.bm)
             smem = expand_smem(dtype, plan.bm, plan.bn) if plan.expand == "v3" else stream_smem(plan.expand)
-            out.append((f"expand {plan.expand}", self._fns[key], plan.expand_blocks, smem + every))
+            out.append((f"expand {plan.expand}", self._fns[key], plan.expand_blocks, smem + extra))
         return out
 
     def occupancy(self, call: LaunchArgs) -> dict[str, dict[str, int]]:

@@ -8,14 +8,13 @@ and v and the counters are back at zero. This checks indexing, masks, fragment l
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
     python raw_kernels/host_check/check.py --shrink v5 --expand v5 [--sms 1] [--misalign] [--asan]
-        [--cp-async late|early] [--stage auto|off]
+        [--cp-async late|early]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
 run python with ``LD_PRELOAD`` of libasan so numpy's arrays get red zones); ``--cp-async`` makes
 each emulated cp.async land at the wait that retires it (late, the default: a read before its wait
-sees stale data) or when issued (early: a stage overwritten while still read shows); ``--stage off``
-reads ranks and scalings per run, as a launch does whose slot table is too large to stage.
+sees stale data) or when issued (early: a stage overwritten while still read shows).
 """
 
 from __future__ import annotations
@@ -106,7 +105,7 @@ def plan_for(case, *, shrink: str, expand: str, tile: int, sms: int) -> cb.Launc
                           case.spec.dtype, tile=tile, fused=False, shrink=shrink, expand=expand, num_sms=sms)
 
 
-def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, stage: bool = True) -> tuple[np.ndarray, int]:
+def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, int]:
     """One delta of ``case`` on the host under ``plan``: (y, flags); v and counters checked at zero."""
     w, dtype = case.w, case.spec.dtype
     S, n, R, in_f = w.a.shape
@@ -117,8 +116,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, stage: bool = True) -
     ch = 16 // x.itemsize
     flags = ((1 if in_f % ch == 0 and x.ctypes.data % 16 == 0 and w.a.ctypes.data % 16 == 0 else 0)
              | (2 if R % ch == 0 and w.b.ctypes.data % 16 == 0 else 0)
-             | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0)
-             | (8 if stage and cb.stages_slots(S, n) else 0))
+             | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
     rw = cb.rank_width(R)
     ws = np.zeros(plan.bucket * n * rw, np.float32)
     counters = np.zeros(plan.counter_ints(), np.int32)
@@ -152,8 +150,6 @@ def main(argv=None) -> int:
                     help="when an emulated cp.async lands: at the wait that retires it, or at once")
     ap.add_argument("--sms", type=int, default=cb.DEFAULT_SMS)
     ap.add_argument("--misalign", action="store_true")
-    ap.add_argument("--stage", default="auto", choices=("auto", "off"),
-                    help="stage ranks and scalings with slot_indptr as the backend does (auto), or never")
     ap.add_argument("--asan", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -169,7 +165,7 @@ def main(argv=None) -> int:
                     plan = plan_for(case, shrink=args.shrink, expand=args.expand, tile=tile, sms=args.sms)
                     t0 = time.time()
                     try:
-                        y, flags = run(lib, case, plan, misalign=args.misalign, stage=args.stage == "auto")
+                        y, flags = run(lib, case, plan, misalign=args.misalign)
                         check_result(case, y, dt)
                         status = f"flags {flags}: ok"
                     except AssertionError as e:

@@ -97,7 +97,7 @@ struct Launch {
 };
 static Launch L;
 static std::vector<char> dsm(256 * 1024);
-static std::vector<char> meta(4 * (4096 + 1) + 4 * (8 + 1) + 8 * 4096);  // a slot table of any launch
+static int s_indptr[4097];
 
 template <typename T> static lora::Args<T> args() {
   return lora::Args<T>{(T*)L.y, (const T*)L.x, (const T*)L.A, (const T*)L.B, L.scaling, L.ranks, L.out_offsets,
@@ -108,32 +108,32 @@ template <typename T> static lora::Args<T> args() {
 template <typename T, int BM> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::shrink_task<T, BM>(g, dsm.data(), dsm.data(), tr, u, false);  // the table in the stages, as on a GPU
+  lora::shrink_task<T, BM>(g, dsm.data(), s_indptr, tr, u, false);
 }
 template <typename T, int BM, int BN> static void expand_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::expand_task<T, BM, BN>(g, dsm.data(), meta.data(), tr, u, false);
+  lora::expand_task<T, BM, BN>(g, dsm.data(), s_indptr, tr, u, false);
 }
 template <typename T, int BM> static void shrink4_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::shrink_stream_task<T, BM>(g, meta.data(), tr, u);
+  lora::shrink_stream_task<T, BM>(g, s_indptr, tr, u);
 }
 template <typename T, int BM> static void shrink5_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::shrink_pipe_task<T, BM>(g, dsm.data(), dsm.data(), tr, u);
+  lora::shrink_pipe_task<T, BM>(g, dsm.data(), s_indptr, tr, u);
 }
 template <typename T, int BM> static void pipe_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::expand_pipe_task<T, BM>(g, dsm.data(), meta.data(), tr, u);
+  lora::expand_pipe_task<T, BM>(g, dsm.data(), s_indptr, tr, u);
 }
 template <typename T, int BM> static void stream_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::expand_stream_task<T, BM>(g, meta.data(), tr, u);
+  lora::expand_stream_task<T, BM>(g, s_indptr, tr, u);
 }
 
 static int g_shrink = 3;

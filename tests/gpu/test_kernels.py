@@ -301,3 +301,21 @@ def test_bad_arguments_refused_before_launch(make_case):
     with pytest.raises(TypeError, match="host"):
         be.delta(case.y0, x, w, to, ip)
     np.testing.assert_array_equal(host(y, "float32"), case.y0)
+
+
+@pytest.mark.parametrize("T,version,kernels", [(16, None, ["fused v3"]), (300, "v3", ["shrink v3", "expand v3"]),
+                                               (300, "v5", ["shrink v5", "expand v5"])])
+def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
+    from lora_cupy.backends.cupy import check_call
+
+    case = make_case(T=T, in_f=256, slices=(512,), max_rank=64, ranks=(16, 64), dtype="bfloat16", mix="uniform")
+    kw = dict(shrink=version, expand=version) if version else {}
+    be = backend_for(case.spec, **kw)
+    call = check_call(be.limits, dev(case.y0), dev(case.x), dev_weights(case.w), dev(case.token_order),
+                      dev(case.slot_indptr))
+    occ = be.occupancy(call)
+    assert list(occ) == kernels
+    for o in occ.values():
+        # 128 threads a block: at most 16 blocks, at least one (else the launch would fail)
+        assert 1 <= o["blocks_per_sm"] <= 16 and 1 <= o["registers"] <= 255 and o["local_bytes"] >= 0
+        assert o["smem"] >= 4 * (case.spec.num_slots + 1)
