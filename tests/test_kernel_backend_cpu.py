@@ -108,7 +108,7 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         for t in kernels.MMA_SHRINK_BM:  # any tile a caller may force fits the counters
             assert cb.plan_launch(b, in_f, out, n, R, dtype, tile=t).counter_ints() <= ints
         assert p.rank_blocks == -(-R // cb.rank_block(p.shrink, dtype))
-        assert p.fused or (p.shrink, p.expand) == (cb.default_shrink(b), cb.default_expand(b, R, n))
+        assert p.fused or (p.shrink, p.expand) == (cb.default_shrink(b), cb.default_expand(b))
 
 
 def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
@@ -122,28 +122,14 @@ def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
 
 
 def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
-    """Only the rank blocks differ (the extra ones stop at once past a rank-16 adapter), except where
-    a pool of maximum rank 16 takes the v5 expand, which a rank-128 pool may not."""
+    """Only the rank blocks differ: the extra ones stop at once past a rank-16 adapter."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16")
         p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16")
-        assert (p16.bm, p16.fused, p16.shrink) == (p128.bm, p128.fused, p128.shrink)
-        if p16.expand == p128.expand:
-            assert (p16.bn, p16.col_blocks, p16.cpb) == (p128.bn, p128.col_blocks, p128.cpb)
-        else:
-            assert b >= cb.V5_EXPAND_MIN_BUCKET and (p16.expand, p128.expand) == ("v5", "v3")
+        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb, p16.shrink, p16.expand) == (
+            p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb, p128.shrink, p128.expand)
         rb = cb.rank_block(p128.shrink, "bfloat16")
         assert p128.rank_blocks == 128 // rb and p128.splits * (128 // rb) >= p16.splits
-
-
-def test_the_v5_expand_is_the_default_only_for_one_slice_of_a_small_rank_pool_at_large_buckets():
-    big, small = max(DEFAULT_CAPTURE_BUCKETS), cb.V5_EXPAND_MIN_BUCKET // 2
-    assert cb.plan_launch(big, 4096, 4096, 1, 16, "bfloat16").expand == "v5"
-    assert cb.plan_launch(big, 4096, 4096, 1, 8, "float32").shrink == "v3"
-    for args in ((big, 4096, 4096, 1, 17, "bfloat16"), (big, 4096, 6144, 3, 16, "bfloat16"),
-                 (small, 4096, 4096, 1, 16, "bfloat16"), (big, 4096, 4096, 1, 128, "float16")):
-        assert cb.plan_launch(*args).expand != "v5", args
-    assert cb.plan_launch(big, 4096, 4096, 1, 16, "bfloat16", expand="v3").expand == "v3"  # a choice overrides
 
 
 def test_workspace_is_v_at_the_largest_bucket():
@@ -181,14 +167,12 @@ def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R
 
 
 def test_v4_defaults_name_unfused_buckets_and_keep_a_pools_plan_whatever_its_rank():
-    """A bucket listed for v4 must launch unfused (a fused launch would ignore it), and below the
-    v5 expand's buckets the version is the bucket's alone: a rank-128 pool runs the same kernels as
-    a rank-16 one."""
+    """A bucket listed for v4 must launch unfused (a fused launch would ignore it), and the version
+    is the bucket's alone: a rank-128 pool runs the same kernels as a rank-16 one."""
     for b in cb.V4_EXPAND_BUCKETS | cb.V4_SHRINK_BUCKETS:
-        assert not cb.default_fused(b) and b < cb.V5_EXPAND_MIN_BUCKET
+        assert not cb.default_fused(b)
     for b in DEFAULT_CAPTURE_BUCKETS:
-        ranks = (8, 16, 128) if b < cb.V5_EXPAND_MIN_BUCKET else (64, 128)
-        plans = [cb.plan_launch(b, 4096, out, 1, r, dt) for out in (4096, 14336) for r in ranks
+        plans = [cb.plan_launch(b, 4096, out, 1, r, dt) for out in (4096, 14336) for r in (8, 16, 128)
                  for dt in DTYPES]
         assert len({(p.shrink, p.expand) for p in plans}) == 1
         p = plans[0]

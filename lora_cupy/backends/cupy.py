@@ -153,22 +153,8 @@ V4_EXPAND_BUCKETS = frozenset({256})
 V4_SHRINK_BUCKETS: frozenset[int] = frozenset()
 
 
-#: Pools whose maximum rank is at most ``V5_EXPAND_MAX_RANK`` run the v5 expand (after the v3
-#: shrink) on one-slice targets from bucket ``V5_EXPAND_MIN_BUCKET``: on an H200 that pairing took
-#: 21-28% off every rank-16 row at T=1024 and 12-15% at T=4096 (bf16, fp16, fp32; 4096 -> 4096,
-#: 4096 -> 14336, 14336 -> 4096), while v5 loses up to 2x at rank 64 (raw_kernels/NOTES.md). The
-#: choice reads the pool's maximum rank, a shape, never the adapters loaded: a captured graph
-#: stays valid, and a pool that may hold larger adapters keeps v3.
-V5_EXPAND_MAX_RANK = 16
-V5_EXPAND_MIN_BUCKET = 1024
-
-
-def default_expand(bucket: int, max_rank: int | None = None, n_slices: int = 1) -> str:
-    """The expand kernel of an unfused launch: v5 for a one-slice target of a pool of small maximum
-    rank at large buckets, v4 (y streamed in registers) in ``V4_EXPAND_BUCKETS``, else v3."""
-    if (max_rank is not None and max_rank <= V5_EXPAND_MAX_RANK and n_slices == 1
-            and bucket >= V5_EXPAND_MIN_BUCKET):
-        return "v5"
+def default_expand(bucket: int) -> str:
+    """The expand kernel of an unfused launch: v4 (y streamed in registers) in ``V4_EXPAND_BUCKETS``."""
     return "v4" if bucket in V4_EXPAND_BUCKETS else "v3"
 
 
@@ -204,7 +190,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if bn is None:
         raise ValueError(f"tile {bm} is not one of {[t for t, _ in MMA_TILES]}")
     fused = default_fused(bucket) if fused is None else bool(fused)
-    expand = "v3" if fused else (default_expand(bucket, max_rank, n_slices) if expand is None else str(expand))
+    expand = "v3" if fused else (default_expand(bucket) if expand is None else str(expand))
     shrink = "v3" if fused else (default_shrink(bucket) if shrink is None else str(shrink))
     if expand not in EXPAND_VARIANTS:
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_VARIANTS}")
