@@ -367,6 +367,43 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / statistics.median(ts)
 
 
+_CHASE = r"""
+extern "C" __global__ void chase(const long long* p, int k, long long* out) {
+  long long i = 0;
+  for (int s = 0; s < k; ++s) i = p[i];  // each load waits for the one before
+  *out = i;
+}
+"""
+
+
+def dependent_round_us(timer: Timer, rounds: int = 8) -> float:
+    """What one round of dependent loads costs a kernel right after the flush (us): one thread
+    follows a chain through ``rounds`` more loads, each in a page 2 MiB + 4 KiB from the last, and
+    the time of a one-load chain is taken off. The floor under any kernel whose loads depend on
+    earlier ones (addressing, then ranks, then data, then the other kernel's results)."""
+    import cupy
+    import torch
+
+    stride = ((2 << 20) + 4096) // 8  # int64 elements
+    n = rounds + 1
+    host = torch.zeros(n * stride, dtype=torch.int64)
+    for i in range(n - 1):
+        host[i * stride] = (i + 1) * stride
+    chain = host.to("cuda")
+    out = torch.zeros(1, dtype=torch.int64, device="cuda")
+    fn = cupy.RawKernel(_CHASE, "chase")
+
+    def run(k):
+        def call():
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                fn((1,), (1,), (chain.data_ptr(), np.int32(k), out.data_ptr()))
+        return call
+
+    t1, tk = timer(run(1)), timer(run(1 + rounds))
+    del chain, out
+    return (tk - t1) / rounds
+
+
 # ---- the run --------------------------------------------------------------------------------------
 VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
                               for t in (16, 32, 64) for f in (False, True)}}
@@ -551,6 +588,7 @@ def main(argv=None) -> int:
     for m in ("events", "diff"):  # what the method reads for nothing at all, and for an empty kernel
         t = Timer(args.replays, m, args.flush)
         calib[m] = {"nothing": t(lambda: None), "empty_kernel": t(lambda: _t.cuda._sleep(0))}
+    calib["dependent_round"] = dependent_round_us(Timer(args.replays, "diff", args.flush))
     print(f"calibration (us): {calib}", file=sys.stderr)
     results, skipped = [], []
     t0, stop = time.time(), _deadline(args)
@@ -578,7 +616,8 @@ def main(argv=None) -> int:
                 r["vs_pool16"] = r["us"] / twin["us"]
     print(_table(results, bw))
     print("timing calibration (us): " + "; ".join(
-        f"{m}: nothing {c['nothing']:.2f}, empty kernel {c['empty_kernel']:.2f}" for m, c in calib.items()))
+        f"{m}: nothing {c['nothing']:.2f}, empty kernel {c['empty_kernel']:.2f}" for m, c in calib.items()
+        if isinstance(c, dict)) + f"; one round of dependent loads after the flush {calib['dependent_round']:.2f}")
     pr = [f"T{r['row']['T']}: {r['vs_pool16']:.2f}x" for r in results if "vs_pool16" in r]
     if pr:
         print("pool max 128 vs max 16, rank-16 adapters: " + ", ".join(pr))
