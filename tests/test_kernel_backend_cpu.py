@@ -322,6 +322,28 @@ def test_versions_table_picks_the_fastest_correct_version():
     assert len(bench._versions_table([fused]).splitlines()) == 2  # rows without v5 are left out
 
 
+def test_bars_and_the_markdown_report_of_a_saved_run():
+    small = bench.Row("core", 1, 4096, (4096,), (16,), 16)
+    big = bench.Row("core", 4096, 4096, (4096,), (16,) * 32, 16)
+    assert bench.bars(small, 4.9, 0.1, 9.0) == {"latency": True, "baseline": True}
+    assert bench.bars(small, 6.0, 4.5, None) == {"latency": True}  # 1.5x a 4.5 us floor
+    assert bench.bars(big, 36.0, 26.0, 35.0) == {"70%": True, "baseline": False}
+    k = lambda us, ok=True: {"us": us, "err": 2e-3, "ok": ok,  # noqa: E731
+                             "plan": {"bm": 64, "bn": 128, "splits": 8, "k_split": 512, "fused": False, "cpb": 2,
+                                      "shrink": "v3", "expand": "v5"},
+                             "occupancy": {"shrink v3": {"blocks_per_sm": 4}, "expand v5": {"blocks_per_sm": 3}}}
+    res = {"row": bench.asdict(big), "label": big.label, "floor_us": 26.0, "best_baseline_us": 44.0, "us": 60.0,
+           "baselines": {"loop": 300.0, "gemm": 44.0}, "kernels": {"default": k(60.0), "v5": k(70.0)},
+           "parts": {}, "vs_pool16": 1.1}
+    meta = {"device": "GPU", "torch": "2", "copy_bw": 4.2e12, "method": "diff", "flush": "write",
+            "calibration_us": {"diff": {"empty_kernel": 0.9}, "dependent_round": 0.3}}
+    md = bench.markdown_report({"meta": meta, "rows": [res]})
+    assert "4.20 TB/s" in md and "0.30 us" in md
+    assert f"| {big.label} | 64/s8 s3e5 | 60.0 | 26.0 | 43 | 300.0 | - | 44.0 | 2.0e-03 | 4/3 | 70% no, baseline no |" in md
+    assert "Bars met: 70% 0 of 1, baseline 0 of 1." in md and "T=4096: 1.10x" in md
+    assert "```" in md  # the versions table of a row that ran v5
+
+
 def test_rows_cover_the_issue():
     rs = bench.rows()
     groups = {r.group for r in rs}

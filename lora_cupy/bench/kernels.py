@@ -100,17 +100,23 @@ def byte_floor(row: Row, tokens_on_adapters: int) -> int:
     return isz * (tokens_on_adapters * row.in_f + 2 * tokens_on_adapters * row.out + weights)
 
 
-def targets_met(row: Row, us: float, floor_us: float, best_baseline_us: float | None) -> bool:
-    """The issue's bars: T <= 256 within max(5 us, 1.5x floor); T >= 1024 at >= 70% of floor
-    bandwidth; and faster than the best baseline of the same run."""
-    ok = True
+def bars(row: Row, us: float, floor_us: float, best_baseline_us: float | None) -> dict[str, bool]:
+    """Each of the issue's bars that applies to a row, met or not: ``latency`` (T <= 256: within
+    max(5 us, 1.5x floor)), ``70%`` (T >= 1024: at least 70% of the floor's bandwidth) and
+    ``baseline`` (faster than the best baseline of the same run, where one was timed)."""
+    out = {}
     if row.T <= 256:
-        ok &= us <= max(5.0, 1.5 * floor_us)
+        out["latency"] = us <= max(5.0, 1.5 * floor_us)
     if row.T >= 1024:
-        ok &= floor_us / us >= 0.7
+        out["70%"] = floor_us / us >= 0.7
     if best_baseline_us is not None:
-        ok &= us < best_baseline_us
-    return bool(ok)
+        out["baseline"] = us < best_baseline_us
+    return out
+
+
+def targets_met(row: Row, us: float, floor_us: float, best_baseline_us: float | None) -> bool:
+    """Whether a row meets every bar of :func:`bars` that applies to it."""
+    return all(bars(row, us, floor_us, best_baseline_us).values())
 
 
 # ---- device side ---------------------------------------------------------------------------------
@@ -526,7 +532,7 @@ def _versions_table(results: list[dict]) -> str:
                 cells.append(f"{k['us']:6.1f}")
                 if k["us"] < best_us:
                     best_name, best_us = n, k["us"]
-        row = Row(**{**r["row"], "slices": tuple(r["row"]["slices"]), "ranks": tuple(r["row"]["ranks"])})
+        row = _row_of(r)
         base = r["best_baseline_us"]
         met = best_name is not None and targets_met(row, best_us, r["floor_us"], base)
         p = r.get("parts", {})
@@ -534,6 +540,52 @@ def _versions_table(results: list[dict]) -> str:
         lines.append(f"{r['label'][:40]:40s} " + " ".join(cells)
                      + f" {best_name or '-':>5s} {base if base is not None else math.nan:6.1f} "
                        f"{r['floor_us']:6.1f} {'yes' if met else 'no':>4s} | {alone}")
+    return "\n".join(lines)
+
+
+def _row_of(r: dict) -> Row:
+    return Row(**{**r["row"], "slices": tuple(r["row"]["slices"]), "ranks": tuple(r["row"]["ranks"])})
+
+
+def markdown_report(data: dict) -> str:
+    """A saved run (``--json``) as markdown: every row with its plan, time, floor, baselines and
+    bars; the bars met per kind; the rank-128 pool against the rank-16 one; the kernel versions."""
+    rows, meta = data["rows"], data["meta"]
+    calib = meta.get("calibration_us", {})
+    lines = [f"{meta['device']}, torch {meta['torch']}; copy bandwidth **{meta['copy_bw'] / 1e12:.2f} TB/s**; "
+             f"timing `{meta['method']}`, flush `{meta.get('flush', 'write')}`."]
+    if "diff" in calib:
+        lines[0] += (f" Calibration: an empty kernel reads {calib['diff']['empty_kernel']:.2f} us"
+                     + (f"; one round of dependent loads after the flush {calib['dependent_round']:.2f} us"
+                        if "dependent_round" in calib else "") + ".")
+    lines += ["", "| row | plan | us | floor us | % of floor | loop | bmm | gemm | err | blocks/SM | bars met |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    met, total = {}, {}
+    for r in rows:
+        k = r["kernels"]["default"]
+        p = k["plan"]
+        plan = f"{p['bm']}{'f' if p['fused'] else ''}/s{p['splits']}"
+        if not p["fused"]:
+            plan += f" {p['shrink']}" if p["shrink"] == p["expand"] else f" s{p['shrink'][1]}e{p['expand'][1]}"
+        b = r["baselines"]
+        cells = [f"{b[n]:.1f}" if n in b else "-" for n in ("loop", "bmm", "gemm")]
+        bs = bars(_row_of(r), r["us"], r["floor_us"], r["best_baseline_us"])
+        for name, ok in bs.items():
+            total[name] = total.get(name, 0) + 1
+            met[name] = met.get(name, 0) + int(ok and k["ok"])
+        occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
+        lines.append(f"| {r['label']} | {plan} | {r['us']:.1f} | {r['floor_us']:.1f} | "
+                     f"{100 * r['floor_us'] / r['us']:.0f} | {' | '.join(cells)} | {k['err']:.1e} | {occ} | "
+                     + ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in bs.items()) + " |")
+    lines += ["", "Bars met: " + ", ".join(f"{n} {met[n]} of {total[n]}" for n in total) + "."]
+    pr = [f"T={r['row']['T']}: {r['vs_pool16']:.2f}x" for r in rows if "vs_pool16" in r]
+    if pr:
+        lines.append("A pool of maximum rank 128 runs rank-16 adapters at " + ", ".join(pr)
+                     + " the time of a pool of maximum rank 16 (bar: 1.2x).")
+    versions = [ln for ln in _versions_table(rows).splitlines()[1:]]
+    if len(versions) > 1:
+        lines += ["", "Kernel versions, whole call (us), and each kernel alone where timed:", "", "```"]
+        lines += versions + ["```"]
     return "\n".join(lines)
 
 
@@ -572,7 +624,12 @@ def main(argv=None) -> int:
                     help="L2 flush before each call: zero 256 MB (dirty lines, the default) or read them")
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no row after this many seconds (also: env BENCH_END_AT, epoch seconds)")
+    ap.add_argument("--report", metavar="FILE", help="print a saved run (--json) as markdown and exit (no GPU)")
     args = ap.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            print(markdown_report(json.load(f)))
+        return 0
     import torch
 
     if not torch.cuda.is_available():
