@@ -490,19 +490,25 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
     return result
 
 
+def _plan_and_occupancy(k: dict) -> tuple[str, str]:
+    """A default launch's short plan (tile, fused, splits, versions) and blocks per SM of its kernels."""
+    p = k["plan"]
+    plan = f"{p['bm']}{'f' if p['fused'] else ''}/s{p['splits']}"
+    if not p["fused"]:
+        plan += f" {p['shrink']}" if p["shrink"] == p["expand"] else f" s{p['shrink'][1]}e{p['expand'][1]}"
+    occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
+    return plan, occ
+
+
 def _table(results: list[dict], bw: float) -> str:
     head = (f"{'row':44s} {'plan':>14s} {'us':>7s} {'floor':>6s} {'%fl':>4s} {'loop':>7s} {'bmm':>7s} "
             f"{'gemm':>7s} {'err':>8s} {'occ':>5s} ok")
     lines = [f"copy bandwidth {bw / 1e12:.2f} TB/s", head, "-" * len(head)]
     for r in results:
         k = r["kernels"]["default"]
-        p = k["plan"]
-        plan = f"{p['bm']}{'f' if p['fused'] else ''}/s{p['splits']}"
-        if not p["fused"]:
-            plan += f" {p['shrink']}" if p["shrink"] == p["expand"] else f" s{p['shrink'][1]}e{p['expand'][1]}"
+        plan, occ = _plan_and_occupancy(k)
         b = r["baselines"]
         bs = [f"{b[n]:7.1f}" if n in b else f"{'-':>7s}" for n in ("loop", "bmm", "gemm")]
-        occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
         lines.append(f"{r['label']:44s} {plan:>14s} {r['us']:7.1f} {r['floor_us']:6.1f} "
                      f"{100 * r['share_of_floor']:4.0f} {' '.join(bs)} {k['err']:8.1e} {occ:>5s} "
                      f"{'yes' if r['target_ok'] else 'NO'}")
@@ -563,17 +569,13 @@ def markdown_report(data: dict) -> str:
     met, total = {}, {}
     for r in rows:
         k = r["kernels"]["default"]
-        p = k["plan"]
-        plan = f"{p['bm']}{'f' if p['fused'] else ''}/s{p['splits']}"
-        if not p["fused"]:
-            plan += f" {p['shrink']}" if p["shrink"] == p["expand"] else f" s{p['shrink'][1]}e{p['expand'][1]}"
+        plan, occ = _plan_and_occupancy(k)
         b = r["baselines"]
         cells = [f"{b[n]:.1f}" if n in b else "-" for n in ("loop", "bmm", "gemm")]
         bs = bars(_row_of(r), r["us"], r["floor_us"], r["best_baseline_us"])
         for name, ok in bs.items():
             total[name] = total.get(name, 0) + 1
             met[name] = met.get(name, 0) + int(ok and k["ok"])
-        occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
         lines.append(f"| {r['label']} | {plan} | {r['us']:.1f} | {r['floor_us']:.1f} | "
                      f"{100 * r['floor_us'] / r['us']:.0f} | {' | '.join(cells)} | {k['err']:.1e} | {occ} | "
                      + ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in bs.items()) + " |")
