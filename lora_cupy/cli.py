@@ -13,6 +13,8 @@ def _check_kernels(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lora-cupy check-kernels",
                                 description="Compile every raw_kernels/ source with NVRTC (no GPU needed).")
     p.add_argument("--arch", action="append", help="e.g. sm_90 (default: %s)" % ", ".join(kernels.CHECK_ARCHS))
+    p.add_argument("--sizes", action="store_true",
+                   help="also print each kernel's SASS instruction count (from the CUBIN NVRTC builds)")
     args = p.parse_args(argv)
     failed = 0
     for arch in args.arch or kernels.CHECK_ARCHS:
@@ -20,6 +22,9 @@ def _check_kernels(argv: list[str]) -> int:
             try:
                 kernels.compile_family(family, arch)
                 print(f"ok      {family:<16} {arch}")
+                if args.sizes:
+                    for expr, n in kernels.code_sizes(family, arch).items():
+                        print(f"        {n:7d} instructions  {expr}")
             except kernels.KernelCompileError as e:
                 failed += 1
                 print(f"FAILED  {family:<16} {arch}\n{e}")

@@ -139,11 +139,8 @@ def cuda_include_dirs() -> list[str]:
     return [d for d in dict.fromkeys(dirs) if os.path.isfile(os.path.join(d, "cuda_fp16.h"))]
 
 
-def compile_source(source: str, name: str, arch: str, name_expressions=()) -> str:
-    """Compile ``source`` with NVRTC for ``arch`` (``"sm_90"``), as at run time; return the PTX.
-
-    Raises :class:`KernelCompileError` with NVRTC's log when the source does not compile.
-    """
+def _nvrtc(source: str, name: str, arch: str, name_expressions, cubin: bool):
+    """``(PTX or CUBIN, {name expression: lowered name})`` of one NVRTC compile, as at run time."""
     from cupy_backends.cuda.libs import nvrtc
 
     opts = [*run_options(), f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
@@ -156,16 +153,50 @@ def compile_source(source: str, name: str, arch: str, name_expressions=()) -> st
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise KernelCompileError(f"NVRTC failed for {arch}: {e}\n{log}", path=name) from None
-        for expr in name_expressions:
-            nvrtc.getLoweredName(prog, expr)
-        return nvrtc.getPTX(prog)
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+        return (nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog)), lowered
     finally:
         nvrtc.destroyProgram(prog)
+
+
+def compile_source(source: str, name: str, arch: str, name_expressions=()) -> str:
+    """Compile ``source`` with NVRTC for ``arch`` (``"sm_90"``), as at run time; return the PTX.
+
+    Raises :class:`KernelCompileError` with NVRTC's log when the source does not compile.
+    """
+    return _nvrtc(source, name, arch, name_expressions, cubin=False)[0]
 
 
 def compile_family(family: str, arch: str) -> str:
     fam = FAMILIES[family]
     return compile_source(read_source(fam.file), fam.file, arch, fam.name_expressions)
+
+
+def _elf_sections(blob: bytes) -> dict[str, int]:
+    """Section name -> size of a 64-bit little-endian ELF image (a CUBIN)."""
+    import struct
+
+    if blob[:4] != b"\x7fELF" or blob[4] != 2:
+        raise ValueError("not a 64-bit ELF image")
+    shoff, = struct.unpack_from("<Q", blob, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize) for i in range(shnum)]
+    strtab = heads[shstrndx][4]
+    names = {}
+    for name_off, _, _, _, _, size in heads:
+        end = blob.index(b"\0", strtab + name_off)
+        names[blob[strtab + name_off:end].decode()] = size
+    return names
+
+
+def code_sizes(family: str, arch: str = "sm_90") -> dict[str, int]:
+    """SASS instructions (16 bytes each from sm_70 on) of every kernel of one family, by its name
+    expression: what a launch asks of the instruction caches (a kernel's code, too, comes from DRAM
+    after an L2 flush). Compiled with NVRTC for ``arch``; no GPU needed."""
+    fam = FAMILIES[family]
+    cubin, lowered = _nvrtc(read_source(fam.file), fam.file, arch, fam.name_expressions, cubin=True)
+    sections = _elf_sections(cubin)
+    return {expr: sections[f".text.{low}"] // 16 for expr, low in lowered.items()}
 
 
 @functools.lru_cache(maxsize=None)

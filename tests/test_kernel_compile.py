@@ -68,3 +68,21 @@ def test_environment_defines_are_parsed_and_bad_ones_refused(monkeypatch):
         monkeypatch.setenv("LORA_CUPY_KERNEL_DEFINES", bad)
         with pytest.raises(ValueError, match="NAME=VALUE"):
             kernels.env_defines()
+
+
+def test_code_sizes_count_every_kernel_of_a_family():
+    """Instruction counts from the CUBIN NVRTC builds: one per name expression, the SIMT kernels
+    far smaller than the tensor-core ones, and the fused kernel (shrink and expand in one) larger
+    than its shrink alone."""
+    simt = kernels.code_sizes("lora_delta")
+    assert set(simt) == set(kernels.FAMILIES["lora_delta"].name_expressions)
+    assert all(50 < n < 2000 for n in simt.values())
+    mma = kernels.code_sizes(kernels.mma_family("bfloat16"))
+    assert set(mma) == set(kernels.FAMILIES[kernels.mma_family("bfloat16")].name_expressions)
+    assert min(mma.values()) > max(simt.values())
+    assert mma["lora_fused<__nv_bfloat16, 16, 64>"] > mma["lora_shrink<__nv_bfloat16, 16>"]
+
+
+def test_elf_section_reader_refuses_what_is_not_a_cubin():
+    with pytest.raises(ValueError, match="ELF"):
+        kernels._elf_sections(b"//\n.version 9.0\n.target sm_90\n")
