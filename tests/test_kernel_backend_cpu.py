@@ -342,6 +342,8 @@ def test_bars_and_the_markdown_report_of_a_saved_run():
     assert f"| {big.label} | 64/s8 s3e5 | 60.0 | 26.0 | 43 | 300.0 | - | 44.0 | 2.0e-03 | 4/3 | 70% no, baseline no |" in md
     assert "Bars met: 70% 0 of 1, baseline 0 of 1." in md and "T=4096: 1.10x" in md
     assert "```" in md  # the versions table of a row that ran v5
+    line = bench._table([{**res, "share_of_floor": 26 / 60, "target_ok": False}], 4.2e12).splitlines()[-1]
+    assert line.startswith(big.label) and line.endswith("300.0       -    44.0  2.0e-03   4/3 NO")
 
 
 def test_rows_cover_the_issue():
