@@ -584,7 +584,7 @@ def markdown_report(data: dict) -> str:
     if pr:
         lines.append("A pool of maximum rank 128 runs rank-16 adapters at " + ", ".join(pr)
                      + " the time of a pool of maximum rank 16 (bar: 1.2x).")
-    versions = [ln for ln in _versions_table(rows).splitlines()[1:]]
+    versions = _versions_table(rows).splitlines()[1:]
     if len(versions) > 1:
         lines += ["", "Kernel versions, whole call (us), and each kernel alone where timed:", "", "```"]
         lines += versions + ["```"]
