@@ -253,7 +253,7 @@ class LoraAdapterPool:
             req = self._need(rid)
             if req is None or rid in self._settled or rid in self.slots.reserved:
                 return None
-            if self.slots.lookup(req.adapter) is None:
+            if self.slots.slot_of(req.adapter) is None:
                 e = self._store.get(req.adapter)
                 if e is not None and e.state == FAILED:
                     return AdmitOutcome.fail({rid: e.error})
@@ -275,7 +275,7 @@ class LoraAdapterPool:
                 return 1
             e = self._store.get(req.adapter)
             state = FAILED if e is None else e.state
-            if state == FAILED and self.slots.lookup(req.adapter) is None:
+            if state == FAILED and self.slots.slot_of(req.adapter) is None:
                 return None
             if state == READING or not self.slots.can_reserve(req.adapter):
                 return 0
@@ -579,15 +579,15 @@ class LoraAdapterPool:
 
     # -- checks ------------------------------------------------------------------------------------------
     def check_valid(self) -> None:
-        """Assert DESIGN.md's invariants 1-9 as far as state shows them (AssertionError if not)."""
+        """Assert the README's invariants 1-9 as far as state shows them (AssertionError if not)."""
         with self._lock:
             t = self.slots
             t.check_valid()
-            for rid, s in t.held.items():
+            for rid, s in t.holders.items():
                 req = self._requests.get(rid)
                 assert req is not None, f"removed request {rid!r} still holds slot {s} (invariant 2)"
-                assert t.resident[s] == req.adapter, \
-                    f"request {rid!r} on {req.adapter!r} holds slot {s} of {t.resident[s]!r} (invariant 2)"
+                assert t.adapters[s] == req.adapter, \
+                    f"request {rid!r} on {req.adapter!r} holds slot {s} of {t.adapters[s]!r} (invariant 2)"
                 assert self._settled.get(rid) == s, f"request {rid!r}: addressing slot != held slot"
             for rid, s in self._settled.items():
                 assert rid in self._requests, f"removed request {rid!r} is still settled"
@@ -595,7 +595,7 @@ class LoraAdapterPool:
                     req = self._requests[rid]
                     assert req.adapter is None or not req.covers, f"request {rid!r} addresses slot 0"
                 else:
-                    assert t.held.get(rid) == s, f"request {rid!r} addresses slot {s} it does not hold"
+                    assert t.holders.get(rid) == s, f"request {rid!r} addresses slot {s} it does not hold"
             assert set(self._settled) == self._settled_set, "settled set out of step"
             if not self.decides:
                 assert not t.reserved, "a rank that does not decide keeps reservations (invariant 6)"
@@ -611,7 +611,7 @@ class LoraAdapterPool:
             assert not (self._served & self._retiring), "an adapter both served and retiring (invariant 9)"
             for name in self._retiring:
                 assert self._live.get(name, 0) > 0, f"adapter {name!r} retires with no live request (invariant 9)"
-            for name in t.slot_of:
+            for name in t.entries:
                 assert name in self._served or name in self._retiring, \
                     f"forgotten adapter {name!r} keeps its name -> slot entry (invariant 9)"
             assert set(self._adapters) == self._served | self._retiring, "adapter records out of step"

@@ -1,30 +1,34 @@
 """The slot table: which adapter sits in which slot, who holds it, and which slot a miss takes.
 
-Pure bookkeeping: no arrays, no locks, no I/O. The pool calls it under its lock; ``sim/``
-restates the same rules independently and hypothesis compares the two through
-:meth:`SlotTable.snapshot`. The rules (DESIGN.md invariants 1-9, as far as they are the table's):
+Pure bookkeeping: no arrays, no locks, no I/O. The pool calls it under its lock; ``sim/slots.py``
+restates the same rules independently, under the same names (``refcounts``, ``adapters``,
+``last_used``, ``entries``, ``eviction_order``), and hypothesis compares the two through
+:meth:`SlotTable.snapshot`. The rules (the README's invariants 1-6, 8 and 9, as far as they are
+the table's):
 
-- Slot 0 is the zero adapter: never handed out, never held, never resident.
-- ``refcount[s]`` is the number of live requests holding ``s``; a request holds at most one
-  slot (its adapter's), from the admit that first gives it one until it is released.
+- Slot 0 is the zero adapter: never handed out, never held, never resident (invariant 1).
+- ``refcounts[s]`` is the number of live requests holding ``s``; a request holds at most one
+  slot (its adapter's), from the admit that first gives it one until it is released (2).
 - The clock is logical: an admit that takes at least one slot advances it by one, and every
-  slot that admit takes is stamped with the new value (``last_use[s]``; -1: never taken).
+  slot that admit takes is stamped with the new value (``last_used[s]``; -1: never taken).
   Releases stamp nothing. The pool's steady-state admit (every row holds its slot
-  already) does not call the table at all.
+  already) does not call the table at all (4).
 - An admit gives rows whose adapter is resident their slot first (hits), so no miss can evict
   an unheld adapter a later row of the same admit names. Each adapter that misses then takes,
-  in the order of its first row, the next of the admit's victims: the empty slots (never
-  written) by index, then the unheld slots by ``(last_use, index)``. The victims are fixed
-  from the table at :meth:`begin_admit`; a miss that fails (its read failed on some rank)
-  takes none, so the next surviving miss gets the victim it would have had.
-- Reservations count adapters against slots and pin none. ``reserved`` maps a waiting rid to
-  its adapter; ``need`` is the number of distinct reserved adapters that sit in no held slot
-  (each will take a slot at its admit), ``free`` the number of unheld slots ``s >= 1``, and
-  ``need <= free`` always. A reservation for an adapter that is held, or counted already,
-  costs nothing more. A row spends its reservation when it takes a slot; a row of an adapter
-  nobody counted may take an unheld slot only while ``need < free`` (the admit's backstop).
-- :meth:`forget` drops a name -> slot entry (an unload); the slot keeps the weights, unheld,
-  and ``resident`` keeps the stale name, until a miss reuses it.
+  in the order of its first row, the next slot of the :meth:`~SlotTable.eviction_order`: the
+  empty slots (never written) by index, then the unheld slots by ``(last_used, index)``. The
+  victims are fixed from the table at :meth:`~SlotTable.begin_admit`; a miss that fails (its
+  read failed on some rank) takes none, so the next surviving miss gets the victim it would
+  have had (4, 5, 7).
+- Reservations count adapters against slots and pin none (6). ``reserved`` maps a waiting rid
+  to its adapter; :meth:`~SlotTable.demand` is the set of reserved adapters that sit in no held
+  slot (each will take a slot at its admit), :meth:`~SlotTable.unheld_count` the number of
+  unheld slots ``s >= 1``, and ``len(demand()) <= unheld_count()`` always. A reservation for
+  an adapter that is held, or counted already, costs nothing more. A row spends its
+  reservation when it takes a slot; a row of an adapter nobody counted may take an unheld slot
+  only while ``len(demand()) < unheld_count()`` (the admit's backstop).
+- :meth:`~SlotTable.forget` drops a name -> slot entry (an unload); the slot keeps the
+  weights, unheld, and ``adapters[s]`` keeps the stale name, until a miss reuses it (9).
 """
 
 from __future__ import annotations
@@ -32,20 +36,25 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-NEVER = -1  # last_use of a slot no admit has taken yet
+NEVER = -1  # last_used of a slot no admit has taken yet
 
 
 @dataclass(frozen=True)
 class SlotSnapshot:
     """The whole table as plain data (for the simulator, tests and reports)."""
 
-    slot_of: dict[str, int]  # adapter name -> slot (served, resident adapters)
-    refcount: tuple[int, ...]  # [S] live requests holding each slot
-    resident: tuple[str | None, ...]  # [S] the adapter whose weights a slot holds (None: empty)
-    last_use: tuple[int, ...]  # [S] clock of the admit that last took it (-1: never)
-    held: dict[Hashable, int]  # rid -> the slot it holds
+    entries: dict[str, int]  # adapter name -> slot (served, resident adapters)
+    refcounts: tuple[int, ...]  # [S] live requests holding each slot
+    adapters: tuple[str | None, ...]  # [S] the adapter whose weights a slot holds (None: empty)
+    last_used: tuple[int, ...]  # [S] clock of the admit that last took it (-1: never)
+    holders: dict[Hashable, int]  # rid -> the slot it holds
     reserved: dict[Hashable, str]  # rid -> the adapter counted for it
     clock: int
+
+    @property
+    def current(self) -> tuple[bool, ...]:
+        """``[S]`` whether slot s's adapter still has its name -> slot entry (False once forgotten)."""
+        return tuple(a is not None and self.entries.get(a) == s for s, a in enumerate(self.adapters))
 
 
 @dataclass
@@ -80,38 +89,40 @@ class SlotTable:
         if num_slots < 2:
             raise ValueError(f"num_slots must be >= 2 (slot 0 is the zero adapter), got {num_slots}")
         self.num_slots = num_slots
-        self.refcount = [0] * num_slots
-        self.resident: list[str | None] = [None] * num_slots
-        self.last_use = [NEVER] * num_slots
-        self.slot_of: dict[str, int] = {}
-        self.held: dict[Hashable, int] = {}
+        self.refcounts = [0] * num_slots
+        self.adapters: list[str | None] = [None] * num_slots
+        self.last_used = [NEVER] * num_slots
+        self.entries: dict[str, int] = {}
+        self.holders: dict[Hashable, int] = {}
         self.reserved: dict[Hashable, str] = {}
         self.clock = 0
         self._free = num_slots - 1  # unheld slots s >= 1
         self._res_count: dict[str, int] = {}  # adapter -> reserved rids naming it
 
     # -- queries -------------------------------------------------------------------------
-    def lookup(self, name: str) -> int | None:
+    def slot_of(self, name: str) -> int | None:
         """The slot ``name`` is resident in, or None."""
-        return self.slot_of.get(name)
+        return self.entries.get(name)
 
-    @property
-    def free(self) -> int:
+    def unheld_count(self) -> int:
         """Unheld slots (slot 0 aside): what reservations may count against."""
         return self._free
 
-    def _is_held(self, name: str) -> bool:
-        s = self.slot_of.get(name)
-        return s is not None and self.refcount[s] > 0
+    def held(self, name: str) -> bool:
+        """Whether ``name`` sits in a slot some live request holds (so it cannot be evicted)."""
+        s = self.entries.get(name)
+        return s is not None and self.refcounts[s] > 0
 
-    @property
-    def need(self) -> int:
-        """Distinct reserved adapters in no held slot: slots the reservations promise."""
-        return sum(1 for name in self._res_count if not self._is_held(name))
+    def demand(self) -> set[str]:
+        """Reserved adapters in no held slot: each is a slot the reservations promise."""
+        return {name for name in self._res_count if not self.held(name)}
+
+    def _demand_count(self) -> int:
+        return sum(1 for name in self._res_count if not self.held(name))
 
     def can_reserve(self, name: str) -> bool:
-        """Whether a reservation for ``name`` keeps ``need <= free``."""
-        return self._is_held(name) or name in self._res_count or self.need < self._free
+        """Whether a reservation for ``name`` keeps ``len(demand()) <= unheld_count()``."""
+        return self.held(name) or name in self._res_count or self._demand_count() < self._free
 
     # -- reservations ----------------------------------------------------------------------
     def reserve(self, rid: Hashable, name: str) -> None:
@@ -140,44 +151,44 @@ class SlotTable:
         """Rows of adapter ``name`` take ``slot``; returns (taken, refused for want of a free slot).
 
         Taking an unheld slot for an adapter no reservation counted is allowed only while
-        ``need < free``. The rows' reservations are spent (``picks.spent``); the admit's first
+        ``len(demand()) < unheld_count()``. The rows' reservations are spent (``picks.spent``); the admit's first
         take advances the clock, and the slot is stamped.
         """
-        if self.refcount[slot] == 0:
-            if name not in self._res_count and self.need >= self._free:
+        if self.refcounts[slot] == 0:
+            if name not in self._res_count and self._demand_count() >= self._free:
                 return [], list(rids)
             self._free -= 1
         taken: list[Hashable] = []
         for rid in rids:
-            if rid in self.held:
-                raise ValueError(f"request {rid!r} holds slot {self.held[rid]} already")
+            if rid in self.holders:
+                raise ValueError(f"request {rid!r} holds slot {self.holders[rid]} already")
             if self.unreserve(rid) is not None:
                 picks.spent.append((rid, name))
-            self.refcount[slot] += 1
-            self.held[rid] = slot
+            self.refcounts[slot] += 1
+            self.holders[rid] = slot
             taken.append(rid)
         if not picks.ticked:
             self.clock += 1
             picks.ticked = True
-        self.last_use[slot] = self.clock
+        self.last_used[slot] = self.clock
         return taken, []
 
     def release(self, rid: Hashable) -> int | None:
         """``rid`` lets go of its slot (a remove, or a rollback); returns the slot or None."""
-        slot = self.held.pop(rid, None)
+        slot = self.holders.pop(rid, None)
         if slot is None:
             return None
-        self.refcount[slot] -= 1
-        if self.refcount[slot] == 0:
+        self.refcounts[slot] -= 1
+        if self.refcounts[slot] == 0:
             self._free += 1
         return slot
 
     # -- an admit --------------------------------------------------------------------------
-    def victim_order(self) -> list[int]:
-        """Unheld slots in the order misses take them: empty by index, then by (last_use, index)."""
-        empty = [s for s in range(1, self.num_slots) if self.refcount[s] == 0 and self.resident[s] is None]
-        used = [s for s in range(1, self.num_slots) if self.refcount[s] == 0 and self.resident[s] is not None]
-        used.sort(key=lambda s: (self.last_use[s], s))
+    def eviction_order(self) -> list[int]:
+        """Unheld slots in the order misses take them: empty by index, then by (last_used, index)."""
+        empty = [s for s in range(1, self.num_slots) if self.refcounts[s] == 0 and self.adapters[s] is None]
+        used = [s for s in range(1, self.num_slots) if self.refcounts[s] == 0 and self.adapters[s] is not None]
+        used.sort(key=lambda s: (self.last_used[s], s))
         return empty + used
 
     def begin_admit(self, rows: Sequence[tuple[Hashable, str]]) -> AdmitPicks:
@@ -190,11 +201,11 @@ class SlotTable:
         picks = AdmitPicks()
         by_name: dict[str, list[Hashable]] = {}
         for rid, name in rows:
-            if rid in self.held:
+            if rid in self.holders:
                 continue
             by_name.setdefault(name, []).append(rid)
         for name, rids in by_name.items():
-            slot = self.slot_of.get(name)
+            slot = self.entries.get(name)
             if slot is None:
                 picks.misses.append(MissGroup(name, rids))
                 continue
@@ -202,7 +213,7 @@ class SlotTable:
             picks.hits += [(rid, slot) for rid in taken]
             for rid in refused:
                 picks.refused[rid] = "no free slot outside the reservations"
-        picks.victims = self.victim_order()[: len(picks.misses)]
+        picks.victims = self.eviction_order()[: len(picks.misses)]
         return picks
 
     def finish_miss(self, picks: AdmitPicks, miss: MissGroup, rids: Sequence[Hashable] | None = None
@@ -219,18 +230,18 @@ class SlotTable:
                 picks.refused[rid] = "every slot is held"
             return None
         slot = picks.victims[picks.next_victim]
-        if self.refcount[slot]:
+        if self.refcounts[slot]:
             raise ValueError(f"victim slot {slot} was taken between begin_admit and finish_miss")
-        if miss.name not in self._res_count and self.need >= self._free:
+        if miss.name not in self._res_count and self._demand_count() >= self._free:
             for rid in rids:
                 picks.refused[rid] = "no free slot outside the reservations"
             return None
         picks.next_victim += 1
-        old = self.resident[slot]
-        if old is not None and self.slot_of.get(old) == slot:
-            del self.slot_of[old]
-        self.resident[slot] = miss.name
-        self.slot_of[miss.name] = slot
+        old = self.adapters[slot]
+        if old is not None and self.entries.get(old) == slot:
+            del self.entries[old]
+        self.adapters[slot] = miss.name
+        self.entries[miss.name] = slot
         self._take(miss.name, rids, slot, picks)
         return slot
 
@@ -243,43 +254,43 @@ class SlotTable:
     # -- unload ------------------------------------------------------------------------------
     def forget(self, name: str) -> int | None:
         """Drop ``name``'s name -> slot entry; the slot keeps its weights until reused."""
-        slot = self.slot_of.get(name)
-        if slot is not None and self.refcount[slot]:
-            raise ValueError(f"adapter {name!r}: slot {slot} is still held by {self.refcount[slot]} request(s)")
-        return self.slot_of.pop(name, None)
+        slot = self.entries.get(name)
+        if slot is not None and self.refcounts[slot]:
+            raise ValueError(f"adapter {name!r}: slot {slot} is still held by {self.refcounts[slot]} request(s)")
+        return self.entries.pop(name, None)
 
     # -- inspection ----------------------------------------------------------------------------
     def snapshot(self) -> SlotSnapshot:
-        return SlotSnapshot(dict(self.slot_of), tuple(self.refcount), tuple(self.resident),
-                            tuple(self.last_use), dict(self.held), dict(self.reserved), self.clock)
+        return SlotSnapshot(dict(self.entries), tuple(self.refcounts), tuple(self.adapters),
+                            tuple(self.last_used), dict(self.holders), dict(self.reserved), self.clock)
 
     def check_valid(self) -> None:
         """Assert every invariant the table can see; raises AssertionError naming the broken one."""
         S = self.num_slots
-        assert self.refcount[0] == 0 and self.resident[0] is None, "slot 0 is held or loaded (invariant 1)"
-        assert 0 not in self.slot_of.values(), "slot 0 has a name (invariant 1)"
+        assert self.refcounts[0] == 0 and self.adapters[0] is None, "slot 0 is held or loaded (invariant 1)"
+        assert 0 not in self.entries.values(), "slot 0 has a name (invariant 1)"
         counts = [0] * S
-        for rid, s in self.held.items():
+        for rid, s in self.holders.items():
             assert 1 <= s < S, f"request {rid!r} holds slot {s} (invariant 1)"
             counts[s] += 1
-        assert counts == self.refcount, f"refcounts {self.refcount} != holders {counts} (invariant 2)"
-        for name, s in self.slot_of.items():
-            assert 1 <= s < S and self.resident[s] == name, \
-                f"name {name!r} -> slot {s} holding {self.resident[s]!r} (invariant 3)"
+        assert counts == self.refcounts, f"refcounts {self.refcounts} != holders {counts} (invariant 2)"
+        for name, s in self.entries.items():
+            assert 1 <= s < S and self.adapters[s] == name, \
+                f"name {name!r} -> slot {s} holding {self.adapters[s]!r} (invariant 3)"
         for s in range(1, S):
-            if self.refcount[s]:
-                name = self.resident[s]
-                assert name is not None and self.slot_of.get(name) == s, \
+            if self.refcounts[s]:
+                name = self.adapters[s]
+                assert name is not None and self.entries.get(name) == s, \
                     f"held slot {s} has no served adapter (resident {name!r}) (invariants 3, 9)"
-            assert NEVER <= self.last_use[s] <= self.clock, \
-                f"slot {s} last_use {self.last_use[s]} outside [-1, clock {self.clock}] (invariant 4)"
-        free = sum(1 for s in range(1, S) if self.refcount[s] == 0)
+            assert NEVER <= self.last_used[s] <= self.clock, \
+                f"slot {s} last_used {self.last_used[s]} outside [-1, clock {self.clock}] (invariant 4)"
+        free = sum(1 for s in range(1, S) if self.refcounts[s] == 0)
         assert free == self._free, f"free count {self._free} != {free}"
         counts: dict[str, int] = {}
         for name in self.reserved.values():
             counts[name] = counts.get(name, 0) + 1
         assert counts == self._res_count, "reservation counts out of step"
-        need = sum(1 for name in counts if not self._is_held(name))
+        need = sum(1 for name in counts if not self.held(name))
         assert need <= free, f"reservations promise {need} slots but only {free} are free (invariant 6)"
-        both = set(self.reserved) & set(self.held)
+        both = set(self.reserved) & set(self.holders)
         assert not both, f"requests {sorted(map(repr, both))} both hold a slot and keep a reservation (invariant 6)"

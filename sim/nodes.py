@@ -1,7 +1,7 @@
 """Two pools, a vision encoder's and the LLM's, and a runner that drains requests through both.
 
 A request holds a slot in each pool whose targets its adapter touches until it is removed.
-With ``order="encoder-first"`` (the order the graph runs, DESIGN.md invariant 11) a request
+With ``order="encoder-first"`` (the order the graph runs, the README's invariant 11) a request
 takes its encoder slot, runs the encoder once, then waits for its LLM slot, so a row holding
 an LLM slot never waits on the encoder's pool and waits cannot form a cycle: every history
 drains. ``order="as-walked"`` lets a request whose walk reaches the encoder after the LLM

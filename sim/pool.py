@@ -1,6 +1,6 @@
 """SimPool: one rank's pool, restated from the spec as a plain model of every slot decision.
 
-The decisions and their order follow the pool's invariants (DESIGN.md 1-9):
+The decisions and their order follow the pool's invariants (the README's invariants 1-9):
 
 * a request takes its adapter's slot at its first admit and holds it until removed;
 * resident-first admits: rows whose adapter is resident take its slot before any miss picks

@@ -264,12 +264,12 @@ def eviction_stress(device: str, root, steps: int = 60, seed: int | None = None,
                 live[nxt] = name
                 nxt += 1
             snap = pool.snapshot()
-            held = {snap.resident[s] for s in range(1, spec.num_slots) if snap.refcount[s]}
-            free = snap.refcount.count(0) - 1
+            held = {snap.adapters[s] for s in range(1, spec.num_slots) if snap.refcounts[s]}
+            free = snap.refcounts.count(0) - 1
             rows, new = [], set()
             for rid in rng.sample(sorted(live), len(live)):
                 name = live[rid]
-                if rid in snap.held or name is None or name in held or name in new:
+                if rid in snap.holders or name is None or name in held or name in new:
                     rows.append(rid)
                 elif len(new) < free:
                     new.add(name)
@@ -282,13 +282,13 @@ def eviction_stress(device: str, root, steps: int = 60, seed: int | None = None,
             pool.plan(step, ctx)
             snap = pool.snapshot()
             for rid in rows:
-                if rid in snap.held:
-                    s = snap.held[rid]
+                if rid in snap.holders:
+                    s = snap.holders[rid]
                     assert slot_of_rid.setdefault(rid, s) == s, f"seed {seed}: request {rid} moved slots"
-                    assert snap.resident[s] == live[rid]
-            slot_adapter = {snap.held[r]: live[r] for r in rows if r in snap.held}
+                    assert snap.adapters[s] == live[rid]
+            slot_adapter = {snap.holders[r]: live[r] for r in rows if r in snap.holders}
             counts = np.asarray(step.rows_for(spec.node).num_tokens)
-            slots = np.array([snap.held.get(r, 0) for r in rows])
+            slots = np.array([snap.holders.get(r, 0) for r in rows])
             for t in spec.targets:
                 per = (counts + t.row_grouping - 1) // t.row_grouping
                 T = int(per.sum())
@@ -315,7 +315,7 @@ def eviction_stress(device: str, root, steps: int = 60, seed: int | None = None,
             pool.remove_request(rid)
         pool.check_valid()
         snap = pool.snapshot()
-        assert not any(snap.refcount) and not snap.held
+        assert not any(snap.refcounts) and not snap.holders
         return {"loads": pool.stats["loads"], "waited": waited, "checked": checked, "seed": seed}
     finally:
         pool.close()

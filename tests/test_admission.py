@@ -143,7 +143,7 @@ def test_a_failed_read_is_let_through_at_once_and_fails_at_admit(pool, paths):
     out = pool.admit(LoraStep(["r1", "r2", "bad"]), StepContext())
     assert set(out.failed) == {"bad"}
     snap = pool.snapshot()
-    assert set(snap.held) == {"r1", "r2"}  # the counted rows found their slots
+    assert set(snap.holders) == {"r1", "r2"}  # the counted rows found their slots
     pool.check_valid()
 
 

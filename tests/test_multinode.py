@@ -53,7 +53,7 @@ def test_each_pool_admits_only_its_nodes_rows():
         step = LoraStep([1, 2], nodes=["encoder", "llm"])
         ctx = StepContext()
         assert enc.admit(step, ctx).ok and llm.admit(step, ctx).ok
-        assert set(enc.snapshot().held) == {1} and set(llm.snapshot().held) == {2}
+        assert set(enc.snapshot().holders) == {1} and set(llm.snapshot().holders) == {2}
         enc_addr, llm_addr = enc.plan(step, ctx), llm.plan(step, ctx)
         assert enc_addr.num_tokens == 1 and llm_addr.num_tokens == 1
         assert enc.ask(2, "llm", WALK) is None and llm.ask(1, "encoder", WALK) is None
@@ -72,14 +72,14 @@ def test_a_request_holds_a_slot_only_where_its_adapter_touches():
         assert enc.ask(2, "encoder", WALK) is None and llm.ask(3, "llm", WALK) is None
         step_on(enc, [1, 2, 3], "encoder")
         step_on(llm, [1, 2, 3], "llm")
-        assert set(enc.snapshot().held) == {1, 3} and set(llm.snapshot().held) == {1, 2}
+        assert set(enc.snapshot().holders) == {1, 3} and set(llm.snapshot().holders) == {1, 2}
         assert enc.store.get("text") is None and llm.store.get("vision") is None  # nothing held for them
         rng = np.random.default_rng()
         check_delta(enc, [1, 2, 3], None, rng)
         check_delta(llm, [1, 2, 3], None, rng)
         for rid in (1, 2, 3):
             enc.remove_request(rid), llm.remove_request(rid)
-        assert not any(enc.snapshot().refcount) and not any(llm.snapshot().refcount)
+        assert not any(enc.snapshot().refcounts) and not any(llm.snapshot().refcounts)
     finally:
         enc.close(), llm.close()
 
@@ -93,13 +93,13 @@ def waits_have_no_cycle(q: AdmissionQueue, pools: dict) -> None:
     ahead: list = []
     for w in q.waiting:
         pool = pools[w.node]
-        holders = set(pool.snapshot().held) - {w.rid}
+        holders = set(pool.snapshot().holders) - {w.rid}
         running = bool(q.holds(w.rid))
         edges.setdefault(w.rid, set()).update(holders)
         edges[w.rid].update(r for r, r_running in ahead if r != w.rid and (r_running or not running))
         ahead.append((w.rid, running))
         if w.node == "encoder":
-            assert w.rid not in pools["llm"].snapshot().held, f"{w.rid} waits on the encoder holding an LLM slot"
+            assert w.rid not in pools["llm"].snapshot().holders, f"{w.rid} waits on the encoder holding an LLM slot"
     state: dict = {}
 
     def visit(v):
@@ -154,14 +154,14 @@ def test_encoder_before_llm_keeps_waits_acyclic_and_everyone_finishes():
                 done += 1
             for rid in llm_left:
                 llm_left[rid] -= 1
-            waited_holding_encoder |= any(w.node == "llm" and w.rid in enc.snapshot().held for w in q.waiting)
+            waited_holding_encoder |= any(w.node == "llm" and w.rid in enc.snapshot().holders for w in q.waiting)
             waits_have_no_cycle(q, pools)
             enc.check_valid(), llm.check_valid()
             if done == total:
                 break
         assert done == total, f"seed {seed}: {total - done} requests never finished (waiting: {q.waiting})"
         assert waited_holding_encoder, f"seed {seed}: the workload never made a request wait holding a slot"
-        assert not any(enc.snapshot().refcount) and not any(llm.snapshot().refcount)
+        assert not any(enc.snapshot().refcounts) and not any(llm.snapshot().refcounts)
     finally:
         enc.close(), llm.close()
 

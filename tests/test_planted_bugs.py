@@ -41,12 +41,12 @@ def _evict_held(self, picks, miss, rids=None):
     """Planted: a miss takes the least recently used slot past 0, held or not (and nothing
     checks that its victim is unheld)."""
     rids = list(miss.rids if rids is None else rids)
-    slot = min(range(1, self.num_slots), key=lambda s: (self.resident[s] is not None, self.last_use[s], s))
-    old = self.resident[slot]
-    if old is not None and self.slot_of.get(old) == slot:
-        del self.slot_of[old]
-    self.resident[slot] = miss.name
-    self.slot_of[miss.name] = slot
+    slot = min(range(1, self.num_slots), key=lambda s: (self.adapters[s] is not None, self.last_used[s], s))
+    old = self.adapters[slot]
+    if old is not None and self.entries.get(old) == slot:
+        del self.entries[old]
+    self.adapters[slot] = miss.name
+    self.entries[miss.name] = slot
     self._take(miss.name, rids, slot, picks)
     return slot
 
@@ -55,10 +55,10 @@ def _most_recent_victims(self, exclude=()):
     """Planted: unheld slots holding weights are taken most recently used first."""
     skip = set(exclude)
     empty = [s for s in range(1, self.num_slots)
-             if self.refcount[s] == 0 and self.resident[s] is None and s not in skip]
+             if self.refcounts[s] == 0 and self.adapters[s] is None and s not in skip]
     used = [s for s in range(1, self.num_slots)
-            if self.refcount[s] == 0 and self.resident[s] is not None and s not in skip]
-    return empty + sorted(used, key=lambda s: (-self.last_use[s], s))
+            if self.refcounts[s] == 0 and self.adapters[s] is not None and s not in skip]
+    return empty + sorted(used, key=lambda s: (-self.last_used[s], s))
 
 
 def _misses_before_hits(self, rows):
@@ -66,13 +66,13 @@ def _misses_before_hits(self, rows):
     an unheld adapter a later row names can be evicted (its row then misses as well)."""
     names = []
     for rid, name in rows:
-        if rid not in self.held and name not in names:
+        if rid not in self.holders and name not in names:
             names.append(name)
-    misses = [n for n in names if n not in self.slot_of]
-    for s in self.victim_order()[: len(misses)]:
-        victim = self.resident[s]
-        if victim is not None and self.slot_of.get(victim) == s and victim in names:
-            del self.slot_of[victim]  # evicted by the miss: the later row no longer finds it
+    misses = [n for n in names if n not in self.entries]
+    for s in self.eviction_order()[: len(misses)]:
+        victim = self.adapters[s]
+        if victim is not None and self.entries.get(victim) == s and victim in names:
+            del self.entries[victim]  # evicted by the miss: the later row no longer finds it
     return _BEGIN_ADMIT(self, rows)
 
 
@@ -82,7 +82,7 @@ def test_suite_catches_eviction_of_a_held_slot(monkeypatch):
 
 
 def test_suite_catches_most_recently_used_victims(monkeypatch):
-    monkeypatch.setattr(SlotTable, "victim_order", _most_recent_victims)
+    monkeypatch.setattr(SlotTable, "eviction_order", _most_recent_victims)
     assert _caught_by_the_suite(_suite_fails())
 
 

@@ -78,7 +78,7 @@ def test_base_requests_need_nothing(pool):
     assert not pool.runs_adapters(["b"])
     out, addr, _ = run_step(pool, ["b"])
     assert out.ok and not addr.active
-    assert pool.store.nbytes == 0 and not any(pool.snapshot().refcount)
+    assert pool.store.nbytes == 0 and not any(pool.snapshot().refcounts)
 
 
 def test_ask_and_reserve_follow_the_read(spec, paths):
@@ -110,10 +110,10 @@ def test_admit_loads_misses_and_rows_get_correct_deltas(pool, rng):
     out, addr, _ = run_step(pool, rids, tokens)
     assert out.ok and addr.active
     snap = pool.snapshot()
-    assert snap.held[0] == snap.held[3] == snap.slot_of["ad0"]
-    assert 2 not in snap.held and not snap.reserved
+    assert snap.holders[0] == snap.holders[3] == snap.entries["ad0"]
+    assert 2 not in snap.holders and not snap.reserved
     for name in ("ad0", "ad1", "ad2"):
-        assert_slot_holds(pool, snap.slot_of[name], name)
+        assert_slot_holds(pool, snap.entries[name], name)
     check_delta(pool, rids, tokens, rng)
     pool.check_valid()
 
@@ -222,15 +222,15 @@ def test_rollback_admit_gives_back_exactly_what_admit_took(pool):
     reserve_all(pool, rids[1:])
     step, ctx = LoraStep(rids), StepContext()
     assert pool.admit(step, ctx).ok
-    slot_ad1 = pool.snapshot().slot_of["ad1"]
+    slot_ad1 = pool.snapshot().entries["ad1"]
     pool.rollback_admit(step, ctx)
     snap = pool.snapshot()
-    assert snap.held == {0: snap.slot_of["ad0"]}  # only what the step took went back
-    assert snap.slot_of["ad1"] == slot_ad1 and snap.refcount[slot_ad1] == 0  # a cache
+    assert snap.holders == {0: snap.entries["ad0"]}  # only what the step took went back
+    assert snap.entries["ad1"] == slot_ad1 and snap.refcounts[slot_ad1] == 0  # a cache
     assert_slot_holds(pool, slot_ad1, "ad1")
     assert pool.ask(1, "llm", ("llm",)) is AdmitOutcome.ASKS  # asks again
     pool.rollback_admit(step, ctx)  # a second rollback: nothing
-    assert pool.snapshot().held == snap.held
+    assert pool.snapshot().holders == snap.holders
     pool.check_valid()
 
 
@@ -238,11 +238,11 @@ def test_remove_request_gives_the_slot_back(pool):
     rids = open_requests(pool, ["ad0", "ad0"])
     reserve_all(pool, rids)
     run_step(pool, rids)
-    s = pool.snapshot().slot_of["ad0"]
+    s = pool.snapshot().entries["ad0"]
     pool.remove_request(0)
-    assert pool.snapshot().refcount[s] == 1
+    assert pool.snapshot().refcounts[s] == 1
     pool.remove_request(1)
-    assert pool.snapshot().refcount[s] == 0 and pool.snapshot().slot_of["ad0"] == s
+    assert pool.snapshot().refcounts[s] == 0 and pool.snapshot().entries["ad0"] == s
     pool.check_valid()
 
 
@@ -255,7 +255,7 @@ def test_lru_eviction_reuses_slots_with_the_new_weights(pool, rng):
         reserve_all(pool, [k])
         out, _, _ = run_step(pool, [k], [2], seq=k)
         assert out.ok
-        s = pool.snapshot().held[k]
+        s = pool.snapshot().holders[k]
         assert_slot_holds(pool, s, name)
         check_delta(pool, [k], [2], rng)
         pool.remove_request(k)
@@ -280,8 +280,8 @@ def test_runs_adapters_only_for_adapters_touching_this_pool(tmp_path, rng):
         wait_reads(pool, ["qkv_only"])
         reserve_all(pool, [1])
         out, addr, _ = run_step(pool, [1, 2, 3])
-        assert out.ok and pool.snapshot().held == {1: 1}
-        s = pool.snapshot().held[1]
+        assert out.ok and pool.snapshot().holders == {1: 1}
+        s = pool.snapshot().holders[1]
         assert pool.layer_ranks("o_proj", 0)[s] == 0 and pool.layer_ranks("qkv_proj", 0)[s] == spec.max_rank
         check_delta(pool, [1, 2, 3], None, rng)
     finally:
@@ -356,7 +356,7 @@ def test_layer_ranks_follow_the_resident_adapters(pool):
     snap = pool.snapshot()
     for name in ("ad0", "ad2"):
         w = pool.store.reader(pool.adapter_info(name).path, pool.spec, name=name)
-        s = snap.slot_of[name]
+        s = snap.entries[name]
         for t in pool.spec.targets:
             ranks = pool.layer_ranks(t.name, 1)
             assert ranks.shape == (pool.spec.num_slots,) and ranks[0] == 0
@@ -375,14 +375,14 @@ def test_load_then_unload_at_runtime(pool, tmp_path):
     wait_reads(pool, ["late0"])
     reserve_all(pool, ["r"])
     assert run_step(pool, ["r"])[0].ok
-    s = pool.snapshot().slot_of["late0"]
+    s = pool.snapshot().entries["late0"]
     assert pool.unload_adapter("late0") is False  # a live request still runs on it
-    assert "late0" not in pool.served and pool.snapshot().slot_of["late0"] == s
+    assert "late0" not in pool.served and pool.snapshot().entries["late0"] == s
     assert run_step(pool, ["r"])[0].ok  # runs to its end on its weights
     assert_slot_holds(pool, s, "late0")
     pool.remove_request("r")  # the last one: forgotten now
     snap = pool.snapshot()
-    assert "late0" not in snap.slot_of and snap.resident[s] == "late0"  # weights stay until reused
+    assert "late0" not in snap.entries and snap.adapters[s] == "late0"  # weights stay until reused
     assert pool.store.get("late0") is None
     assert pool.unload_adapter("late0") is False  # not served: a no-op
     assert pool.load_adapter_async("late0", extra["late0"]).result(10).name == "late0"  # reload
@@ -405,7 +405,7 @@ def test_follower_keeps_no_reservations_and_admits_the_same_way(spec, paths):
             outs = [run_step(p, batch)[0] for p in (leader, follower)]  # follower waits for its reads
             assert all(o.ok for o in outs)
             a, b = leader.snapshot(), follower.snapshot()
-            assert (a.slot_of, a.held, a.refcount, a.last_use) == (b.slot_of, b.held, b.refcount, b.last_use)
+            assert (a.entries, a.holders, a.refcounts, a.last_used) == (b.entries, b.holders, b.refcounts, b.last_used)
             leader.remove_request(batch[0]), follower.remove_request(batch[0])
         follower.check_valid(), leader.check_valid()
     finally:
@@ -431,7 +431,7 @@ def test_agree_is_one_call_per_admit_with_misses_and_fails_rows_another_rank_fai
         assert set(out.failed) == {0} and isinstance(out.failed[0], LoraError) and "another rank" in str(out.failed[0])
         assert out.failed[0].adapter == "ad0" and out.failed[0].path == paths["ad0"]
         snap = pool.snapshot()
-        assert "ad0" not in snap.slot_of and snap.slot_of["ad1"] == 1  # ad1 got the first victim
+        assert "ad0" not in snap.entries and snap.entries["ad1"] == 1  # ad1 got the first victim
         assert 0 not in snap.reserved  # the failed row holds nothing
         reserve_all(pool, [1, 2])
         assert run_step(pool, [1, 2])[0].ok and len(calls) == 1  # a hit on the cached slot: no collective
@@ -456,10 +456,10 @@ def test_admit_waits_for_a_copy_in_flight_outside_the_lock(spec, paths):
         reader.wait_started("ad1", 2)
         ingest(pool, 1, "ad0")  # the pool's lock is free while the admit waits
         pool.remove_request(1)
-        assert pool.snapshot().held == {} and not done
+        assert pool.snapshot().holders == {} and not done
         reader.open("ad1")
         t.join(10)
-        assert done and done[0].ok and pool.snapshot().held == {0: 1}
+        assert done and done[0].ok and pool.snapshot().holders == {0: 1}
         assert_slot_holds(pool, 1, "ad1")
     finally:
         pool.close()
@@ -499,7 +499,7 @@ def test_snapshot_and_check_valid_see_the_pool(pool):
     pool._settled[0] = 3  # a row addressing a slot it does not hold
     with pytest.raises(AssertionError):
         pool.check_valid()
-    pool._settled[0] = pool.snapshot().held[0]
+    pool._settled[0] = pool.snapshot().holders[0]
     pool._live["ad0"] += 1
     with pytest.raises(AssertionError):
         pool.check_valid()
@@ -562,7 +562,7 @@ def test_a_follower_read_failing_after_the_first_agreement_fails_the_rows_on_eve
         assert set(outs[0].failed) == set(outs[1].failed) == {1}
         assert "another rank" in str(outs[0].failed[1]) and "lost the file" in str(outs[1].failed[1])
         a, b = pools[0].snapshot(), pools[1].snapshot()
-        assert (a.slot_of, a.held, a.refcount, a.last_use) == (b.slot_of, b.held, b.refcount, b.last_use)
+        assert (a.entries, a.holders, a.refcounts, a.last_used) == (b.entries, b.holders, b.refcounts, b.last_used)
         assert calls == [2, 2]  # the second agreement, only because a copy was in flight
         for p in pools:
             p.check_valid()

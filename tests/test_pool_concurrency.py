@@ -145,14 +145,14 @@ def test_threads_load_unload_ingest_remove_while_steps_run(tmp_path):
             snap = pool.snapshot()
             slot_adapter = {}
             for rid in rows:
-                s = snap.held.get(rid)
+                s = snap.holders.get(rid)
                 if rng.random() < 0.1:
                     running.discard(rid)  # finished: idle until the remover takes it
                 if s is None:
                     assert not pool.runs_adapters([rid])
                     continue
                 assert slot_of_rid.setdefault(rid, s) == s, f"seed {seed}: request {rid} moved slots"
-                assert snap.resident[s] == row_adapter[rid]
+                assert snap.adapters[s] == row_adapter[rid]
                 assert slot_checksum(pool, s) == sums[row_adapter[rid]], \
                     f"seed {seed}: slot {s} of live request {rid} does not hold {row_adapter[rid]}'s weights"
                 slot_adapter[s] = row_adapter[rid]
@@ -164,7 +164,7 @@ def test_threads_load_unload_ingest_remove_while_steps_run(tmp_path):
             y0 = y.copy()
             pool.layer_delta(t.name, layer)(y, x)
             want = dense_delta64(x, oracle_weights(spec, images, t.name, layer, slot_adapter),
-                                 np.repeat([snap.held.get(r, 0) for r in rows], per))
+                                 np.repeat([snap.holders.get(r, 0) for r in rows], per))
             np.testing.assert_allclose(y.astype(np.float64) - y0, want, atol=2e-4 * (1 + np.abs(want).max()), rtol=0)
             pool.commit(step, ctx)
             with mu:
@@ -183,7 +183,7 @@ def test_threads_load_unload_ingest_remove_while_steps_run(tmp_path):
         live.clear()
     pool.check_valid()
     snap = pool.snapshot()
-    assert not any(snap.refcount) and not snap.held and not snap.reserved
+    assert not any(snap.refcounts) and not snap.holders and not snap.reserved
     assert pool.store.nbytes == 0 and not pool.store.stats()["entries"]
     assert counts["steps"] > 20 and counts["removed"] > 10 and counts["loads"] + counts["unloads"] > 2, counts
     pool.close()

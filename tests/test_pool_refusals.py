@@ -40,7 +40,7 @@ def pool(spec, paths):
 def held_state(pool):
     """The slots live requests hold, with their weights: must survive any refusal unchanged."""
     snap = pool.snapshot()
-    return snap.held, snap.slot_of, {s: pool.snapshot().resident[s] for s in set(snap.held.values())}
+    return snap.holders, snap.entries, {s: pool.snapshot().adapters[s] for s in set(snap.holders.values())}
 
 
 def serve_one(pool, rid="live", name="ad0"):
@@ -48,7 +48,7 @@ def serve_one(pool, rid="live", name="ad0"):
     wait_reads(pool, [name])
     reserve_all(pool, [rid])
     assert run_step(pool, [rid])[0].ok
-    return pool.snapshot().held[rid]
+    return pool.snapshot().holders[rid]
 
 
 def test_ingest_of_an_adapter_not_served(pool):
@@ -207,10 +207,10 @@ def test_read_failing_at_ingest_fails_only_its_rows_before_any_slot(pool, paths)
     out = pool.admit(step, ctx)
     assert set(out.failed) == {1} and isinstance(out.failed[1], LoraError)
     after = pool.snapshot()
-    assert 1 not in after.held and "ad1" not in after.slot_of
+    assert 1 not in after.holders and "ad1" not in after.entries
     # ad1's miss came first and failed: ad2 took the one free slot, which the counted row was promised
-    assert after.held[2] == after.slot_of["ad2"] != slot
-    assert_slot_holds(pool, after.held[2], "ad2")
+    assert after.holders[2] == after.entries["ad2"] != slot
+    assert_slot_holds(pool, after.holders[2], "ad2")
     assert_slot_holds(pool, slot, "ad0")
     pool.rollback_admit(step, ctx)
     pool.remove_request(1)
@@ -224,7 +224,7 @@ def test_file_replaced_after_load_fails_on_its_digest(pool, paths, tmp_path):
     wait_reads(pool, ["ad2"])
     out, _, _ = run_step(pool, [1])
     assert isinstance(out.failed[1], DigestMismatchError) and "ad2" in str(out.failed[1])
-    assert pool.snapshot().held == {}
+    assert pool.snapshot().holders == {}
 
 
 def test_full_pool_refuses_a_miss_at_admit_without_change(pool, paths):

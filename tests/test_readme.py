@@ -31,5 +31,5 @@ def test_api_example_runs(tmp_path, monkeypatch):
     np.testing.assert_allclose(y[:5], want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     assert not y[5:].any()
     pool.check_valid()
-    assert not any(pool.slots.snapshot().refcount)
+    assert not any(pool.slots.snapshot().refcounts)
     pool.close()

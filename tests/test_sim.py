@@ -1,7 +1,7 @@
 """The simulator on its own: the spec's slot decisions, checked from first principles.
 
 A state machine drives one SimPool through random histories and checks every admit against
-what seed 000 and DESIGN.md invariants 1-9 say it must do, from the state before it (not by
+what seed 000 and the README's invariants 1-9 say it must do, from the state before it (not by
 re-running the simulator's rule); unit tests pin the named cases; the two-pool drain, the
 workload player, trace files and the CLI follow.
 """

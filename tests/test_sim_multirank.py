@@ -1,4 +1,4 @@
-"""Several ranks of one tensor-parallel instance (DESIGN.md invariant 5), in the simulator.
+"""Several ranks of one tensor-parallel instance (the README's invariant 5), in the simulator.
 
 Up to 4 ranks see the leader's admits in one order, but ingests and load/unload messages,
 read completions and teardowns each in an interleaving of their own (a teardown always

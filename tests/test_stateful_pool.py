@@ -97,16 +97,17 @@ def planned_slots(addr, n: int) -> list[int]:
     return out
 
 
+#: The slot table's fields, named alike in lora_cupy/slots.py and sim/slots.py.
+TABLE_FIELDS = ("adapters", "current", "refcounts", "last_used", "clock")
+
+
 def assert_same_table(pool, model, where: str = "") -> None:
-    """The pool's slot table equals the model's, field by field."""
-    snap = pool.snapshot()
-    ms = model.snapshot()
-    got = {"refcount": snap.refcount, "resident": snap.resident, "last_use": snap.last_use,
-           "clock": snap.clock, "slot_of": snap.slot_of, "held": snap.held,
-           "reserved": set(snap.reserved)}
-    want = {"refcount": ms.refcounts, "resident": ms.adapters, "last_use": ms.last_used,
-            "clock": ms.clock, "slot_of": dict(model.slots.entries), "held": model.holders(),
-            "reserved": {rid for rid, r in model.requests.items() if r.reserved}}
+    """The pool's slot table equals the model's, field by field, under the same names."""
+    snap, ms = pool.snapshot(), model.snapshot()
+    got = {k: getattr(snap, k) for k in TABLE_FIELDS}
+    want = {k: getattr(ms, k) for k in TABLE_FIELDS}
+    got.update(holders=snap.holders, reserved=set(snap.reserved))
+    want.update(holders=model.holders(), reserved={rid for rid, r in model.requests.items() if r.reserved})
     for k in got:
         assert got[k] == want[k], f"{where}: {k}: pool {got[k]} != sim {want[k]}"
 
@@ -598,8 +599,8 @@ def test_a_follower_read_that_fails_after_the_agreement_fails_everywhere():
         assert set(outs[0].failed) == set(outs[1].failed) == {0}
         assert not isinstance(outs[0].failed[0], CapacityError)  # failed on the read, not refused
         snaps = [p.snapshot() for p in pools]
-        assert snaps[0].refcount == snaps[1].refcount and not any(snaps[0].refcount)
-        assert snaps[0].resident == snaps[1].resident and "a" not in snaps[0].slot_of
+        assert snaps[0].refcounts == snaps[1].refcounts and not any(snaps[0].refcounts)
+        assert snaps[0].adapters == snaps[1].adapters and "a" not in snaps[0].entries
     finally:
         for p in pools:
             p.close()
@@ -645,7 +646,7 @@ class RealNodePool:
         self.pool.remove_request(rid)
 
     def holders(self) -> dict:
-        return self.pool.snapshot().held
+        return self.pool.snapshot().holders
 
     def check_valid(self) -> None:
         self.pool.check_valid()
@@ -654,7 +655,7 @@ class RealNodePool:
 @given(workload=node_workloads(), rnd=st.randoms(use_true_random=False))
 @hypothesis_settings(max_examples=40)
 def test_real_encoder_and_llm_pools_drain(workload, rnd):
-    """DESIGN.md invariant 11 on the real pools: taken encoder first, every history drains."""
+    """the README's invariant 11 on the real pools: taken encoder first, every history drains."""
     adapters, reqs, enc, llm = workload
     pools = {"encoder": RealNodePool("encoder", enc, {a.name: TOUCHES[0] if a.encoder else () for a in adapters}),
              "llm": RealNodePool("llm", llm, {a.name: TOUCHES[0] if a.llm else () for a in adapters})}

@@ -61,11 +61,11 @@ def test_host_copies_are_pinned_and_slots_hold_exact_weights(tmp_path):
         pool.plan(step, ctx)
         snap = pool.snapshot()
         for rid, name in enumerate(paths):
-            assert_slot_holds(pool, snap.held[rid], name)
+            assert_slot_holds(pool, snap.holders[rid], name)
         assert_slot_holds(pool, 0, "zero", image=AdapterWeights("zero", "", "", {}))  # slot 0 holds nothing
         addr = pool.addressing()
         assert isinstance(addr.token_order, cupy.ndarray)
-        want_order, want_indptr = group_by_slot(np.repeat([snap.held[r] for r in range(3)], [3, 1, 2]),
+        want_order, want_indptr = group_by_slot(np.repeat([snap.holders[r] for r in range(3)], [3, 1, 2]),
                                                 spec.num_slots)
         np.testing.assert_array_equal(pool.device.to_host(addr.token_order), want_order)
         np.testing.assert_array_equal(pool.device.to_host(addr.slot_indptr), want_indptr)
@@ -77,9 +77,9 @@ def test_host_copies_are_pinned_and_slots_hold_exact_weights(tmp_path):
         y0 = yt.clone()
         pool.layer_delta("qkv_proj", 0)(yt, xt)
         torch.cuda.synchronize()
-        slot_adapter = {snap.held[r]: n for r, n in enumerate(paths)}
+        slot_adapter = {snap.holders[r]: n for r, n in enumerate(paths)}
         want = dense_delta64(xt.cpu().numpy(), oracle_weights(spec, images, "qkv_proj", 0, slot_adapter),
-                             np.repeat([snap.held[r] for r in range(3)], [3, 1, 2]))
+                             np.repeat([snap.holders[r] for r in range(3)], [3, 1, 2]))
         got = (yt - y0).double().cpu().numpy()
         np.testing.assert_allclose(got, want, atol=4 * TOLERANCE["float32"] * (1 + np.abs(want).max()), rtol=0)
     finally:
@@ -136,8 +136,8 @@ def test_captured_layer_replays_with_each_new_plan(tmp_path):
             stream.synchronize()
             snap = pool.snapshot()
             row_slots = np.zeros(16, np.int64)
-            row_slots[: tokens.sum()] = np.repeat([snap.held.get(r, 0) for r in rids], tokens)
-            slot_adapter = {snap.held[r]: names[r] for r in rids if r in snap.held}
+            row_slots[: tokens.sum()] = np.repeat([snap.holders.get(r, 0) for r in rids], tokens)
+            slot_adapter = {snap.holders[r]: names[r] for r in rids if r in snap.holders}
             want = dense_delta64(xh, oracle_weights(spec, images, "qkv_proj", 1, slot_adapter), row_slots)
             got = y.get().astype(np.float64) - yh
             np.testing.assert_allclose(got, want, atol=4 * TOLERANCE["float32"] * (1 + np.abs(want).max()), rtol=0,
