@@ -1,0 +1,238 @@
+"""A small model that drives the worker: a decode chain on a LoRA pool and a KV cache, and a codec.
+
+- The ``"llm"`` node decodes one token per request per step. Its state lives in the paged KV
+  cache: token ``p`` reads the hidden row token ``p - 1`` wrote (the first reads its prompt's
+  embedding), runs ``num_layers`` layers ``x = tanh(x @ W[l].T + delta_l(x))``, where ``delta_l``
+  is the pool's ``down_proj`` delta at layer ``l``, writes its row to the cache and emits
+  ``argmax(x[:vocab])``. A step reads and writes only fixed buffers per (capture bucket, parity),
+  so it can be captured in a CUDA graph.
+- The ``"codec"`` node turns a window of generated tokens (every ``window`` tokens of a
+  request) into a vector: ``tanh(mean_t C[token_t] @ Wc)``, ``codec_layers`` times over.
+
+``Faults`` holds the controls the tests use on the cpu: a gate and a delay per lane (a host
+stream's job waits on them) and failures to inject. Every output records whether its step's
+device work had run before it was read, so a postprocess before landing shows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..spec import LoraSpec, LoraTarget
+from .scheduler import CHAIN_LANE, SIDE_LANE
+
+CHAIN_NODE = "llm"
+CODEC_NODE = "codec"
+TARGET = "down_proj"
+
+
+class InjectedFault(RuntimeError):
+    """A failure the tests inject into a step's device work."""
+
+
+def decode_spec(hidden: int = 32, num_layers: int = 2, num_slots: int = 4, max_rank: int = 8,
+                dtype: str = "float32", buckets=(4, 16, 64)) -> LoraSpec:
+    """The pool spec of the decode chain: one ``down_proj`` target per layer, ``hidden`` wide."""
+    return LoraSpec((LoraTarget(TARGET, hidden, hidden, num_layers),), num_slots=num_slots, max_rank=max_rank,
+                    dtype=dtype, capture_buckets=buckets, node=CHAIN_NODE)
+
+
+class Faults:
+    """Per lane: a gate the lane's device work waits on, a delay, and failures to inject."""
+
+    def __init__(self):
+        self.gates = {CHAIN_LANE: threading.Event(), SIDE_LANE: threading.Event()}
+        for g in self.gates.values():
+            g.set()
+        self.delay = {CHAIN_LANE: 0.0, SIDE_LANE: 0.0}
+        self.fail_next = {CHAIN_LANE: 0, SIDE_LANE: 0}
+        self._lock = threading.Lock()
+
+    def hold(self, lane: int) -> None:
+        self.gates[lane].clear()
+
+    def release(self, lane: int) -> None:
+        self.gates[lane].set()
+
+    def enter(self, lane: int) -> None:
+        """What a lane's device job does first: wait at the gate, sleep, maybe fail."""
+        if not self.gates[lane].wait(30):
+            raise TimeoutError(f"lane {lane}'s gate stayed closed")
+        if self.delay[lane]:
+            time.sleep(self.delay[lane])
+        with self._lock:
+            if self.fail_next[lane] > 0:
+                self.fail_next[lane] -= 1
+                raise InjectedFault(f"injected failure on lane {lane}")
+
+
+@dataclass
+class StepOutput:
+    """What a step wrote (device arrays) and whether its device work has run."""
+
+    arrays: dict
+    rows: int
+    landed: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+class DecodeModel:
+    """The decode chain (``llm`` on ``pool`` and ``kv``) and the codec node, on ``pool.device``."""
+
+    chain_node = CHAIN_NODE
+    side_node = CODEC_NODE
+
+    def __init__(self, pool, kv, vocab: int = 16, codec_width: int = 16, codec_layers: int = 1, seed: int = 0):
+        self.pool, self.kv = pool, kv
+        self.device = pool.device
+        self.xp = self.device.xp
+        t = pool.spec.target(TARGET)
+        self.hidden, self.num_layers = t.in_features, t.num_layers
+        if kv.width != self.hidden:
+            raise ValueError(f"the KV cache is {kv.width} wide, the model {self.hidden}")
+        if not 1 <= vocab <= self.hidden:
+            raise ValueError(f"vocab must be in [1, {self.hidden}], got {vocab}")
+        self.vocab, self.codec_width, self.codec_layers = vocab, codec_width, codec_layers
+        rng = np.random.default_rng(seed)
+        H = self.hidden
+        self.host_w = (rng.standard_normal((self.num_layers, H, H)) / np.sqrt(H)).astype(np.float32)  # [L, out, in]
+        self.host_embed = rng.standard_normal((vocab, H)).astype(np.float32)  # prompt embeddings
+        self.host_codebook = rng.standard_normal((vocab, codec_width)).astype(np.float32)
+        self.host_wc = (rng.standard_normal((codec_layers, codec_width, codec_width)) /
+                        np.sqrt(codec_width)).astype(np.float32)
+        self.wt = [self._dev(np.ascontiguousarray(self.host_w[l].T)) for l in range(self.num_layers)]  # [in, out]
+        self.codebook = self._dev(self.host_codebook)
+        self.wc = [self._dev(self.host_wc[l]) for l in range(codec_layers)]
+        self.deltas = [pool.layer_delta(TARGET, l) for l in range(self.num_layers)]
+        self.buckets = pool.spec.capture_buckets
+        self._bufs: dict[tuple[int, int], dict] = {}
+        self.faults = Faults()
+        self.early_reads = 0
+
+    def _dev(self, a: np.ndarray):
+        return a.copy() if not self.device.is_cuda else self.device.xp.asarray(a)
+
+    # -- the chain -------------------------------------------------------------------------------
+    def buffers(self, bucket: int, parity: int) -> dict:
+        """The fixed buffers of one (bucket, parity): inputs, work and outputs."""
+        key = (bucket, parity)
+        b = self._bufs.get(key)
+        if b is None:
+            H, z = self.hidden, self.device.zeros
+            b = self._bufs[key] = {
+                "rd": z(bucket * H, np.int64), "wr": z(bucket * H, np.int64),  # flat KV cells read / written
+                "keep": z((bucket, 1), np.float32),  # 0 for a request's first token
+                "x0": z((bucket, H), np.float32),  # its prompt's embedding there, else 0
+                "x": z((bucket, H), np.float32), "y": z((bucket, H), np.float32),
+                "tok": z(bucket, np.int64),
+            }
+        return b
+
+    def output(self, bufs: dict, rows: int) -> StepOutput:
+        return StepOutput(bufs, rows)
+
+    def stage(self, rows, bucket: int):
+        """Host inputs of a step: ``rows`` = [(rid, position, prompt)], from the KV page tables."""
+        H = self.hidden
+        n = len(rows)
+        rd = np.zeros((bucket, H), np.int64)
+        wr = np.zeros((bucket, H), np.int64)
+        keep = np.zeros((bucket, 1), np.float32)
+        x0 = np.zeros((bucket, H), np.float32)
+        cols = np.arange(H, dtype=np.int64)
+        for i, (rid, pos, prompt) in enumerate(rows):
+            wr[i] = self.kv.slot_of(rid, pos) * H + cols
+            if pos == 0:
+                x0[i] = self.host_embed[prompt % self.vocab]
+            else:
+                rd[i] = self.kv.slot_of(rid, pos - 1) * H + cols
+                keep[i] = 1.0
+        # padding rows read and write the null page's first row
+        return {"rd": rd.reshape(-1), "wr": wr.reshape(-1), "keep": keep, "x0": x0, "n": n}
+
+    def load_inputs(self, bufs: dict, staged: dict) -> None:
+        """Copy a step's staged inputs into its buffers, on the current stream."""
+        for k in ("rd", "wr", "keep", "x0"):
+            if self.device.is_cuda:
+                bufs[k].set(staged[k])
+            else:
+                np.copyto(bufs[k], staged[k])
+
+    def forward(self, bufs: dict) -> None:
+        """The chain step's device work: reads and writes only ``bufs``, the KV cache and the
+        pool's current plan (capturable)."""
+        xp, kv = self.xp, self.kv.kv.reshape(-1)
+        x, y = bufs["x"], bufs["y"]
+        xp.take(kv, bufs["rd"], out=x.reshape(-1))
+        xp.multiply(x, bufs["keep"], out=x)
+        xp.add(x, bufs["x0"], out=x)
+        for layer in range(self.num_layers):
+            xp.matmul(x, self.wt[layer], out=y)
+            self.deltas[layer](y, x)
+            xp.tanh(y, out=x)
+        xp.put(kv, bufs["wr"], x.reshape(-1))
+        xp.argmax(x[:, :self.vocab], axis=1, out=bufs["tok"])
+
+    def read(self, out: StepOutput) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens[n], hidden[n, H])`` of a landed chain step."""
+        self._check_landed(out)
+        n = out.rows
+        tok, x = out.arrays["tok"][:n], out.arrays["x"][:n]
+        if self.device.is_cuda:
+            return tok.get(), x.get()
+        return tok.copy(), x.copy()
+
+    # -- the codec -----------------------------------------------------------------------------
+    def codec(self, windows) -> StepOutput:
+        """The codec's device work for ``windows`` (each a sequence of token ids), on the current
+        stream: collate, then ``codec_layers`` of ``tanh(v @ Wc)`` from the mean embedding."""
+        xp = self.xp
+        k = max(len(w) for w in windows)
+        ids = np.zeros((len(windows), k), np.int64)
+        mask = np.zeros((len(windows), k, 1), np.float32)
+        for i, w in enumerate(windows):
+            ids[i, :len(w)] = w
+            mask[i, :len(w)] = 1.0 / len(w)
+        ids_d, mask_d = xp.asarray(ids), xp.asarray(mask)  # collated on this stream
+        v = (self.codebook[ids_d] * mask_d).sum(axis=1)  # [M, C]
+        for layer in range(self.codec_layers):
+            v = xp.tanh(v @ self.wc[layer])
+        return StepOutput({"v": v}, len(windows))
+
+    def read_codec(self, out: StepOutput) -> np.ndarray:
+        self._check_landed(out)
+        v = out.arrays["v"]
+        return v.get() if self.device.is_cuda else np.array(v)
+
+    def _check_landed(self, out: StepOutput) -> None:
+        if not out.landed:
+            self.early_reads += 1
+            raise AssertionError("a step's outputs were read before its device work had run")
+
+    # -- references (float64, on the host) ------------------------------------------------------
+    def reference(self, weights, prompt: int, n: int) -> np.ndarray:
+        """``hidden[n, H]`` of a request decoded alone, from its adapter's weights
+        (``AdapterWeights``, or None for the base model)."""
+        tw = None if weights is None else weights.targets.get(TARGET)
+        x = self.host_embed[prompt % self.vocab].astype(np.float64)
+        out = np.zeros((n, self.hidden))
+        for p in range(n):
+            for layer in range(self.num_layers):
+                y = self.host_w[layer].astype(np.float64) @ x
+                if tw is not None:
+                    r = int(tw.ranks[layer, 0])
+                    a, b = tw.a[layer, 0, :r].astype(np.float64), tw.b[layer, :, :r].astype(np.float64)
+                    y += float(tw.scaling[layer, 0]) * (b @ (a @ x))
+                x = np.tanh(y)
+            out[p] = x
+        return out
+
+    def codec_reference(self, window) -> np.ndarray:
+        v = self.host_codebook[np.asarray(window)].astype(np.float64).mean(axis=0)
+        for layer in range(self.codec_layers):
+            v = np.tanh(v @ self.host_wc[layer].astype(np.float64))
+        return v

@@ -1,0 +1,102 @@
+"""A lane's stream: where its steps' device work goes, and the marks that say when it landed.
+
+On ``"cpu"`` a :class:`~lora_cupy.device.HostStream` (one worker thread; ``run`` queues the
+work, so a step really runs while the issuing thread goes on), on ``"cuda:N"`` a CuPy stream
+(``run`` launches the work now, on the calling thread, with the stream current). A
+:class:`Mark` completes once the work queued before it has run, and carries its time: host
+time on cpu, a CUDA timing event on cuda, comparable across the lanes of one device through
+:meth:`Mark.seconds_since`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ..device import Device, HostStream
+
+
+class Mark:
+    """An event on a lane's stream, with the time its work finished."""
+
+    def __init__(self, event, host_time: list | None = None):
+        self.event = event
+        self._host_time = host_time  # cpu: [perf_counter] once run
+
+    @property
+    def done(self) -> bool:
+        if self._host_time is not None:
+            return bool(self._host_time)
+        return self.event.done
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        if self._host_time is not None:
+            self.event.synchronize(timeout)
+        else:
+            self.event.synchronize()
+
+    def seconds_since(self, other: "Mark") -> float:
+        """Seconds from ``other`` to this mark (both landed; cuda: recorded on one device)."""
+        if self._host_time is not None:
+            return self._host_time[0] - other._host_time[0]
+        import cupy
+
+        return cupy.cuda.get_elapsed_time(other.event, self.event) / 1e3
+
+
+class LaneStream:
+    """One lane's stream on ``device``; ``stream``: an existing one (the chain takes the
+    device's own, where the pools queue their copies), else a new one."""
+
+    def __init__(self, device: Device, stream=None, name: str = "lane"):
+        self.device = device
+        self.owned = stream is None
+        if device.is_cuda:
+            import cupy
+
+            with device.activate():
+                self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+        else:
+            self.stream = stream if stream is not None else HostStream(name=f"lora-{name}-stream")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.is_cuda
+
+    def run(self, fn: Callable, *args) -> None:
+        """Queue ``fn(*args)`` (cpu) or launch it now with the stream current (cuda)."""
+        if self.is_cuda:
+            with self.device.activate(), self.stream:
+                fn(*args)
+        else:
+            self.stream.enqueue(fn, *args)
+
+    def mark(self) -> Mark:
+        if self.is_cuda:
+            import cupy
+
+            with self.device.activate():
+                ev = cupy.cuda.Event(block=False, disable_timing=False)
+                ev.record(self.stream)
+            return Mark(ev)
+        stamp: list = []
+        self.stream.enqueue(lambda: stamp.append(time.perf_counter()))
+        return Mark(self.stream.record(), stamp)
+
+    def notify(self, fn: Callable[[], Any]) -> None:
+        """Call ``fn()`` on the host once the work queued so far has run (to wake a waiter)."""
+        if self.is_cuda:
+            self.stream.launch_host_func(lambda _arg: fn(), None)
+        else:
+            self.stream.enqueue(fn)
+
+    def wait(self, mark: Mark) -> None:
+        """Work queued on this stream after now waits for ``mark`` (from another lane)."""
+        if self.is_cuda:
+            self.stream.wait_event(mark.event)
+        else:
+            self.stream.wait_event(mark.event)
+
+    def close(self) -> None:
+        if self.owned and not self.is_cuda:
+            self.stream.close()
