@@ -236,3 +236,58 @@ class DecodeModel:
         for layer in range(self.codec_layers):
             v = np.tanh(v @ self.host_wc[layer].astype(np.float64))
         return v
+
+
+class RandomAdapters:
+    """A reader of in-memory adapters for the decode chain: ``ranks[name]`` per adapter, weights
+    random and seeded by name (no files; the pool's ``reader=``). Unknown names fail to read."""
+
+    def __init__(self, ranks: dict, seed: int = 0):
+        self.ranks = dict(ranks)
+        self.seed = seed
+
+    def __call__(self, path, spec: LoraSpec, name=None):
+        from ..adapter import AdapterWeights, TargetWeights
+
+        if name not in self.ranks:
+            raise FileNotFoundError(f"no adapter {name!r} at {path}")
+        t = spec.target(TARGET)
+        r = int(self.ranks[name])
+        rng = np.random.default_rng([self.seed, *map(ord, str(name))])
+        L, H = t.num_layers, t.in_features
+        tw = TargetWeights(a=(rng.standard_normal((L, 1, r, H)) / np.sqrt(H)).astype(np.float32),
+                           b=(rng.standard_normal((L, H, r)) / np.sqrt(r)).astype(np.float32),
+                           ranks=np.full((L, 1), r, np.int32),
+                           scaling=rng.uniform(0.5, 2.0, (L, 1)).astype(np.float32))
+        return AdapterWeights(name, str(path), f"random-{name}", {TARGET: tw})
+
+
+@dataclass
+class DecodeEngine:
+    """A worker with its pool, KV cache and model (:func:`decode_engine`)."""
+
+    worker: object
+    pool: object
+    kv: object
+    model: DecodeModel
+
+    def close(self) -> None:
+        self.worker.close()
+        self.pool.close()
+
+
+def decode_engine(pool, *, num_pages: int = 17, page_size: int = 4, side_lane: bool = True, graphs: bool = True,
+                  codec_width: int = 16, codec_layers: int = 1, vocab: int = 16, seed: int = 0,
+                  **worker_options) -> DecodeEngine:
+    """The decode chain on ``pool`` (built on :func:`decode_spec`) and a KV cache of
+    ``num_pages`` pages, with the codec on the side lane (``side_lane``) or on the chain, on the
+    pool's device; built through ``EngineManager.build``."""
+    from .kv import PagedKVCache
+    from .manager import EngineManager
+
+    kv = PagedKVCache(num_pages, page_size, pool.spec.target(TARGET).in_features, node=CHAIN_NODE,
+                      device=pool.device)
+    model = DecodeModel(pool, kv, vocab=vocab, codec_width=codec_width, codec_layers=codec_layers, seed=seed)
+    groups = [{"name": "codec", "nodes": [CODEC_NODE], "side_stream": side_lane}]
+    worker = EngineManager.build(model, [pool, kv], pool.device, groups, graphs=graphs, **worker_options)
+    return DecodeEngine(worker, pool, kv, model)

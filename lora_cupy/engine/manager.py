@@ -74,7 +74,7 @@ class EngineManager:
     def plan_lanes(model, resources: Sequence, node_groups: Sequence) -> str | None:
         """The node that gets the side lane (None: none does), or an :class:`EngineConfigError`."""
         groups = [NodeGroup.of(g) for g in node_groups]
-        known = {model.chain_node, model.side_node}
+        known = set(getattr(model, "nodes", (model.chain_node, model.side_node)))
         seen: dict[str, str] = {}
         for g in groups:
             for node in g.nodes:

@@ -419,6 +419,8 @@ class Worker:
     def _launch_chain(self) -> None:
         """Submit the next chain step: windows waiting on the chain (no side lane), else decode
         rows of every running request with tokens still to schedule."""
+        if any(s.doomed for s in self._chain):
+            return  # nothing new behind a step that will be rolled back: it read that step's output
         work = self.scheduler.take(CHAIN_LANE)
         if work:
             items = [w for _key, ws in work for w in ws]
