@@ -1,0 +1,267 @@
+"""Attaching a pool to a torch model: every target linear adds its rows' adapter deltas.
+
+:func:`attach` puts a forward hook on each linear of the model that a pool target names, at
+each stack layer: after the linear computes ``y = x @ W.T (+ b)``, the hook adds
+``pool.layer_delta(target, layer)(y, x)`` in place, so rows on an adapter get its delta and
+rows on the base model (slot 0) nothing. While the pool holds no plan with adapter rows, or
+the attachment is disabled (``enabled = False``, :meth:`Attachment.paused`), a hook returns at
+once. :meth:`Attachment.detach` removes the hooks: the model's parameters and
+buffers are never written, so detaching restores every output bit for bit.
+
+A fused target whose slices are separate linears of the model reading the same input
+(``q_proj``/``k_proj``/``v_proj`` for a ``qkv_proj`` target, ``gate_proj``/``up_proj`` for
+``gate_up_proj``: a spec from ``LoraSpec.from_model(..., fuse=True)``) runs as one fused-slice
+launch: the first member called computes the whole target's delta on the shared input into a
+scratch ``[T, out]`` and every member adds its column range. A model that fuses them itself
+(Phi-3's ``qkv_proj``) is one linear, one hook.
+
+Rows: a ``[B, q, in]`` input is ``B * q`` token rows in batch order; the step's addressing
+(``LoraStep`` rows in the same order, ``q`` tokens each) says which slot each row reads. On
+the CPU the delta runs on NumPy views of the torch tensors (no copy); on CUDA torch tensors
+go to the kernels as they are, on torch's current stream, so a CUDA graph records them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+from ..errors import ShapeMismatchError, TargetMismatchError
+from ..spec import layer_index
+
+_ATTACHED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def torch_dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def as_backend_array(t, device_is_cuda: bool):
+    """The array the pool's backend takes for a 2-D torch tensor, sharing its memory: the
+    tensor itself on CUDA, a NumPy view on the CPU (bfloat16 through its bits)."""
+    if device_is_cuda:
+        return t
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        from ..dtypes import bfloat16
+
+        return t.view(torch.int16).numpy().view(bfloat16)
+    return t.numpy()
+
+
+@dataclass
+class _Site:
+    """One hooked linear: the target and layer it serves, and its columns of the target's y."""
+
+    path: str
+    target: str
+    layer: int
+    col0: int
+    col1: int
+
+
+class _FusedGroup:
+    """Separate linears reading one input, served by one fused-slice launch per forward.
+
+    The first member called with a new input computes the whole target's delta into a scratch
+    ``[T, out]``; each member adds its columns. The scratch and the input are dropped once
+    every member has taken its part.
+    """
+
+    def __init__(self, attachment: "Attachment", target: str, layer: int, members: int):
+        self.attachment = attachment
+        self.delta = attachment.pool.layer_delta(target, layer)
+        self.members = members
+        self._x = None
+        self._d = None
+        self._served = 0
+
+    def part(self, x, x2d):
+        """The whole target's delta for input ``x`` (``x2d``: its ``[T, in]`` rows)."""
+        if self._x is not x:
+            import torch
+
+            d = torch.zeros((x2d.shape[0], self.delta.out_features), dtype=x2d.dtype, device=x2d.device)
+            cuda = self.attachment.pool.device.is_cuda
+            self.delta(as_backend_array(d, cuda), as_backend_array(x2d, cuda))
+            self._x, self._d, self._served = x, d, 0
+        d = self._d
+        self._served += 1
+        if self._served >= self.members:
+            self._x, self._d = None, None
+        return d
+
+
+class Attachment:
+    """A pool attached to a model's linears (see the module docstring); :meth:`detach` undoes it.
+
+    ``sites`` lists every hooked linear. Use as a context manager to detach on exit.
+    """
+
+    def __init__(self, model, pool):
+        import torch
+
+        self.model = model
+        self.pool = pool
+        self.sites: list[_Site] = []
+        self._handles = []
+        self._modules = []
+        self.enabled = True
+        self._num_groups = 0
+        spec = pool.spec
+        tp = spec.tp_size
+        linears = {}
+        for path, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and layer_index(path) is not None and spec.owns_module(path):
+                linears[path] = mod
+        by_leaf: dict[str, list[str]] = {}
+        for path in linears:
+            by_leaf.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+        dtype = spec.dtype
+        plan = []  # (path, module, target, layer, col0, col1, group key or None)
+        for t in spec.targets:
+            offs = t.out_offsets(tp)
+            in_f, out_f = t.local_in_features(tp), t.local_out_features(tp)
+            if t.name in by_leaf:
+                for path in by_leaf[t.name]:
+                    plan.append((path, linears[path], t, layer_index(path), 0, out_f, None))
+            elif t.num_slices > 1 and all(s.name in by_leaf for s in t.slices):
+                for j, s in enumerate(t.slices):
+                    for path in by_leaf[s.name]:
+                        group = (path.rsplit(".", 1)[0], t.name, layer_index(path))
+                        plan.append((path, linears[path], t, layer_index(path), offs[j], offs[j + 1], group))
+            else:
+                want = [t.name] + ([s.name for s in t.slices] if t.num_slices > 1 else [])
+                raise TargetMismatchError(f"target {t.name!r}: the model has no linear named "
+                                          f"{' or '.join(repr(w) for w in want)} inside a 'layers.<i>.' stack")
+            seen = set()
+            for path, mod, tt, layer, c0, c1, g in plan:
+                if tt is not t:
+                    continue
+                if layer >= t.num_layers:
+                    raise TargetMismatchError(f"linear {path!r}: stack layer {layer} is outside target "
+                                              f"{t.name!r}'s {t.num_layers} layers")
+                if mod.in_features != in_f or mod.out_features != c1 - c0:
+                    raise ShapeMismatchError(f"linear {path!r} is [{mod.out_features}, {mod.in_features}] but "
+                                             f"target {t.name!r} wants [{c1 - c0}, {in_f}] on this rank")
+                if torch_dtype_name(mod.weight.dtype) != dtype:
+                    raise ShapeMismatchError(f"linear {path!r} holds {torch_dtype_name(mod.weight.dtype)} "
+                                             f"weights but the pool's slots are {dtype}")
+                seen.add(layer)
+            missing = sorted(set(range(t.num_layers)) - seen)
+            if missing:
+                raise TargetMismatchError(f"target {t.name!r}: the model has no linear for it at stack "
+                                          f"layer(s) {missing}")
+        for path, mod, _t, _l, _c0, _c1, _g in plan:
+            if mod in _ATTACHED:
+                raise ValueError(f"linear {path!r} is attached to a pool already: detach that one first")
+        groups: dict[tuple, _FusedGroup] = {}
+        members: dict[tuple, int] = {}
+        for *_, g in plan:
+            if g is not None:
+                members[g] = members.get(g, 0) + 1
+        try:
+            for path, mod, t, layer, c0, c1, g in plan:
+                if g is None:
+                    hook = self._direct_hook(pool.layer_delta(t.name, layer))
+                else:
+                    if g not in groups:
+                        groups[g] = _FusedGroup(self, t.name, layer, members[g])
+                    hook = self._fused_hook(groups[g], c0, c1)
+                self._handles.append(mod.register_forward_hook(hook))
+                _ATTACHED.add(mod)
+                self._modules.append(mod)
+                self.sites.append(_Site(path, t.name, layer, c0, c1))
+        except BaseException:
+            self.detach()
+            raise
+        self._num_groups = len(groups)
+
+    def _direct_hook(self, delta):
+        pool, cuda = self.pool, self.pool.device.is_cuda
+        in_f, out_f = delta.in_features, delta.out_features
+
+        def hook(_mod, args, out):
+            if not self.enabled or pool.current_plan() is None:
+                return None
+            import torch
+
+            x2d = args[0].reshape(-1, in_f)
+            if not x2d.is_contiguous():
+                x2d = x2d.contiguous()
+            if torch.is_grad_enabled() or not out.is_contiguous():
+                out = out.clone()
+            delta(as_backend_array(out.view(-1, out_f), cuda), as_backend_array(x2d, cuda))
+            return out
+
+        return hook
+
+    def _fused_hook(self, group: _FusedGroup, c0: int, c1: int):
+        pool = self.pool
+        in_f = group.delta.in_features
+
+        def hook(_mod, args, out):
+            if not self.enabled or pool.current_plan() is None:
+                return None
+            import torch
+
+            x2d = args[0].reshape(-1, in_f)
+            if not x2d.is_contiguous():
+                x2d = x2d.contiguous()
+            d = group.part(args[0], x2d)
+            if torch.is_grad_enabled():
+                out = out.clone()
+            out.view(-1, c1 - c0).add_(d[:, c0:c1])
+            return out
+
+        return hook
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within: the hooks add nothing (the base model), whatever plan the pool holds."""
+        was, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = was
+
+    @property
+    def fused_groups(self) -> int:
+        """How many groups of separate linears share one fused-slice launch."""
+        return self._num_groups
+
+    def detach(self) -> None:
+        """Remove every hook: the model computes exactly what it did before :func:`attach`."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for m in self._modules:
+            _ATTACHED.discard(m)
+        self._modules = []
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+        return False
+
+    def __repr__(self) -> str:
+        return f"Attachment({len(self.sites)} linears, {'attached' if self.attached else 'detached'})"
+
+
+def attach(model, pool) -> Attachment:
+    """Hook ``pool``'s targets onto ``model``'s linears (see the module docstring).
+
+    Refuses, before hooking anything: a target with no linear of its name (or of its slices'
+    names) at some stack layer (``TargetMismatchError``), a linear whose shape on this rank or
+    dtype differs from the target's (``ShapeMismatchError``), a linear attached already.
+    """
+    return Attachment(model, pool)

@@ -1,0 +1,112 @@
+"""DecodeGraphs: a generator's decode steps replayed as CUDA graphs.
+
+A decode step (every running request feeds one token) of ``B`` rows runs in the batch bucket
+``spec.bucket_for(B)``, the pool's own capture bucket for ``B`` tokens, so the step's
+addressing lands in the fixed device buffer of that bucket that a graph captured on an
+earlier step of the bucket reads. Static inputs (each row's token and cache length, padding
+rows at length 0 writing into free cache rows) are refilled before each replay; positions,
+write columns and the attention mask are computed inside the graph from them, over the
+cache's whole ``max_len`` (a static shape). The graph ends with each row's greedy token.
+
+Graphs are keyed by the bucket, by the addressing buffers the step's plan launches with (the
+pool alternates two per bucket when it double-buffers, so this is the parity, read from the
+plan rather than chosen by the user), and by whether any row has an adapter (a step with none
+launches no delta, so its graph records none). Captures share one memory pool.
+"""
+
+from __future__ import annotations
+
+from .kv_cache import step_inputs
+
+
+def buffer_address(a) -> int:
+    """Where an addressing view's memory starts (CuPy, torch or NumPy)."""
+    if hasattr(a, "data_ptr"):
+        return int(a.data_ptr())
+    data = getattr(a, "data", None)
+    if hasattr(data, "ptr"):
+        return int(data.ptr)
+    return int(a.ctypes.data)
+
+
+def _arrays(views) -> tuple:
+    """The device arrays of one grouping's launch views (``token_order``, ``slot_indptr``)."""
+    if hasattr(views, "token_order"):
+        return (views.token_order, views.slot_indptr)
+    return tuple(views)
+
+
+class DecodeGraphs:
+    """CUDA graphs of ``gen``'s decode step, one per (bucket, addressing buffers, active)."""
+
+    def __init__(self, gen):
+        import torch
+
+        self.gen = gen
+        n = gen.max_batch
+        spec = gen.pool.spec
+        self.rows = spec.bucket_for(n)
+        if self.rows > gen.cache.rows:
+            raise ValueError(f"max_batch {n} falls in capture bucket {self.rows}, but the cache has "
+                             f"{gen.cache.rows} rows: pick a max_batch that is one of {spec.capture_buckets}")
+        dev = gen.torch_device
+        self.ids = torch.zeros((self.rows, 1), dtype=torch.long, device=dev)
+        self.lengths = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        self.out = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        self._graphs: dict[tuple, object] = {}
+        self._mempool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.replays = 0
+
+    def _decode(self, bucket: int) -> None:
+        """The step as captured: the forward of rows ``0..bucket-1`` and their greedy tokens."""
+        import torch
+
+        gen = self.gen
+        dtype = next(gen.model.parameters()).dtype
+        si = step_inputs(self.lengths[:bucket], 1, gen.max_len, gen.max_len, dtype, window=gen.window,
+                         layer_types=gen.layer_types)
+        gen.cache.begin(si.write_cols, gen.max_len)
+        with torch.inference_mode(), gen.adding():
+            out = gen.decoder(input_ids=self.ids[:bucket], attention_mask=si.mask, position_ids=si.position_ids,
+                              use_cache=True, **{gen._cache_kw: gen.cache})
+            logits = gen.lm_head(out.last_hidden_state[:, -1])
+            self.out[:bucket].copy_(logits.argmax(-1))
+
+    def _capture(self, bucket: int):
+        import torch
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: workspaces, kernel loads; the writes repeat the step's own
+            for _ in range(2):
+                self._decode(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mempool):
+            self._decode(bucket)
+        self.captures += 1
+        return graph
+
+    def run(self, B: int, tokens: list[int], lengths: list[int], ctx) -> list[int]:
+        """Replay (capturing first if new) the decode graph of ``B`` rows; their greedy tokens."""
+        import torch
+
+        pool = self.gen.pool
+        bucket = pool.spec.bucket_for(B)
+        pad = bucket - B
+        self.ids[:bucket, 0].copy_(torch.as_tensor(list(tokens) + [0] * pad, dtype=torch.long))
+        self.lengths[:bucket].copy_(torch.as_tensor(list(lengths) + [0] * pad, dtype=torch.long))
+        plan = ctx.plan_results.get(pool)
+        active = plan is not None and plan.active
+        where = tuple(buffer_address(v) for g in sorted(plan.launch) for v in _arrays(plan.launch[g])) if active else ()
+        key = (bucket, where, active)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._capture(bucket)
+        graph.replay()
+        self.replays += 1
+        return self.out[:B].tolist()
+
+    def close(self) -> None:
+        self._graphs.clear()

@@ -1,0 +1,138 @@
+"""Generation through the pool: every request of mixed prefill/decode batches gets, token for
+token, what PEFT generates with that request's adapter alone (float32, CPU); more requests and
+adapters than slots wait at admission, slots are evicted and reused, and every request finishes.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from lora_cupy.errors import AdapterNotFoundError
+from lora_cupy.integrations import GenerationRequest, serve
+from lora_cupy.integrations.kv_cache import step_inputs
+from lora_cupy.integrations.peft_reference import PeftReference
+from tests.peft_helpers import make_peft_adapter
+from tests.test_integration_attach import VOCAB, modules_of, tiny
+
+
+def adapters_for(kind, base, root, ranks):
+    mods = modules_of(kind)
+    dirs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, r in enumerate(ranks):
+            targets = mods if k % 2 == 0 else mods[:1] + mods[-2:]
+            dirs[f"ad{k}"], _ = make_peft_adapter(root / f"ad{k}", r=r, lora_alpha=2 * r, target_modules=targets,
+                                                  model=copy.deepcopy(base), seed=7 * k + 1,
+                                                  use_rslora=(k == 1))
+    return dirs
+
+
+def random_requests(rng, names, n, max_new=(3, 8)):
+    return [GenerationRequest(f"r{i}", rng.integers(0, VOCAB, int(rng.integers(1, 9))).tolist(),
+                              None if i % 5 == 4 else names[i % len(names)],
+                              max_new_tokens=int(rng.integers(*max_new)))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3"])
+def test_tokens_equal_peft_per_request_with_more_adapters_than_slots(kind, tmp_path):
+    base = tiny(kind)
+    dirs = adapters_for(kind, base, tmp_path, [4, 8, 2, 6, 3] if kind == "llama" else [4, 8, 3])
+    ref = PeftReference(base, dirs)
+    rng = np.random.default_rng()
+    reqs = random_requests(rng, sorted(dirs), 14 if kind == "llama" else 7)
+    slots = 3 if kind == "llama" else 2  # fewer slots than adapters
+    gen = serve(base, dirs, num_slots=slots + 1, max_len=32, max_batch=4, max_prefill=3)
+    try:
+        streamed: dict = {}
+        for ev in gen.stream():
+            assert ev.error is None
+            assert ev.index == len(streamed.setdefault(ev.rid, []))  # in order, per request
+            streamed[ev.rid].append(ev.token)
+        assert not streamed
+        for r in reqs:
+            gen.submit(r)
+        for ev in gen.stream():
+            streamed.setdefault(ev.rid, []).append(ev.token)
+            assert ev.done == (len(streamed[ev.rid]) == len(gen.records[ev.rid].tokens)
+                               and gen.records[ev.rid].finished is not None)
+        stats = gen.stats()
+        gen.pool.check_valid()
+        assert not any(gen.pool.snapshot().refcounts), "a finished request still holds its slot"
+        history = gen.history
+    finally:
+        gen.close()
+        gen.pool.close()
+    mismatched = []
+    for r in reqs:
+        want = ref.generate(r.prompt, r.adapter, r.max_new_tokens, gen.eos_token_id)
+        if streamed[r.rid] != want:
+            mismatched.append((r.rid, r.adapter, streamed[r.rid], want))
+    assert not mismatched
+    # the batches mixed prefill with decode, and ran more than one request at once
+    assert any(h.prefill_rows and h.decode_rows for h in history)
+    assert max(h.prefill_rows + h.decode_rows for h in history) > 1
+    assert stats["slot_loads"] > slots and stats["evictions"] > 0  # slots were reused
+    assert stats["tokens"] == sum(len(t) for t in streamed.values())
+
+
+def test_requests_wait_at_admission_and_all_finish(tmp_path):
+    base = tiny("llama")
+    dirs = adapters_for("llama", base, tmp_path, [4, 4, 4, 4])
+    rng = np.random.default_rng()
+    # every request on its own adapter run, one slot: requests on other adapters must wait
+    reqs = [GenerationRequest(f"r{i}", rng.integers(0, VOCAB, 3).tolist(), f"ad{i % 4}", max_new_tokens=4)
+            for i in range(8)]
+    gen = serve(base, dirs, num_slots=2, max_len=16, max_batch=8)
+    try:
+        out = gen.run(reqs)
+        waits = [rec.admitted - rec.submitted for rec in gen.records.values()]
+        assert all(len(out[r.rid]) == 4 or out[r.rid][-1] == gen.eos_token_id for r in reqs)
+        assert max(waits) > 0 and max(h.waiting for h in gen.history) > 0
+        # one slot: never two adapters at once
+        assert all(sum(c > 0 for c in h.refcounts[1:]) <= 1 for h in gen.history)
+        assert gen.stats()["evictions"] >= 3
+    finally:
+        gen.close()
+        gen.pool.close()
+
+
+def test_submit_refusals(tmp_path):
+    base = tiny("llama")
+    dirs = adapters_for("llama", base, tmp_path, [4])
+    gen = serve(base, dirs, num_slots=2, max_len=16)
+    try:
+        with pytest.raises(AdapterNotFoundError, match="nope"):
+            gen.submit(GenerationRequest("x", [1, 2], "nope", max_new_tokens=2))
+        with pytest.raises(ValueError, match="max_len"):
+            gen.submit(GenerationRequest("y", list(range(10)), "ad0", max_new_tokens=10))
+        with pytest.raises(ValueError, match="empty"):
+            gen.submit(GenerationRequest("z", [], None))
+        gen.submit(GenerationRequest("ok", [1, 2, 3], "ad0", max_new_tokens=2))
+        with pytest.raises(ValueError, match="already"):
+            gen.submit(GenerationRequest("ok", [1], None))
+        assert len(gen.run()["ok"]) in (1, 2)
+    finally:
+        gen.close()
+        gen.pool.close()
+
+
+def test_step_inputs_mask_and_window():
+    lengths = torch.tensor([0, 5, 2])
+    si = step_inputs(lengths, 3, 9, 8, torch.float32, window=3, layer_types=("full_attention", "sliding_attention"))
+    assert si.position_ids.tolist() == [[0, 1, 2], [5, 6, 7], [2, 3, 4]]
+    assert si.write_cols.max() == 7  # clamped into the cache
+    full, windowed = si.mask["full_attention"], si.mask["sliding_attention"]
+    allowed = (full[:, 0] == 0).numpy()
+    for b, n in enumerate(lengths.tolist()):
+        for j in range(3):
+            assert allowed[b, j].tolist() == [c <= n + j for c in range(9)]
+            assert ((windowed[b, 0, j] == 0).numpy().tolist()
+                    == [n + j - 3 < c <= n + j for c in range(9)])
+    assert isinstance(step_inputs(lengths, 1, 9, 8, torch.float32, window=3).mask, torch.Tensor)

@@ -1,0 +1,161 @@
+"""Attaching a pool to a Hugging Face model: each row of one mixed forward gets exactly what PEFT
+gives it with that row's adapter alone; separate q/k/v and gate/up linears share one launch;
+detach leaves every parameter and output bit-identical; bad models are refused by type.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from lora_cupy.delta import LoraLayerDelta
+from lora_cupy.engine import LoraStep, ResourceReqConfig, StepContext
+from lora_cupy.errors import ShapeMismatchError, TargetMismatchError
+from lora_cupy.integrations import attach, spec_for_adapters
+from lora_cupy.integrations.peft_reference import PeftReference
+from lora_cupy.pool import LoraAdapterPool
+from lora_cupy.spec import LoraSpec
+from tests.peft_helpers import make_peft_adapter, tiny_llama
+
+VOCAB = 64
+
+
+def tiny(kind: str):
+    """A random 2-layer model of a Llama-style family: Llama, Qwen2 (q/k/v biases), Phi-3 (fused)."""
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB)
+    torch.manual_seed(0)
+    if kind == "llama":
+        return tiny_llama(2, 0)
+    if kind == "qwen2":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    if kind == "phi3":
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0)).eval()
+    raise ValueError(kind)
+
+
+def modules_of(kind: str) -> list[str]:
+    if kind == "phi3":
+        return ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    return ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "phi3"])
+def family(request, tmp_path_factory):
+    """(kind, base model, {adapter: dir}): three adapters of mixed ranks, one on a subset of modules."""
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"attach_{kind}")
+    base = tiny(kind)
+    mods = modules_of(kind)
+    dirs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, (r, alpha, targets) in enumerate([(4, 8, mods), (8, 4, mods[:2] + mods[-1:]), (2, 5, mods)]):
+            dirs[f"ad{k}"], _ = make_peft_adapter(root / f"ad{k}", r=r, lora_alpha=alpha, target_modules=targets,
+                                                  model=copy.deepcopy(base), seed=10 * k)
+    return kind, base, dirs
+
+
+def planned_step(pool, rows: list[tuple[str, str | None]], q: int, seq: int = 1):
+    """Ingest, admit and plan one step of ``rows`` (rid, adapter), ``q`` tokens each."""
+    for rid, adapter in rows:
+        pool.ingest_request(rid, ResourceReqConfig(adapter))
+    step, ctx = LoraStep([r for r, _ in rows], [q] * len(rows), seq=seq), StepContext(seq=seq)
+    assert pool.admit(step, ctx).ok
+    pool.plan(step, ctx)
+    return step, ctx
+
+
+def test_mixed_batch_logits_equal_peft_per_row(family):
+    kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    if kind != "phi3":  # separate projections become fused targets of slices
+        assert {"qkv_proj", "gate_up_proj"} <= set(spec.target_names)
+    ref = PeftReference(base, dirs)
+    rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2"), ("e", "ad0")]
+    ids = torch.randint(0, VOCAB, (len(rows), 7))
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
+            attach(base, pool):
+        planned_step(pool, rows, ids.shape[1])
+        with torch.inference_mode():
+            got = base(input_ids=ids).logits
+    for i, (_rid, adapter) in enumerate(rows):
+        want = ref.logits(ids[i:i + 1], adapter)[0]
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-5)
+    base_logits = ref.logits(ids[:1], None)[0]
+    assert (got[0] - base_logits).abs().max() > 1e-3, "adapter rows must differ from the base model"
+
+
+def test_separate_projections_run_as_one_fused_launch(family, monkeypatch):
+    kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    calls = []
+    real = LoraLayerDelta.__call__
+
+    def counting(self, y, x):
+        calls.append(self.target)
+        return real(self, y, x)
+
+    monkeypatch.setattr(LoraLayerDelta, "__call__", counting)
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
+            attach(base, pool) as att:
+        planned_step(pool, [("a", "ad0"), ("b", "ad1")], 3)
+        with torch.inference_mode():
+            base(input_ids=torch.randint(0, VOCAB, (2, 3)))
+        assert att.fused_groups == (0 if kind == "phi3" else 2 * 2)  # qkv and gate_up at 2 layers
+    # one launch per target and layer: 4 targets x 2 layers, not 7 linears x 2
+    assert sorted(calls) == sorted(t for t in spec.target_names for _ in range(2))
+
+
+def test_attach_then_detach_is_bit_identical(family):
+    _kind, base, dirs = family
+    params = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    ids = torch.randint(0, VOCAB, (3, 6))
+    with torch.inference_mode():
+        before = base(input_ids=ids).logits.clone()
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool:
+        att = attach(base, pool)
+        with torch.inference_mode():
+            idle = base(input_ids=ids).logits.clone()  # no step planned: the hooks add nothing
+        planned_step(pool, [("a", "ad0"), ("b", None), ("c", "ad2")], ids.shape[1])
+        with torch.inference_mode():
+            during = base(input_ids=ids).logits.clone()
+            with att.paused():
+                paused = base(input_ids=ids).logits.clone()
+        att.detach()
+        assert not att.attached
+        with torch.inference_mode():
+            after = base(input_ids=ids).logits.clone()  # the plan is still current: detached adds nothing
+    for t in (idle, paused, after):
+        assert np.array_equal(t.numpy().view(np.int32), before.numpy().view(np.int32))
+    assert not torch.equal(during[0], before[0]) and not torch.equal(during[2], before[2])
+    assert torch.equal(during[1], before[1])  # a base row: its delta is exactly zero
+    for k, v in base.state_dict().items():
+        assert np.array_equal(v.numpy().view(np.uint8), params[k].numpy().view(np.uint8)), k
+    assert not base._forward_hooks and all(not m._forward_hooks for m in base.modules())
+
+
+def test_attach_refuses_a_model_that_does_not_fit(family):
+    _kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=3)
+    with LoraAdapterPool(spec, "cpu") as pool:
+        other = LoraSpec.from_model(tiny_llama(3, 1), ["o_proj"], num_slots=3, max_rank=4, dtype="float32")
+        with LoraAdapterPool(other, "cpu") as deeper, pytest.raises(TargetMismatchError, match="layer"):
+            attach(base, deeper)  # a 3-layer target on a 2-layer model
+        with attach(base, pool), pytest.raises(ValueError, match="attached"):
+            attach(base, pool)
+        bf16 = copy.deepcopy(base).to(torch.bfloat16)
+        with pytest.raises(ShapeMismatchError, match="bfloat16"):
+            attach(bf16, pool)
+    nothing = LoraSpec.from_model(base, ["o_proj"], num_slots=3, max_rank=4, dtype="float32")
+    bare = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with LoraAdapterPool(nothing, "cpu") as pool, pytest.raises(TargetMismatchError, match="o_proj"):
+        attach(bare, pool)
+    assert all(not m._forward_hooks for m in base.modules())  # a refusal hooks nothing
