@@ -55,7 +55,7 @@ class SideStepLane:
         self.node = worker.model.side_node
         self.stream = worker.new_stream(f"side{lane}")
         self._inflight: _InFlight | None = None
-        self.history: list[SideRun] = []  # every landed step's run (marks for overlap checks)
+
 
     @property
     def busy(self) -> bool:
@@ -126,7 +126,7 @@ class SideStepLane:
             if run.out is not None and self.stream.is_cuda:
                 run.out.landed = run.landed.done
             error = run.error
-            self.history.append(run)
+            self.worker.marks.append((self.lane, f.batch.seq, run.start, run.landed))
         self.worker._finish_step(self.lane, f.batch, None if run is None else run.out, error)
 
     def close(self) -> None:

@@ -162,6 +162,7 @@ class Worker:
         self.stats: Counter = Counter()
         self.removed: list = []  # rids in the order their remove_request ran
         self.trace: list = []  # (event, lane, seq, rids) in the main loop's order
+        self.marks: deque = deque(maxlen=4096)  # (lane, seq, start, landed) of recent landed steps
 
     # -- the public side (any thread) -------------------------------------------------------------
     def submit(self, req: Request) -> Future:
@@ -356,6 +357,7 @@ class Worker:
             self._refs[rid] += 1
         self.trace.append(("submit", lane, batch.seq, batch.rids))
         self.stats[f"steps_lane{lane}"] += 1
+        self.stats[f"steps_{batch.node}"] += 1
 
     def _finish_step(self, lane: int, batch: ScheduledBatch, out, error: BaseException | None = None) -> None:
         """Postprocess a landed step (``out``), or fail what it carried (``error``, side lanes)."""
@@ -541,6 +543,8 @@ class Worker:
                 return False
             rec.landed.synchronize()
         self._chain.popleft()
+        if rec.start is not None and rec.landed is not None:
+            self.marks.append((CHAIN_LANE, rec.batch.seq, rec.start, rec.landed))
         error = launch_error or rec.error
         out = rec.out
         if out is not None and self.chain_stream.is_cuda:

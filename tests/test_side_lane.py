@@ -1,0 +1,155 @@
+"""The side-step lane on the cpu (its own host stream): never postprocessed before landing, windows
+that come ready meanwhile batch into the next step, the chain never waits on it, a failing side
+step fails only its requests."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from lora_cupy.engine.decode_model import InjectedFault
+from lora_cupy.engine.scheduler import CHAIN_LANE, SIDE_LANE, MicroScheduler
+from lora_cupy.engine.side_steps import SideStepLane
+from lora_cupy.engine.worker import Request
+from tests.test_worker import check_empty, check_result, make_engine, run_until
+
+
+@pytest.fixture
+def eng():
+    e = make_engine()
+    yield e
+    e.model.faults.release(CHAIN_LANE)
+    e.model.faults.release(SIDE_LANE)
+    e.close()
+
+
+def side_steps(w):
+    return [t for t in w.trace if t[0] == "submit" and t[1] == SIDE_LANE]
+
+
+def test_lane_of_hands_each_lane_only_its_keys():
+    s = MicroScheduler(side_nodes=["codec"])
+    assert s.lane_of(("r", "codec")) == SIDE_LANE and s.lane_of(("r", "llm")) == CHAIN_LANE
+    s.put(("r", "codec"), 1)
+    s.put(("q", "llm"), 2)
+    s.put(("r", "codec"), 3)
+    assert s.take(CHAIN_LANE) == [(("q", "llm"), [2])]
+    assert s.take(SIDE_LANE) == [(("r", "codec"), [1, 3])]
+    assert s.take(SIDE_LANE) == []
+    assert MicroScheduler().lane_of(("r", "codec")) == CHAIN_LANE, "no side lane: the chain runs it"
+
+
+def test_finish_before_landing_never_postprocesses(eng):
+    w = eng.worker
+    lane = w.side_lanes[SIDE_LANE]
+    eng.model.faults.hold(SIDE_LANE)
+    f = w.submit(Request("r", "a0", max_new_tokens=2, window=2))
+    run_until(w, lambda: lane.busy)
+    gpu = ThreadPoolExecutor(1)
+    for _ in range(20):
+        lane.finish(block=False)
+        lane.launch(gpu)  # one step in flight: a second launch does nothing
+        w.run_once(block=False)
+    gpu.shutdown()
+    assert lane.busy and len(side_steps(w)) == 1
+    assert not [t for t in w.trace if t[0] == "finish" and t[1] == SIDE_LANE]
+    assert eng.model.early_reads == 0 and not f.done()
+    eng.model.faults.release(SIDE_LANE)
+    lane.finish(block=True)
+    assert not lane.busy and eng.model.early_reads == 0
+    w.drain()
+    check_result(eng, Request("r", "a0", max_new_tokens=2, window=2), f.result())
+    check_empty(eng)
+
+
+def test_windows_that_arrive_while_a_step_is_in_flight_batch_into_the_next(eng):
+    w = eng.worker
+    lane = w.side_lanes[SIDE_LANE]
+    eng.model.faults.hold(SIDE_LANE)
+    reqs = [Request("x", "a1", prompt=1, max_new_tokens=6, window=1), Request("y", None, prompt=2, max_new_tokens=4,
+                                                                             window=2)]
+    futs = [w.submit(r) for r in reqs]
+    run_until(w, lambda: lane.busy)
+    first = side_steps(w)[0]
+    # the side lane never blocks the chain: every token is decoded while its first step is held
+    run_until(w, lambda: all(len(w._live[r.rid].tokens) == r.max_new_tokens for r in reqs))
+    assert lane.busy and len(side_steps(w)) == 1
+    assert w.scheduler.pending(SIDE_LANE) == 6 + 2 - len(first[3])
+    eng.model.faults.release(SIDE_LANE)
+    w.drain()
+    steps = side_steps(w)
+    assert len(steps) == 2, "everything that came ready meanwhile ran in one step"
+    assert len(steps[1][3]) == 6 + 2 - len(first[3])
+    for r, f in zip(reqs, futs):
+        check_result(eng, r, f.result())
+    check_empty(eng)
+
+
+def test_the_chain_runs_while_a_side_step_is_on_its_stream(eng):
+    """Host-stream times: whole chain steps start and land inside one (slow) side step."""
+    w = eng.worker
+    eng.model.faults.delay[SIDE_LANE] = 0.2
+    f = w.submit(Request("x", "a0", max_new_tokens=12, window=1))
+    w.drain()
+    f.result()
+    side = [(s, e) for lane, _seq, s, e in w.marks if lane == SIDE_LANE]
+    chain = [(s, e) for lane, _seq, s, e in w.marks if lane == CHAIN_LANE]
+    start, end = side[0]
+    assert end.seconds_since(start) >= 0.2
+    inside = [1 for s, e in chain if s.seconds_since(start) >= 0 and end.seconds_since(e) >= 0]
+    assert len(inside) >= 5, f"only {len(inside)} chain steps ran inside the first side step"
+    check_empty(eng)
+
+
+def test_a_side_step_that_raises_fails_its_requests_while_the_chain_carries_on(eng):
+    w = eng.worker
+    eng.model.faults.hold(SIDE_LANE)
+    eng.model.faults.fail_next[SIDE_LANE] = 1
+    a = w.submit(Request("a", "a0", max_new_tokens=3, window=3))
+    run_until(w, lambda: w.side_lanes[SIDE_LANE].busy)
+    b = w.submit(Request("b", "a1", prompt=4, max_new_tokens=5, window=0))
+    c = w.submit(Request("c", "a2", prompt=7, max_new_tokens=4, window=2))
+    run_until(w, lambda: b.done())  # the chain carries on while the failing step is held
+    eng.model.faults.release(SIDE_LANE)
+    w.drain()
+    with pytest.raises(InjectedFault):
+        a.result()
+    check_result(eng, Request("b", "a1", prompt=4, max_new_tokens=5), b.result())
+    check_result(eng, Request("c", "a2", prompt=7, max_new_tokens=4, window=2), c.result())
+    check_empty(eng)
+
+
+def test_without_a_side_lane_the_chain_runs_the_windows(eng):
+    e = make_engine(side_lane=False)
+    try:
+        w = e.worker
+        assert not w.side_lanes
+        reqs = [Request(f"r{i}", ["a0", None][i % 2], prompt=i, max_new_tokens=5, window=2) for i in range(4)]
+        futs = [w.submit(r) for r in reqs]
+        w.drain()
+        for r, f in zip(reqs, futs):
+            check_result(e, r, f.result())
+        lanes = {t[1] for t in w.trace if t[0] == "submit"}
+        assert lanes == {CHAIN_LANE}
+        assert w.stats["steps_codec"] >= 1 and w.stats["steps_llm"] >= 5
+        assert w.stats["steps_lane0"] == w.stats["steps_llm"] + w.stats["steps_codec"], "codec steps on the chain"
+        check_empty(e)
+    finally:
+        e.close()
+
+
+def test_side_lane_api(eng):
+    w = eng.worker
+    lane = w.side_lanes[SIDE_LANE]
+    assert isinstance(lane, SideStepLane) and lane.lane == SIDE_LANE
+    assert lane.stream.stream is not w.chain_stream.stream, "the lane has a stream of its own"
+    gpu = ThreadPoolExecutor(1)
+    lane.launch(gpu)  # nothing ready: nothing queued
+    lane.finish(block=True)  # nothing in flight: a no-op
+    assert not lane.busy and not side_steps(w)
+    gpu.shutdown()
+    v = np.asarray(eng.model.codec_reference([1, 2, 3]))
+    assert v.shape == (eng.model.codec_width,)
