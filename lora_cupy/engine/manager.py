@@ -46,12 +46,14 @@ class NodeGroup:
             return g
         if not isinstance(g, Mapping):
             raise TypeError(f"a node group is a NodeGroup or a mapping, got {type(g).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(g) - known)
-        if unknown:
-            raise EngineConfigError(str(g.get("name", "?")), f"its node group has unknown settings {unknown}")
+        if "name" not in g:
+            raise EngineConfigError("?", f"a node group needs a name: {dict(g)!r}")
         nodes = g.get("nodes", (g["name"],))
         nodes = (nodes,) if isinstance(nodes, str) else tuple(nodes)
+        unknown = sorted(set(g) - {f.name for f in fields(cls)})
+        if unknown:
+            raise EngineConfigError(nodes[0] if nodes else g["name"],
+                                    f"its node group {g['name']!r} has unknown settings {unknown}")
         flags = {k: g[k] for k in ("side_stream", "speculate", "plan_ahead", "lockstep") if k in g}
         for k, v in flags.items():
             if not isinstance(v, bool):
