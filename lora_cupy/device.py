@@ -13,6 +13,7 @@ that stream (or after an event recorded there), which is what orders the copy be
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections import deque
@@ -21,6 +22,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .backends.cupy import CupyBackend
+from .backends.reference import ReferenceBackend
 from .dtypes import numpy_dtype
 
 
@@ -135,7 +138,7 @@ class Device:
     def activate(self):
         """A context making this the current device on the calling thread (a no-op on cpu)."""
         if self.kind == "cpu":
-            return _Null()
+            return contextlib.nullcontext()
         import cupy
 
         return cupy.cuda.Device(self.index)
@@ -263,11 +266,7 @@ class Device:
     def backend(self, spec=None):
         """The backend this device runs deltas with: NumPy reference on cpu, RawKernels on cuda."""
         if self.kind == "cpu":
-            from .backends.reference import ReferenceBackend
-
             return ReferenceBackend()
-        from .backends.cupy import CupyBackend
-
         return CupyBackend(spec, device=self.index)
 
     def close(self) -> None:
@@ -300,11 +299,3 @@ def _copy_all(pairs, event: HostEvent) -> None:
     for dst, src in pairs:
         np.copyto(dst, src)
     event._set()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -195,8 +195,9 @@ class LoraAdapterStore:
 
     # -- loads (read, checked, not kept) -----------------------------------------------------
     def read_async(self, name: str, path, digest: str | None = None) -> Future:
-        """Read ``name`` on the reader thread and check it (and its digest); the future gives
-        the :class:`AdapterWeights`, which the tier does not keep."""
+        """Read ``name`` on the reader thread and check it: against the spec, its digest, and the
+        size of its image against the tier's bound (the same check a request's read meets). The
+        future gives the :class:`AdapterWeights`, which the tier does not keep."""
         fut: Future = Future()
         with self._cond:
             self._check_open()
@@ -245,6 +246,9 @@ class LoraAdapterStore:
             return
         try:
             w = self._read_checked(job.name, job.path, job.digest)
+            err = self.too_big(job.name, job.path, self.image_bytes(w.targets))
+            if err is not None:
+                raise err
         except BaseException as err:
             job.future.set_exception(_typed(err, job.name, job.path))
         else:

@@ -166,7 +166,7 @@ def expected_image(pool, name: str):
 
 def slot_arrays(pool, target: str, slot: int) -> tuple[np.ndarray, ...]:
     """(a, b, ranks, scaling) of one slot at one target, every layer, copied to the host."""
-    w = pool._weights[target]
+    w = pool._slot_weights.targets[target]
     dev = pool.device
     return (dev.to_host(w.a[:, slot]), dev.to_host(w.b[:, slot]), dev.to_host(w.ranks[:, slot]),
             dev.to_host(w.scaling[:, slot]))

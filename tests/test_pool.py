@@ -147,9 +147,11 @@ def test_plan_groups_rows_by_slot(pool, rng):
     np.testing.assert_array_equal(np.asarray(addr.slot_indptr), want_indptr)
     assert addr.num_tokens == tokens.sum()
     # views of the fixed per-bucket device buffer
-    bucket = pool.spec.bucket_for(int(tokens.sum()))
-    buf = pool._buffers[1].dev[(bucket, pool._parity)]
+    views = ctx.plan_results[pool].launch[1]
+    assert views.bucket == pool.spec.bucket_for(int(tokens.sum())) and len(views.token_order) == views.bucket
+    buf = pool._planner.buffers[1].dev[(views.bucket, views.parity)]
     assert np.shares_memory(addr.token_order, buf) and np.shares_memory(addr.slot_indptr, buf)
+    assert np.shares_memory(views.token_order, buf) and views.slot_indptr is addr.slot_indptr
 
 
 def test_plan_double_buffers_so_the_next_plan_never_overwrites_this_one(pool, rng):
@@ -299,6 +301,15 @@ class SpyBackend:
     def delta(self, *args):
         self.calls += 1
         self.inner.delta(*args)
+
+    def prepare(self, w):
+        launch = self.inner.prepare(w)
+
+        def run(y, x, views):
+            self.calls += 1
+            launch(y, x, views)
+
+        return run
 
 
 def test_layer_delta_skips_the_backend_without_adapter_rows(spec, paths, rng):
@@ -500,7 +511,7 @@ def test_snapshot_and_check_valid_see_the_pool(pool):
     with pytest.raises(AssertionError):
         pool.check_valid()
     pool._settled[0] = pool.snapshot().holders[0]
-    pool._live["ad0"] += 1
+    pool._catalog.live["ad0"] += 1
     with pytest.raises(AssertionError):
         pool.check_valid()
 

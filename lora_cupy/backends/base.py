@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 
 @dataclass(frozen=True)
@@ -37,4 +37,10 @@ class LoraBackend(Protocol):
     def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
         """``y[t] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T`` for every row t
         in slot s's range of ``token_order`` (s >= 1) and every slice j; in place on y."""
+        ...
+
+    def prepare(self, w: LayerWeights) -> Callable[[Any, Any, Any], None]:
+        """One layer's delta with everything but x and y resolved once: a callable
+        ``(y, x, views)`` running :meth:`delta` over ``views.token_order`` / ``views.slot_indptr``
+        (a capture bucket's fixed addressing buffers, the same hashable object step after step)."""
         ...

@@ -24,7 +24,7 @@ import functools
 import math
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -226,8 +226,7 @@ def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
 
 
 # -- argument inspection (CuPy arrays, torch tensors, any __cuda_array_interface__) --------------
-@dataclass(frozen=True)
-class DeviceArg:
+class DeviceArg(NamedTuple):
     """One device argument as the kernels see it: a pointer, a shape and an element type."""
 
     ptr: int
@@ -240,6 +239,7 @@ class DeviceArg:
 
 _TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "bfloat16", "<V2": "bfloat16", "<i4": "int32",
             "<i8": "int64", "<f8": "float64"}
+_TORCH_DTYPES: dict[Any, str] = {}  # torch.dtype -> its name, filled as tensors arrive
 
 
 def inspect_arg(name: str, a) -> DeviceArg:
@@ -250,14 +250,17 @@ def inspect_arg(name: str, a) -> DeviceArg:
     """
     mod = type(a).__module__
     if mod.startswith("torch"):
-        if not a.is_cuda:
+        dev = a.get_device()
+        if dev < 0:
             raise TypeError(f"{name}: a torch tensor on {a.device}; the cupy backend needs CUDA tensors")
-        dt = str(a.dtype).removeprefix("torch.")
-        return DeviceArg(a.data_ptr(), tuple(a.shape), dt, a.device.index, a.is_contiguous(), True)
+        dt = _TORCH_DTYPES.get(a.dtype)
+        if dt is None:
+            dt = _TORCH_DTYPES[a.dtype] = str(a.dtype).removeprefix("torch.")
+        return DeviceArg(a.data_ptr(), tuple(a.shape), dt, dev, a.is_contiguous(), True)
     if mod.startswith("cupy"):
         dt = a.dtype.name
-        return DeviceArg(a.data.ptr, tuple(a.shape), "bfloat16" if dt == "uint16" else dt, a.device.id,
-                         bool(a.flags.c_contiguous), False)
+        return DeviceArg(a.data.ptr, a.shape, "bfloat16" if dt == "uint16" else dt, a.device.id,
+                         a.flags.c_contiguous, False)
     cai = getattr(a, "__cuda_array_interface__", None)
     if cai is None:
         raise TypeError(f"{name}: {type(a).__name__} is not a CuPy array or torch CUDA tensor "
@@ -275,6 +278,14 @@ def inspect_arg(name: str, a) -> DeviceArg:
             acc *= d
         contiguous = tuple(strides) == tuple(reversed(want))
     return DeviceArg(int(cai["data"][0]), shape, dt, None, contiguous, False)
+
+
+def _check_placed(limits: "CallLimits", named) -> None:
+    for nm, d in named:
+        if d.device is not None and d.device != limits.device_id:
+            raise ValueError(f"{nm} is on device {d.device}, the backend on {limits.device_id}")
+        if not d.contiguous:
+            raise ValueError(f"{nm} must be C-contiguous")
 
 
 @dataclass(frozen=True)
@@ -300,6 +311,73 @@ class CallLimits:
 
 
 @dataclass(frozen=True)
+class WeightArgs:
+    """One layer's slot weights as the kernels see them, checked once: their dtype, pointers
+    ``(a, b, scaling, ranks, out_offsets)``, dims ``(S, n, R, in, out)`` and the 16-byte access
+    flags they allow (``flags`` before x's and y's own alignment is known)."""
+
+    dtype: str
+    ptrs: tuple[int, int, int, int, int]
+    dims: tuple[int, int, int, int, int]
+    flags: int
+
+
+def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
+    """Validate one layer's weights (TypeError / ValueError): what every call of it reuses."""
+    A, B = inspect_arg("w.a", w.a), inspect_arg("w.b", w.b)
+    SC, RK = inspect_arg("w.scaling", w.scaling), inspect_arg("w.ranks", w.ranks)
+    _check_placed(limits, (("w.a", A), ("w.b", B), ("w.scaling", SC), ("w.ranks", RK)))
+    if A.dtype not in CUDA_TYPES:
+        raise TypeError(f"w.a has dtype {A.dtype}; use float16, bfloat16 or float32")
+    if B.dtype != A.dtype:
+        raise TypeError(f"w.b has dtype {B.dtype}, w.a has {A.dtype}")
+    for nm, d, want in (("w.scaling", SC, "float32"), ("w.ranks", RK, "int32")):
+        if d.dtype != want:
+            raise TypeError(f"{nm} must be {want}, got {d.dtype}")
+    if len(A.shape) != 4:
+        raise ValueError(f"w.a must be [S, n, R, in], got {A.shape}")
+    S, n, R, in_f = A.shape
+    if len(B.shape) != 3 or B.shape[0] != S or B.shape[2] != R:
+        raise ValueError(f"w.b must be [S, out, R] = {(S, 'out', R)}, got {B.shape}")
+    out = B.shape[1]  # y's columns; the slices' offsets must end there
+    if SC.shape != (S, n) or RK.shape != (S, n):
+        raise ValueError(f"w.scaling and w.ranks must be [S, n] = {(S, n)}, got {SC.shape} and {RK.shape}")
+    if not 1 <= S <= MAX_SLOTS:
+        raise ValueError(f"{S} slots; a launch takes 1..{MAX_SLOTS}")
+    if not 1 <= n <= MAX_SLICES:
+        raise ValueError(f"{n} slices; a target has 1..{MAX_SLICES}")
+    if in_f < 1 or out < 1 or R < 1:
+        raise ValueError(f"empty weights: in={in_f}, out={out}, R={R}")
+    offs = tuple(int(o) for o in w.out_offsets)
+    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != out or any(b < a for a, b in zip(offs, offs[1:])):
+        raise ValueError(f"out_offsets {offs} must rise from 0 to out={out} (w.b's rows) in {n + 1} steps")
+    off_ptr = 0
+    if n > 1:
+        off_ptr = limits.offset_ptrs.get(offs)
+        if off_ptr is None:
+            raise ValueError(f"out_offsets {offs} belong to no target of the backend's spec")
+    rw = rank_width(R)
+    floats = limits.spec.max_tokens * n * rw
+    if floats > limits.workspace_floats:
+        raise ValueError(f"a target of {n} slices at rank {R} exceeds the v built for the spec "
+                         f"(max_rank {limits.spec.max_rank}, "
+                         f"{max(t.num_slices for t in limits.spec.targets)} slices)")
+    ch = 16 // _ITEMSIZE[A.dtype]
+    flags = ((1 if in_f % ch == 0 and A.ptr % 16 == 0 else 0) | (2 if R % ch == 0 and B.ptr % 16 == 0 else 0)
+             | (4 if out % ch == 0 else 0))
+    return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags)
+
+
+def _xy_flags(flags: int, x_ptr: int, y_ptr: int) -> int:
+    """The weights' access flags less what x's and y's own alignment rules out."""
+    if x_ptr & 15:
+        flags &= ~1
+    if y_ptr & 15:
+        flags &= ~4
+    return flags
+
+
+@dataclass(frozen=True)
 class LaunchArgs:
     """One checked call: its plan, pointers (y, x, a, b, scaling, ranks, out_offsets, token_order,
     slot_indptr), dims ``(S, n, R, in, out)`` and the 16-byte access flags."""
@@ -314,78 +392,133 @@ class LaunchArgs:
     torch: bool
 
 
+def _check_xy(limits: CallLimits, wa: WeightArgs, Y: DeviceArg, X: DeviceArg) -> None:
+    """x ``[rows, in]`` and y ``[rows, out]`` against a layer's checked weights."""
+    _check_placed(limits, (("y", Y), ("x", X)))
+    if X.dtype != wa.dtype:
+        raise TypeError(f"x has dtype {X.dtype}, the weights {wa.dtype}")
+    if Y.dtype != wa.dtype:
+        raise TypeError(f"y has dtype {Y.dtype}, x has {X.dtype}")
+    if len(X.shape) != 2 or len(Y.shape) != 2 or X.shape[0] != Y.shape[0]:
+        raise ValueError(f"x [rows, in] and y [rows, out] must share rows, got {X.shape} and {Y.shape}")
+    if X.shape[1] != wa.dims[3]:
+        raise ValueError(f"x has {X.shape[1]} features, w.a has {wa.dims[3]}")
+    if Y.shape[1] != wa.dims[4]:
+        raise ValueError(f"y has {Y.shape[1]} features, w.b has {wa.dims[4]}")
+
+
+def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO: DeviceArg, IP: DeviceArg,
+                 torch: bool) -> LaunchArgs | None:
+    """The launch of a call whose x and y were checked against ``wa``: None with no positions."""
+    for nm, d in (("token_order", TO), ("slot_indptr", IP)):
+        if d.dtype != "int32":
+            raise TypeError(f"{nm} must be int32, got {d.dtype}")
+    S, n, R, in_f, out = wa.dims
+    if len(TO.shape) != 1 or len(IP.shape) != 1 or IP.shape[0] != S + 1:
+        raise ValueError(f"token_order must be [T] and slot_indptr [S + 1] = [{S + 1}], "
+                         f"got {TO.shape} and {IP.shape}")
+    T = TO.shape[0]
+    if T == 0:
+        return None
+    if T > limits.spec.max_tokens:
+        raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
+    plan = limits.plan(T, in_f, out, n, R, wa.dtype)
+    if plan.counter_ints() > limits.counter_ints:
+        raise ValueError(f"{plan.tiles} tiles exceed the counters built for the spec")
+    a, b, sc, rk, offs = wa.ptrs
+    return LaunchArgs(dtype=wa.dtype, plan=plan, rw=rank_width(R), flags=_xy_flags(wa.flags, x_ptr, y_ptr),
+                      ptrs=(y_ptr, x_ptr, a, b, sc, rk, offs, TO.ptr, IP.ptr), dims=wa.dims, positions=T,
+                      torch=torch)
+
+
 def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indptr) -> LaunchArgs | None:
     """Validate every argument of a delta call (TypeError / ValueError) before any launch.
 
     Returns what the launch needs, or None when there are no positions at all.
     """
     Y, X = inspect_arg("y", y), inspect_arg("x", x)
-    A, B = inspect_arg("w.a", w.a), inspect_arg("w.b", w.b)
-    SC, RK = inspect_arg("w.scaling", w.scaling), inspect_arg("w.ranks", w.ranks)
     TO, IP = inspect_arg("token_order", token_order), inspect_arg("slot_indptr", slot_indptr)
-    named = (("y", Y), ("x", X), ("w.a", A), ("w.b", B), ("w.scaling", SC), ("w.ranks", RK),
-             ("token_order", TO), ("slot_indptr", IP))
-    for nm, d in named:
-        if d.device is not None and d.device != limits.device_id:
-            raise ValueError(f"{nm} is on device {d.device}, the backend on {limits.device_id}")
-        if not d.contiguous:
-            raise ValueError(f"{nm} must be C-contiguous")
+    _check_placed(limits, (("y", Y), ("x", X), ("token_order", TO), ("slot_indptr", IP)))
     if X.dtype not in CUDA_TYPES:
         raise TypeError(f"x has dtype {X.dtype}; use float16, bfloat16 or float32")
-    for nm, d in (("y", Y), ("w.a", A), ("w.b", B)):
-        if d.dtype != X.dtype:
-            raise TypeError(f"{nm} has dtype {d.dtype}, x has {X.dtype}")
-    for nm, d, want in (("w.scaling", SC, "float32"), ("w.ranks", RK, "int32"),
-                        ("token_order", TO, "int32"), ("slot_indptr", IP, "int32")):
-        if d.dtype != want:
-            raise TypeError(f"{nm} must be {want}, got {d.dtype}")
-    if len(X.shape) != 2 or len(Y.shape) != 2 or X.shape[0] != Y.shape[0]:
-        raise ValueError(f"x [rows, in] and y [rows, out] must share rows, got {X.shape} and {Y.shape}")
-    if len(A.shape) != 4:
-        raise ValueError(f"w.a must be [S, n, R, in], got {A.shape}")
-    S, n, R, in_f = A.shape
-    out = Y.shape[1]
-    if X.shape[1] != in_f:
-        raise ValueError(f"x has {X.shape[1]} features, w.a has {in_f}")
-    if B.shape != (S, out, R):
-        raise ValueError(f"w.b must be [S, out, R] = {(S, out, R)}, got {B.shape}")
-    if SC.shape != (S, n) or RK.shape != (S, n):
-        raise ValueError(f"w.scaling and w.ranks must be [S, n] = {(S, n)}, got {SC.shape} and {RK.shape}")
-    if len(TO.shape) != 1 or len(IP.shape) != 1 or IP.shape[0] != S + 1:
-        raise ValueError(f"token_order must be [T] and slot_indptr [S + 1] = [{S + 1}], "
-                         f"got {TO.shape} and {IP.shape}")
-    if not 1 <= S <= MAX_SLOTS:
-        raise ValueError(f"{S} slots; a launch takes 1..{MAX_SLOTS}")
-    if not 1 <= n <= MAX_SLICES:
-        raise ValueError(f"{n} slices; a target has 1..{MAX_SLICES}")
-    if in_f < 1 or out < 1 or R < 1:
-        raise ValueError(f"empty weights: in={in_f}, out={out}, R={R}")
-    offs = tuple(int(o) for o in w.out_offsets)
-    if len(offs) != n + 1 or offs[0] != 0 or offs[-1] != out or any(b < a for a, b in zip(offs, offs[1:])):
-        raise ValueError(f"out_offsets {offs} must rise from 0 to out={out} in {n + 1} steps")
-    off_ptr = 0
-    if n > 1:
-        off_ptr = limits.offset_ptrs.get(offs)
-        if off_ptr is None:
-            raise ValueError(f"out_offsets {offs} belong to no target of the backend's spec")
-    T = TO.shape[0]
-    if T == 0:
-        return None
-    if T > limits.spec.max_tokens:
-        raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
-    rw = rank_width(R)
-    plan = limits.plan(T, in_f, out, n, R, X.dtype)
-    if plan.workspace_floats(rw) > limits.workspace_floats or plan.counter_ints() > limits.counter_ints:
-        raise ValueError(f"a target of {n} slices at rank {R} exceeds the v built for the spec "
-                         f"(max_rank {limits.spec.max_rank}, "
-                         f"{max(t.num_slices for t in limits.spec.targets)} slices)")
-    ch = 16 // _ITEMSIZE[X.dtype]
-    flags = ((1 if in_f % ch == 0 and X.ptr % 16 == 0 and A.ptr % 16 == 0 else 0)
-             | (2 if R % ch == 0 and B.ptr % 16 == 0 else 0)
-             | (4 if out % ch == 0 and Y.ptr % 16 == 0 else 0))
-    return LaunchArgs(dtype=X.dtype, plan=plan, rw=rw, flags=flags,
-                      ptrs=(Y.ptr, X.ptr, A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr, TO.ptr, IP.ptr),
-                      dims=(S, n, R, in_f, out), positions=T, torch=Y.is_torch or X.is_torch)
+    wa = check_weights(limits, w)
+    _check_xy(limits, wa, Y, X)
+    return _launch_args(limits, wa, Y.ptr, X.ptr, TO, IP, Y.is_torch or X.is_torch)
+
+
+# -- launching: kernel parameters packed once, launched through the driver ------------------------
+@dataclass(frozen=True)
+class KernelCall:
+    """One kernel of a call: its name (as the bench names it), function, grid, block, dynamic shared
+    memory, arguments (NumPy scalars, as CuPy would pass them) and where y, x and the flags sit
+    among them (None: not an argument of this kernel)."""
+
+    name: str
+    fn: Any
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    args: tuple
+    y_at: int | None
+    x_at: int | None
+    flags_at: int | None
+
+
+class PackedArgs:
+    """A kernel's parameters laid out once for ``cuLaunchKernel``: one buffer holding every value at
+    its natural alignment, and the array of pointers to them. ``set_*`` patches a value in place;
+    the driver copies the values at launch (and a stream capture at capture), so the buffer is
+    reused from call to call."""
+
+    def __init__(self, args: tuple):
+        offsets, at = [], 0
+        for v in args:
+            size = v.dtype.itemsize
+            at = _ceil(at, size) * size
+            offsets.append(at)
+            at += size
+        self.buf = np.zeros(_ceil(max(at, 8), 8), np.uint8)
+        for v, o in zip(args, offsets):
+            self.buf[o:o + v.dtype.itemsize] = np.frombuffer(v.tobytes(), np.uint8)
+        self.offsets = tuple(offsets)
+        self.params = np.array([self.buf.ctypes.data + o for o in offsets], np.uint64)
+        self.ptr = int(self.params.ctypes.data)
+        self._u64 = self.buf.view(np.uint64)
+        self._i32 = self.buf.view(np.int32)
+
+    def set_u64(self, index: int, value: int) -> None:
+        self._u64[self.offsets[index] >> 3] = value
+
+    def set_i32(self, index: int, value: int) -> None:
+        self._i32[self.offsets[index] >> 2] = value
+
+
+class PackedLaunch:
+    """A call's kernels with their parameters packed: ``run`` patches y, x and the flags and
+    launches each kernel in order on one stream. What a layer keeps per capture bucket and parity."""
+
+    def __init__(self, calls: list[KernelCall]):
+        from cupy_backends.cuda.api import driver
+
+        self._launch_kernel = driver.launchKernel
+        self.calls = calls
+        self._packed = []
+        for c in calls:
+            fn_ptr = int(c.fn.kernel.ptr)  # compiles and loads the module on first use
+            self._packed.append((fn_ptr, c, PackedArgs(c.args)))
+
+    def run(self, stream: int, y_ptr: int | None = None, x_ptr: int | None = None,
+            flags: int | None = None) -> None:
+        launch = self._launch_kernel
+        for fn_ptr, c, p in self._packed:
+            if y_ptr is not None and c.y_at is not None:
+                p.set_u64(c.y_at, y_ptr)
+            if x_ptr is not None and c.x_at is not None:
+                p.set_u64(c.x_at, x_ptr)
+            if flags is not None and c.flags_at is not None:
+                p.set_i32(c.flags_at, flags)
+            (gx, gy, gz), (bx, by, bz) = c.grid, c.block
+            launch(fn_ptr, gx, gy, gz, bx, by, bz, c.smem, stream, p.ptr, 0)
 
 
 class _StreamHandle:
@@ -405,6 +538,10 @@ class CupyBackend:
     ``fused``, ``shrink`` and ``expand`` (``"v3"`` / ``"v4"`` / ``"v5"``) override the per-bucket choices of
     :func:`plan_launch` (for benchmarks and tests); ``num_sms`` defaults to the device's
     multiprocessor count.
+
+    Two ways in: :meth:`delta` checks every argument on every call (tests, benchmarks, one-off
+    calls); :meth:`prepare` checks one layer's weights once and returns a :class:`LayerLaunch`
+    whose calls check only x and y (what :class:`~lora_cupy.delta.LoraLayerDelta` runs).
     """
 
     name = "cupy"
@@ -413,6 +550,7 @@ class CupyBackend:
                  fused: bool | None = None, expand: str | None = None, shrink: str | None = None,
                  num_sms: int | None = None):
         import cupy
+        from cupy_backends.cuda.api import driver
 
         if kernel not in ("mma", "simt"):
             raise ValueError(f"kernel must be 'mma' or 'simt', got {kernel!r}")
@@ -432,9 +570,11 @@ class CupyBackend:
         self.spec = spec
         self.kernel = kernel
         self._cupy = cupy
+        self._driver = driver
         self._device = cupy.cuda.Device(dev_id)
         self._streams: dict[int, Any] = {}
         self._fns: dict[tuple, Any] = {}
+        self._torch_stream = None
         with self._device:
             sms = int(num_sms or self._device.attributes["MultiProcessorCount"])
             floats, ints = plan_workspace(spec)
@@ -442,6 +582,7 @@ class CupyBackend:
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
             self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, shrink)
+            self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
 
     def _offset_table(self, cupy):
@@ -506,84 +647,128 @@ class CupyBackend:
         if call is not None:
             self._run(call)
 
-    def _run(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")) -> None:
-        """Launch a checked call on the caller's stream (torch's current one for torch tensors)."""
-        if call.torch:
-            import torch
+    def prepare(self, w: LayerWeights) -> "LayerLaunch":
+        """One layer's delta with its weights checked once (see :class:`LayerLaunch`)."""
+        return LayerLaunch(self, w)
 
-            ptr = torch.cuda.current_stream(self.limits.device_id).cuda_stream
-            stream = self._streams.get(ptr)
-            if stream is None:
-                stream = self._streams[ptr] = self._external_stream(ptr)
-            with self._device, stream:
-                self._launch(call, parts)
+    # -- streams and launches ---------------------------------------------------------------------
+    def stream_ptr(self, torch: bool) -> int:
+        """The caller's stream: torch's current one on this device for torch tensors, else CuPy's."""
+        if torch:
+            get = self._torch_stream
+            if get is None:
+                import torch as _torch
+
+                raw = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
+                dev = self.limits.device_id
+                get = self._torch_stream = ((lambda: raw(dev)) if raw is not None else
+                                            (lambda: _torch.cuda.current_stream(dev).cuda_stream))
+            return get()
+        return self._cupy.cuda.get_current_stream().ptr
+
+    def launch(self, packed: PackedLaunch, stream: int, y_ptr: int | None = None, x_ptr: int | None = None,
+               flags: int | None = None) -> None:
+        """Run packed kernels on ``stream`` in this device's context (made current only if it is not)."""
+        if self._driver.ctxGetCurrent() == self._context:
+            packed.run(stream, y_ptr, x_ptr, flags)
         else:
             with self._device:
-                self._launch(call, parts)
+                packed.run(stream, y_ptr, x_ptr, flags)
 
-    def _external_stream(self, ptr: int):
-        try:
-            return self._cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        except (AttributeError, TypeError):  # a CuPy before the stream protocol
-            return self._cupy.cuda.ExternalStream(ptr, self.limits.device_id)
+    def _run(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")) -> None:
+        """Launch a checked call on the caller's stream (torch's current one for torch tensors).
+        ``parts`` (an unfused plan only, for timing each kernel alone) leaves out the shrink or
+        the expand; v is then not zero afterwards until the workspace is cleared."""
+        self.launch(PackedLaunch(self._kernels(call, parts)), self.stream_ptr(call.torch))
 
-    def _launch(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")) -> None:
-        """Launch one checked call. ``parts`` (an unfused plan only, for timing each kernel alone)
-        leaves out the shrink or the expand; v is then not zero afterwards until the workspace is
-        cleared."""
-        dtype, plan = call.dtype, call.plan
+    def _kernel_fn(self, dtype: str, key: tuple):
         if not any(k[0] == dtype for k in self._fns):
             self._load(dtype)  # a dtype other than the spec's: compiled on its first (eager) call
+        return self._fns[(dtype, *key)]
+
+    def _kernels(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")) -> list[KernelCall]:
+        """The kernels one checked call launches, in order, with their arguments."""
+        dtype, plan = call.dtype, call.plan
         S, n, R, in_f, out = call.dims
         y, x, a, b, sc, rk, offs, to, ip = (np.uint64(p) for p in call.ptrs)
         ws, ctr = np.uint64(self.workspace.data.ptr), np.uint64(self.counters.data.ptr)
         i32 = np.int32
         if self.kernel == "simt":
             rows, per = 8, 16
-            self._fns[(dtype, "shrink")](
-                (_ceil(plan.bucket, rows), n), (32, rows),
-                (ws, x, a, rk, to, ip, i32(S), i32(n), i32(R), i32(in_f), i32(plan.bucket), i32(call.rw)))
-            self._fns[(dtype, "expand")](
-                (_ceil(out, 128), _ceil(plan.bucket, per)), (128,),
-                (y, ws, b, sc, rk, offs, to, ip, i32(S), i32(n), i32(R), i32(out), i32(plan.bucket),
-                 i32(call.rw), i32(per)))
-            return
+            return [
+                KernelCall("shrink simt", self._kernel_fn(dtype, ("shrink",)), (_ceil(plan.bucket, rows), n, 1),
+                           (32, rows, 1), 0, (ws, x, a, rk, to, ip, i32(S), i32(n), i32(R), i32(in_f),
+                                              i32(plan.bucket), i32(call.rw)), None, 1, None),
+                KernelCall("expand simt", self._kernel_fn(dtype, ("expand",)), (_ceil(out, 128), _ceil(plan.bucket, per), 1),
+                           (128, 1, 1), 0, (y, ws, b, sc, rk, offs, to, ip, i32(S), i32(n), i32(R), i32(out),
+                                            i32(plan.bucket), i32(call.rw), i32(per)), 0, None, None)]
         args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
                 i32(plan.col_blocks), i32(plan.cpb), i32(call.flags))
-        for _, fn, blocks, smem in self._kernels(call, parts):
-            fn((blocks,), (THREADS,), args, shared_mem=smem)
-
-    def _kernels(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")):
-        """``(name, function, blocks, dynamic shared memory)`` of each kernel one checked call launches."""
-        dtype, plan = call.dtype, call.plan
-        extra = 4 * (call.dims[0] + 1)  # slot_indptr, after the stages
+        extra = 4 * (S + 1)  # slot_indptr, after the stages
+        mma = lambda name, key, blocks, smem: KernelCall(  # noqa: E731
+            name, self._kernel_fn(dtype, key), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
+            len(args) - 1)
         if plan.fused:
-            return [("fused v3", self._fns[(dtype, "fused", plan.bm)], plan.shrink_blocks + plan.expand_blocks,
-                     fused_smem(dtype, plan.bm, plan.bn) + extra)]
-        out = []
+            return [mma("fused v3", ("fused", plan.bm), plan.shrink_blocks + plan.expand_blocks,
+                        fused_smem(dtype, plan.bm, plan.bn))]
+        out_calls = []
         if "shrink" in parts:
-            key = (dtype, "shrink", plan.bm) if plan.shrink == "v3" else (dtype, f"shrink_{plan.shrink}", plan.bm)
+            key = ("shrink", plan.bm) if plan.shrink == "v3" else (f"shrink_{plan.shrink}", plan.bm)
             smem = shrink_smem(dtype, plan.bm) if plan.shrink == "v3" else stream_smem(plan.shrink)
-            out.append((f"shrink {plan.shrink}", self._fns[key], plan.shrink_blocks, smem + extra))
+            out_calls.append(mma(f"shrink {plan.shrink}", key, plan.shrink_blocks, smem))
         if "expand" in parts:
-            key = (dtype, "expand", plan.bm) if plan.expand == "v3" else (dtype, f"expand_{plan.expand}", plan.bm)
+            key = ("expand", plan.bm) if plan.expand == "v3" else (f"expand_{plan.expand}", plan.bm)
             smem = expand_smem(dtype, plan.bm, plan.bn) if plan.expand == "v3" else stream_smem(plan.expand)
-            out.append((f"expand {plan.expand}", self._fns[key], plan.expand_blocks, smem + extra))
-        return out
+            out_calls.append(mma(f"expand {plan.expand}", key, plan.expand_blocks, smem))
+        return out_calls
 
     def occupancy(self, call: LaunchArgs) -> dict[str, dict[str, int]]:
         """Registers, spilled bytes and resident blocks per multiprocessor of each kernel of a call."""
-        from cupy_backends.cuda.api import driver
-
-        if not any(k[0] == call.dtype for k in self._fns):
-            self._load(call.dtype)
         res = {}
         with self._device:
-            for name, fn, _, smem in self._kernels(call):
-                attrs = fn.attributes  # a RawKernel's (CuPy): num_regs, local_size_bytes, ...
-                res[name] = {"registers": int(attrs["num_regs"]), "local_bytes": int(attrs["local_size_bytes"]),
-                             "smem": int(smem) + int(attrs["shared_size_bytes"]),
-                             "blocks_per_sm": int(driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                                 fn.kernel.ptr, THREADS, int(smem)))}
+            for c in self._kernels(call):
+                attrs = c.fn.attributes  # a RawKernel's (CuPy): num_regs, local_size_bytes, ...
+                res[c.name] = {"registers": int(attrs["num_regs"]), "local_bytes": int(attrs["local_size_bytes"]),
+                               "smem": int(c.smem) + int(attrs["shared_size_bytes"]),
+                               "blocks_per_sm": int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                                   c.fn.kernel.ptr, THREADS, int(c.smem)))}
         return res
+
+
+class LayerLaunch:
+    """One layer's delta on the CUDA backend, resolved once: its weights checked
+    (:func:`check_weights`), and per addressing buffer (a capture bucket and parity, the same
+    object step after step) the kernels and their packed parameters, made on first use. A call
+    checks only what can change: x's and y's shape, dtype, device and layout, and the stream;
+    then it patches their pointers (and the alignment flags) and launches. Called from one
+    thread at a time (the thread that issues the step's GPU work).
+    """
+
+    def __init__(self, backend: CupyBackend, w: LayerWeights):
+        self.backend = backend
+        self.weights = check_weights(backend.limits, w)
+        self._launches: dict[Any, PackedLaunch | None] = {}
+
+    def __call__(self, y, x, views) -> None:
+        """``y += delta(x)`` over ``views.token_order`` / ``views.slot_indptr``: a capture bucket's
+        fixed addressing buffers, the same (hashable) object step after step, which keys the
+        packed launch."""
+        be = self.backend
+        Y, X = inspect_arg("y", y), inspect_arg("x", x)
+        _check_xy(be.limits, self.weights, Y, X)
+        packed = self._launches.get(views, False)
+        if packed is False:
+            packed = self._prepare(views, Y, X)
+        if packed is not None:
+            be.launch(packed, be.stream_ptr(Y.is_torch or X.is_torch), Y.ptr, X.ptr,
+                      _xy_flags(self.weights.flags, X.ptr, Y.ptr))
+
+    def _prepare(self, views, Y: DeviceArg, X: DeviceArg) -> PackedLaunch | None:
+        be = self.backend
+        TO = inspect_arg("token_order", views.token_order)
+        IP = inspect_arg("slot_indptr", views.slot_indptr)
+        _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
+        call = _launch_args(be.limits, self.weights, Y.ptr, X.ptr, TO, IP, Y.is_torch or X.is_torch)
+        packed = self._launches[views] = None if call is None else PackedLaunch(be._kernels(call))
+        return packed

@@ -67,3 +67,28 @@ class ReferenceBackend:
 
     def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
         reference_delta(y, x, w, token_order, slot_indptr)
+
+    def prepare(self, w: LayerWeights) -> "ReferenceLaunch":
+        """One layer's delta: x and y checked per call, the weights taken as they are."""
+        return ReferenceLaunch(w)
+
+
+class ReferenceLaunch:
+    """One layer's NumPy delta over a bucket's launch views (``views.token_order``,
+    ``views.slot_indptr``)."""
+
+    def __init__(self, w: LayerWeights):
+        self.weights = w
+        self.in_features, self.out_features = w.a.shape[3], w.b.shape[1]
+        self.dtype = w.a.dtype
+
+    def __call__(self, y, x, views) -> None:
+        if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
+            raise TypeError(f"the reference backend takes NumPy arrays, got {type(x).__name__} and "
+                            f"{type(y).__name__}")
+        if x.dtype != self.dtype or y.dtype != self.dtype:
+            raise TypeError(f"x ({x.dtype}) and y ({y.dtype}) must have the weights' dtype {self.dtype}")
+        if x.ndim != 2 or y.ndim != 2 or x.shape[1] != self.in_features or y.shape != (x.shape[0], self.out_features):
+            raise ValueError(f"x {x.shape} and y {y.shape} do not fit [T, {self.in_features}] and "
+                             f"[T, {self.out_features}]")
+        reference_delta(y, x, self.weights, views.token_order, views.slot_indptr)

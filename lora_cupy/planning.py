@@ -1,0 +1,184 @@
+"""Planning a step: each row's slot grouped into the fixed addressing buffers, and their copy.
+
+The pool decides which slot each row holds; the :class:`StepPlanner` turns a step's rows and
+their slots into the step's :class:`~lora_cupy.addressing.LoraAddressing` per row grouping,
+staged on the host and copied into one fixed device buffer per capture bucket and parity, which
+a captured graph reads step after step (the plan / run split: planning runs once per step,
+every layer's call reads only device buffers).
+
+Parities and fences. plan(N+1) must not overwrite the host buffer that step N's copy still
+reads (seed 000, ``force_double_buffer``): each parity keeps the event after its last copy, and
+staging into a parity first waits for it. Alternating parities (double-buffering) makes that
+wait free, and lets a pre-planned step N+1 fill buffers step N's graph is not reading.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .addressing import LoraAddressing
+from .device import Device
+from .engine.resource import StepRows
+from .spec import LoraSpec
+
+
+@dataclass(frozen=True, eq=False)
+class LaunchViews:
+    """What a layer's kernels read for one capture bucket and parity: ``token_order[bucket]`` over
+    the whole bucket (positions past ``slot_indptr[-1]`` address nothing) and ``slot_indptr[S+1]``.
+
+    One object per buffer, the same step after step, hashed by identity: a backend keys the
+    launch it prepared for a layer by it. Iterates as ``(token_order, slot_indptr)``.
+    """
+
+    bucket: int
+    parity: int
+    token_order: Any
+    slot_indptr: Any
+
+    def __iter__(self):
+        return iter((self.token_order, self.slot_indptr))
+
+
+@dataclass
+class LoraStepPlan:
+    """One step's plan: its addressing per row grouping, the launch views per grouping, whether
+    any row has an adapter, and the event after its copies (a CPU layer waits for it; on CUDA
+    stream order suffices)."""
+
+    seq: int
+    addressing: dict[int, LoraAddressing]
+    launch: dict[int, LaunchViews]
+    active: bool
+    ready: Any
+
+    def wait_host(self) -> None:
+        if self.ready is not None and not self.ready.done:
+            self.ready.synchronize()
+
+
+def slot_dtype(num_slots: int) -> np.dtype:
+    """The narrowest dtype of a step's row slots: int16 lets a stable argsort take radix sort."""
+    return np.dtype(np.int16 if num_slots < 32767 else np.int32)
+
+
+class AddressingBuffers:
+    """One row grouping's addressing: a host staging buffer per parity, and one fixed device
+    buffer per (capture bucket, parity) holding ``token_order[bucket]`` then ``slot_indptr[S+1]``."""
+
+    def __init__(self, spec: LoraSpec, device: Device, grouping: int):
+        self.grouping = grouping
+        self.S = spec.num_slots
+        self.buckets = spec.capture_buckets
+        width = self.buckets[-1] + self.S + 1
+        self.host = [device.host_zeros(width, np.int32) for _ in range(2)]
+        self.dev = {(b, p): device.zeros(b + self.S + 1, np.int32) for b in self.buckets for p in range(2)}
+        self.launch = {(b, p): LaunchViews(b, p, d[:b], d[b:b + self.S + 1]) for (b, p), d in self.dev.items()}
+        self._arange = np.arange(self.buckets[-1], dtype=np.int32)
+        self._slot_ids = np.arange(self.S + 1, dtype=slot_dtype(self.S))
+        self._views: dict[tuple, LoraAddressing] = {}  # (bucket, parity, rows, active) -> views
+
+    def stage(self, rows: StepRows, slots: np.ndarray, parity: int) -> tuple[LoraAddressing, LaunchViews, tuple]:
+        """Group ``rows`` (row i on ``slots[i]``) by slot into host buffer ``parity``.
+
+        Returns the step's addressing (views sized to its rows), the bucket's launch views, and
+        the ``(device, host)`` copy the caller queues. Vectorized; only small temporaries are
+        allocated, and the views are cached."""
+        per, starts, total = rows.grouped(self.grouping)
+        k = bisect.bisect_left(self.buckets, max(total, 1))
+        if k == len(self.buckets):
+            raise ValueError(f"{total} rows at grouping {self.grouping} exceed the largest capture bucket "
+                             f"{self.buckets[-1]}")
+        bucket, S = self.buckets[k], self.S
+        h = self.host[parity]
+        order = np.argsort(slots, kind="stable")  # [rows] rows grouped by slot, stable
+        row_ptr = np.searchsorted(slots[order], self._slot_ids)  # [S+1] each slot's first row
+        indptr = h[bucket:bucket + S + 1]
+        if total == len(per):  # one row each: decode steps, the common case
+            np.take(starts, order, out=h[:total])
+            indptr[...] = row_ptr
+        else:
+            sp = per[order]
+            cum = np.zeros(len(sp) + 1, np.int64)
+            np.cumsum(sp, out=cum[1:])  # where each sorted row's range begins in token_order
+            np.add(self._arange[:total], np.repeat(starts[order] - cum[:-1], sp), out=h[:total],
+                   casting="unsafe")
+            indptr[...] = cum[row_ptr]
+        launch = self.launch[(bucket, parity)]
+        active = bool(row_ptr[1] != len(per))  # some row is past slot 0
+        key = (bucket, parity, total, active)
+        addr = self._views.get(key)
+        if addr is None:
+            addr = self._views[key] = LoraAddressing(launch.token_order[:total], launch.slot_indptr, active=active)
+        return addr, launch, (self.dev[(bucket, parity)], h[:bucket + S + 1])
+
+
+class StepPlanner:
+    """The addressing of every step of one pool: its buffers per row grouping, the parity, each
+    parity's fence, and the plan of the step the layers run now (``current``).
+
+    ``double_buffer``: alternate parities on every step (the pool's ``force_double_buffer``); a
+    pre-planned step always takes the other parity, since the running step still reads its own.
+    """
+
+    def __init__(self, spec: LoraSpec, device: Device, double_buffer: bool):
+        self.device = device
+        self.double_buffer = double_buffer
+        groupings = sorted({1, *(t.row_grouping for t in spec.targets)})
+        self.buffers = {g: AddressingBuffers(spec, device, g) for g in groupings}
+        self.current: LoraStepPlan | None = None
+        self._base_only = threading.local()
+        self._parity = 0
+        self._fences: list[Any] = [None, None]  # each parity's event after its last copy (cuda: re-recorded)
+
+    def plan(self, seq: int, rows: StepRows, slots: np.ndarray, preplanned: bool) -> LoraStepPlan:
+        """Stage ``rows`` (row i on ``slots[i]``) for every grouping and queue the copy; the plan
+        becomes ``current`` unless the step is pre-planned (the runner activates it later)."""
+        if self.double_buffer or preplanned:
+            self._parity ^= 1
+        parity = self._parity
+        fence = self._fences[parity]
+        if fence is not None and not fence.done:
+            fence.synchronize()  # the copy that last read this parity's host buffers has run
+        addressing, launch, copies = {}, {}, []
+        for g, b in self.buffers.items():
+            addressing[g], launch[g], copy = b.stage(rows, slots, parity)
+            copies.append(copy)
+        fence = self._fences[parity] = self.device.copy_batch(copies, reuse=fence)
+        plan = LoraStepPlan(seq, addressing, launch, addressing[1].active, None if self.device.is_cuda else fence)
+        if not preplanned:
+            self.current = plan
+        return plan
+
+    def running(self) -> LoraStepPlan | None:
+        """The current plan where deltas add something: None with no step, no adapter row, or in
+        a base-only forward on this thread."""
+        plan = self.current
+        if plan is None or not plan.active or getattr(self._base_only, "depth", 0):
+            return None
+        return plan
+
+    def addressing(self, grouping: int) -> LoraAddressing:
+        plan = self.current
+        if plan is None:
+            raise ValueError("no step is planned on this pool")
+        if grouping not in plan.addressing:
+            raise ValueError(f"grouping {grouping} is not one of this pool's targets' ({sorted(plan.addressing)})")
+        return plan.addressing[grouping]
+
+    @contextlib.contextmanager
+    def base_only(self) -> Iterator[None]:
+        """Deltas add nothing on this thread inside (a forward outside any step)."""
+        tl = self._base_only
+        tl.depth = getattr(tl, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            tl.depth -= 1
