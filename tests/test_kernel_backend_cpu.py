@@ -358,5 +358,24 @@ def test_rows_cover_the_issue():
 
 
 def test_timer_refuses_an_unknown_flush_before_touching_a_device():
-    with pytest.raises(ValueError, match="flush must be 'write' or 'read'"):
+    with pytest.raises(ValueError, match="flush must be 'write', 'read' or 'none'"):
         bench.Timer(flush="evict")
+
+
+def test_layer_rows_are_the_issues_and_their_table_and_report_say_which_goals_are_met():
+    assert bench.LAYER_GOALS_US == {(1, 1): 15.0, (64, 8): 18.0, (64, 32): 46.0, (256, 32): 46.0}
+    assert [(n, i, sum(o)) for n, i, o in bench.LAYER_TARGETS] == [
+        ("qkv", 4096, 6144), ("o", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
+    calls = {"qkv": 3.0, "o": 2.5, "gate_up": 6.0, "down": 3.5}
+    row = lambda T, k, warm, ok=True: {"T": T, "adapters": k, "goal_us": bench.LAYER_GOALS_US[(T, k)],  # noqa: E731
+                                       "warm_us": warm, "flushed_us": warm + 10, "ok": ok,
+                                       "err": {"qkv": 2e-3}, "calls_warm_us": calls, "plans": {"qkv": "16f/s32"}}
+    layer = [row(1, 1, 14.0), row(64, 8, 19.0), row(64, 32, 40.0, ok=False)]
+    lines = bench.layer_table(layer).splitlines()
+    assert len(lines) == 4
+    assert lines[1].split()[3:7] == ["14.0", "24.0", "15", "yes"] and lines[2].split()[6] == "NO"
+    assert "ERR" in lines[3] and lines[3].split()[6] == "NO"  # over tolerance never meets its goal
+    meta = {"device": "GPU", "torch": "2", "copy_bw": 4.2e12, "method": "diff", "flush": "write"}
+    md = bench.markdown_report({"meta": meta, "rows": [], "layer": layer})
+    assert "| 1 | 1 | 14.0 | 24.0 | 15 | yes | 3.0 | 2.5 | 6.0 | 3.5 | qkv 16f/s32 |" in md
+    assert "| 64 | 8 | 19.0 | 29.0 | 18 | no |" in md

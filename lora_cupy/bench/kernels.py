@@ -258,8 +258,8 @@ class Timer:
     def __init__(self, replays: int = 10, method: str = "diff", flush: str = "write"):
         import torch
 
-        if flush not in ("write", "read"):
-            raise ValueError(f"flush must be 'write' or 'read', got {flush!r}")
+        if flush not in ("write", "read", "none"):
+            raise ValueError(f"flush must be 'write', 'read' or 'none', got {flush!r}")
         self.replays = replays
         self.flush_buf = torch.zeros(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
         self.flush_out = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -268,9 +268,12 @@ class Timer:
 
     def flush(self) -> None:
         """Push the previous call's data out of L2: ``write`` zeroes FLUSH_BYTES (L2 is left full of
-        dirty lines, which the next call's misses write back to DRAM), ``read`` sums them (clean)."""
+        dirty lines, which the next call's misses write back to DRAM), ``read`` sums them (clean);
+        ``none`` leaves L2 as the last call left it (warm)."""
         import torch
 
+        if self.flush_kind == "none":
+            return
         if self.flush_kind == "write":
             self.flush_buf.zero_()
         else:
@@ -327,8 +330,6 @@ class Timer:
         return statistics.median(samples)
 
     def _difference(self, fn) -> float:
-        import torch
-
         def with_calls():
             for _ in range(CALLS_PER_GRAPH):
                 self.flush()
@@ -338,20 +339,25 @@ class Timer:
             for _ in range(CALLS_PER_GRAPH):
                 self.flush()
 
-        totals = []
-        for body in (with_calls, flushes):
-            g = self._capture(body)
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            ts = []
-            for _ in range(self.replays):
-                t0.record()
-                g.replay()
-                t1.record()
-                torch.cuda.synchronize()
-                ts.append(t0.elapsed_time(t1) * 1e3)
-            totals.append(statistics.median(ts))
-            del g
-        return (totals[0] - totals[1]) / CALLS_PER_GRAPH
+        total = self._replay_median(self._capture(with_calls))
+        if self.flush_kind == "none":  # warm: nothing to take off
+            return total / CALLS_PER_GRAPH
+        return (total - self._replay_median(self._capture(flushes))) / CALLS_PER_GRAPH
+
+    def _replay_median(self, g) -> float:
+        """Median time (us) of one replay of graph ``g``, which is released afterwards."""
+        import torch
+
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(self.replays):
+            t0.record()
+            g.replay()
+            t1.record()
+            torch.cuda.synchronize()
+            ts.append(t0.elapsed_time(t1) * 1e3)
+        del g
+        return statistics.median(ts)
 
 
 def copy_bandwidth() -> float:
@@ -408,6 +414,97 @@ def dependent_round_us(timer: Timer, rounds: int = 8) -> float:
     t1, tk = timer(run(1)), timer(run(1 + rounds))
     del chain, out
     return (tk - t1) / rounds
+
+
+# ---- one decoder layer in situ -------------------------------------------------------------------
+#: The LoRA targets of one Llama-8B-shaped decoder layer, in the order a step runs them:
+#: (name, in features, output slices).
+LAYER_TARGETS = (("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)),
+                 ("gate_up", 4096, (14336, 14336)), ("down", 14336, (4096,)))
+#: (tokens, adapters) of the layer rows and the issue's goal for each, warm (us).
+LAYER_GOALS_US = {(1, 1): 15.0, (64, 8): 18.0, (64, 32): 46.0, (256, 32): 46.0}
+LAYER_RANK = 16
+#: Slots of the layer's pool (slot 0 included): 32 adapters resident, whatever a row addresses.
+LAYER_SLOTS = 33
+
+
+def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int) -> dict:
+    """The four LoRA calls of one layer back to back in one graph, as a model's step runs them:
+    ``warm`` (no flush: what the layer's own earlier calls left in L2) and ``flushed`` (one flush
+    before the layer); each call alone warm; each target checked against the float64 oracle."""
+    import torch
+
+    from ..addressing import group_by_slot
+    from ..backends.base import LayerWeights
+    from ..backends.cupy import TOLERANCE, CupyBackend
+    from ..spec import LoraSlice, LoraSpec, LoraTarget
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    S, R = LAYER_SLOTS, LAYER_RANK
+    targets = tuple(LoraTarget(name, in_f, sum(sl), 1, tuple(LoraSlice(f"{name}{j}", o) for j, o in enumerate(sl)))
+                    for name, in_f, sl in LAYER_TARGETS)
+    spec = LoraSpec(targets, num_slots=S, max_rank=R, dtype="bfloat16")
+    be = CupyBackend(spec)
+    slots = 1 + (np.arange(T) * adapters) // T
+    order, indptr = group_by_slot(slots, S)
+    to, ip = torch.as_tensor(order, device="cuda"), torch.as_tensor(indptr, device="cuda")
+    calls, errs, plans = [], {}, {}
+    for t in targets:
+        n, out, in_f = t.num_slices, t.out_features, t.in_features
+        a = (torch.randn(S, n, R, in_f, device="cuda", generator=gen) / math.sqrt(in_f)).bfloat16()
+        b = (torch.randn(S, out, R, device="cuda", generator=gen) / math.sqrt(8)).bfloat16()
+        ranks = torch.full((S, n), R, dtype=torch.int32, device="cuda")
+        scaling = torch.full((S, n), 2.0, dtype=torch.float32, device="cuda")
+        ranks[0], scaling[0], a[0], b[0] = 0, 0.0, 0, 0
+        x = torch.randn(T, in_f, device="cuda", generator=gen).bfloat16()
+        y0 = (torch.randn(T, out, device="cuda", generator=gen) * 0.1).bfloat16()
+        y = y0.clone()
+        w = LayerWeights(a, b, scaling, ranks, t.out_offsets())
+        be.delta(y, x, w, to, ip)
+        torch.cuda.synchronize()
+        ref = y0.double()
+        offs = t.out_offsets()
+        for s in range(1, adapters + 1):
+            rows = torch.as_tensor(order[indptr[s]:indptr[s + 1]].astype(np.int64), device="cuda")
+            for j in range(n):
+                v = x[rows].double() @ a[s, j].double().T
+                ref[rows, offs[j]:offs[j + 1]] += 2.0 * (v @ b[s, offs[j]:offs[j + 1]].double().T)
+        errs[t.name] = float(torch.linalg.norm(y.double() - ref) / torch.linalg.norm(ref))
+        calls.append((t.name, lambda y=y, x=x, w=w: be.delta(y, x, w, to, ip)))
+        plans[t.name] = _plan_label(be.plan(T, w, "bfloat16"))
+
+    def layer():
+        for _, c in calls:
+            c()
+
+    res = {"T": T, "adapters": adapters, "slots": S, "rank": R, "goal_us": LAYER_GOALS_US.get((T, adapters)),
+           "err": errs, "ok": all(e < TOLERANCE["bfloat16"] for e in errs.values()),
+           "warm_us": warm(layer), "flushed_us": flushed(layer),
+           "calls_warm_us": {name: warm(c) for name, c in calls},
+           "plans": plans}
+    del be
+    return res
+
+
+def _plan_label(plan) -> str:
+    """A launch plan in a few characters: tile, fused, splits and (unfused) the kernel versions."""
+    label = f"{plan.bm}{'f' if plan.fused else ''}/s{plan.splits}"
+    return label if plan.fused else label + f" s{plan.shrink[1]}e{plan.expand[1]}"
+
+
+def layer_table(layer: list[dict]) -> str:
+    """The layer rows: warm and flushed time of the four calls, the goal, each call alone."""
+    names = [n for n, _, _ in LAYER_TARGETS]
+    head = (f"{'layer (Llama-8B, r16, one graph)':34s} {'warm':>6s} {'flushed':>7s} {'goal':>5s} met  "
+            + " ".join(f"{n:>7s}" for n in names) + "  (each call alone, warm)")
+    lines = [head]
+    for r in layer:
+        met = r["goal_us"] is not None and r["warm_us"] <= r["goal_us"] and r["ok"]
+        lines.append(f"{'T=%d, %d adapter%s' % (r['T'], r['adapters'], '' if r['adapters'] == 1 else 's'):34s} "
+                     f"{r['warm_us']:6.1f} {r['flushed_us']:7.1f} {r['goal_us'] or math.nan:5.0f} "
+                     f"{'yes' if met else 'NO ':3s}  " + " ".join(f"{r['calls_warm_us'][n]:7.1f}" for n in names)
+                     + ("" if r["ok"] else "  ERR " + str(r["err"])))
+    return "\n".join(lines)
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -584,6 +681,18 @@ def markdown_report(data: dict) -> str:
     if pr:
         lines.append("A pool of maximum rank 128 runs rank-16 adapters at " + ", ".join(pr)
                      + " the time of a pool of maximum rank 16 (bar: 1.2x).")
+    if data.get("layer"):
+        names = [n for n, _, _ in LAYER_TARGETS]
+        lines += ["", "One Llama-8B-shaped decoder layer in situ: its four LoRA calls (rank 16, a pool of "
+                  f"{LAYER_SLOTS - 1} adapters) back to back in one graph, warm and with one flush before the layer (us):",
+                  "", "| tokens | adapters | warm | flushed | goal (warm) | met | " + " | ".join(names)
+                  + " (each alone, warm) | plans |", "|---|---|---|---|---|---|" + "---|" * len(names) + "---|"]
+        for r in data["layer"]:
+            met = r["goal_us"] is not None and r["warm_us"] <= r["goal_us"] and r["ok"]
+            lines.append(f"| {r['T']} | {r['adapters']} | {r['warm_us']:.1f} | {r['flushed_us']:.1f} | "
+                         f"{r['goal_us']:.0f} | {'yes' if met else 'no'} | "
+                         + " | ".join(f"{r['calls_warm_us'][n]:.1f}" for n in names)
+                         + " | " + ", ".join(f"{k} {v}" for k, v in r["plans"].items()) + " |")
     versions = _versions_table(rows).splitlines()[1:]
     if len(versions) > 1:
         lines += ["", "Kernel versions, whole call (us), and each kernel alone where timed:", "", "```"]
@@ -615,7 +724,7 @@ def main(argv=None) -> int:
     """Check, time and tabulate every row; returns 0 when every row passed its check."""
     ap = argparse.ArgumentParser(prog="lora-cupy bench kernels", description=__doc__.splitlines()[0])
     ap.add_argument("--json", metavar="FILE", help="write every number here")
-    ap.add_argument("--groups", default="", help="comma-separated row groups to run (default: all)")
+    ap.add_argument("--groups", default="", help="comma-separated row groups to run, \"layer\" for the layer rows (default: all)")
     ap.add_argument("--sweep", action="store_true", help="also time every tile / fused variant")
     ap.add_argument("--replays", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--seed", type=int, default=0)
@@ -637,7 +746,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA device", file=sys.stderr)
         return 2
-    todo = [r for r in rows() if (not args.groups or r.group in args.groups.split(",")) and args.match in r.label]
+    groups = set(filter(None, args.groups.split(",")))
+    todo = [r for r in rows() if (not groups or r.group in groups) and args.match in r.label]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {len(todo)} rows", file=sys.stderr)
     timer = Timer(args.replays, args.method, args.flush)
@@ -653,6 +763,14 @@ def main(argv=None) -> int:
     t0, stop = time.time(), _deadline(args)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw": bw,
             "method": "events" if timer.events_in_graphs else "diff", "flush": args.flush, "calibration_us": calib}
+    layer = []
+    if not groups or "layer" in groups:
+        warm = Timer(args.replays, "diff", "none")
+        for i, (T, k) in enumerate(LAYER_GOALS_US):
+            layer.append(run_layer(T, k, warm, timer, args.seed + 1000 + i))
+            print(f"[layer] T={T} adapters={k}: warm {layer[-1]['warm_us']:.1f} us, "
+                  f"flushed {layer[-1]['flushed_us']:.1f} us", file=sys.stderr)
+        del warm
     for i, row in enumerate(todo):
         if time.time() > stop:
             skipped.append(row.label)
@@ -664,7 +782,7 @@ def main(argv=None) -> int:
               f"(floor {res['floor_us']:.1f}, best baseline {res['best_baseline_us']:.1f}) {vs}", file=sys.stderr)
         if args.json:  # after every row, so a run cut short still leaves its numbers
             with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": results, "partial": True}, f, indent=1)
+                json.dump({"meta": meta, "layer": layer, "rows": results, "partial": True}, f, indent=1)
     if skipped:
         print(f"deadline: {len(skipped)} rows not run: {', '.join(skipped)}", file=sys.stderr)
     by_label = {r["label"]: r for r in results}
@@ -685,10 +803,12 @@ def main(argv=None) -> int:
     if skipped:
         print(f"not run (deadline): {', '.join(skipped)}")
     print(_versions_table(results))
+    if layer:
+        print(layer_table(layer))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": results, "skipped": skipped}, f, indent=1)
-    return 0 if all(k["ok"] for r in results for k in r["kernels"].values()) else 1
+            json.dump({"meta": meta, "layer": layer, "rows": results, "skipped": skipped}, f, indent=1)
+    return 0 if all(k["ok"] for r in results for k in r["kernels"].values()) and all(r["ok"] for r in layer) else 1
 
 
 if __name__ == "__main__":
