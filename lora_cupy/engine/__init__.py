@@ -1,8 +1,16 @@
-"""The engine side a pool plugs into: the Resource protocol, steps, and the runner's admission."""
+"""The engine side a pool plugs into: the Resource protocol, steps, the runner's admission, the
+paged KV cache, and the worker that runs a main chain and a side-step lane."""
 
 from .admission import AdmissionQueue, Granted
+from .kv import KVReqConfig, PagedKVCache
+from .manager import EngineConfigError, EngineManager, NodeGroup
 from .resource import (AdmitOutcome, EngineResourceInfo, LoraStep, Resource, ResourceReqConfig,
                        StepContext, StepRows)
+from .scheduler import CHAIN_LANE, SIDE_LANE, MicroScheduler
+from .side_steps import SideStepLane
+from .worker import Request, RequestResult, Worker
 
 __all__ = ["AdmissionQueue", "Granted", "AdmitOutcome", "EngineResourceInfo", "LoraStep", "Resource",
-           "ResourceReqConfig", "StepContext", "StepRows"]
+           "ResourceReqConfig", "StepContext", "StepRows", "KVReqConfig", "PagedKVCache", "EngineConfigError",
+           "EngineManager", "NodeGroup", "CHAIN_LANE", "SIDE_LANE", "MicroScheduler", "SideStepLane", "Request",
+           "RequestResult", "Worker"]
