@@ -1,44 +1,38 @@
-"""``lora-cupy demo``: many requests on many adapters served through one pool, step by step.
+"""``lora-cupy demo``: a Hugging Face model serving many PEFT adapters through one pool.
 
-Adapters are written in PEFT's ``save_pretrained`` format (random weights, mixed ranks and
-alphas, one with rslora), loaded at run time, and requests on them (and on the base model)
-arrive faster than the pool has slots, so some wait at admission and slots are evicted and
-reused. Every step runs the delta of every target at every layer and checks it against a
-dense float64 ``scaling * B @ A`` per adapter, made from its files apart from the pool.
+With no arguments: a small Llama-style model is built from a config (random weights, no
+download), a dozen adapters of mixed ranks (one rsLoRA, some on attention or MLP only) are
+written by PEFT itself (``save_pretrained``), and a few dozen requests arrive over the run,
+each on an adapter (zipf-popular) or the base model, more adapters than the pool has slots:
+requests wait at admission, slots are evicted and reused. Each request's greedy tokens are
+then compared with PEFT's own generation with that adapter alone, and the run's throughput,
+slot hit rate and evictions are printed. CPU where there is no GPU (float32); on a GPU the
+decode steps replay CUDA graphs. ``--model DIR`` and ``--adapter NAME=DIR`` serve your own.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from .dtypes import numpy_dtype
-from .spec import PEFT_MODULES, LoraSlice, LoraSpec, LoraTarget
-
-HIDDEN, INTER, Q, KV = 256, 512, 256, 128
-
-
-def demo_spec(num_slots: int, num_layers: int, dtype: str) -> LoraSpec:
-    """A small Llama-style stack: fused qkv and gate_up targets, o_proj and down_proj."""
-    targets = (
-        LoraTarget("qkv_proj", HIDDEN, Q + 2 * KV, num_layers,
-                   (LoraSlice("q_proj", Q), LoraSlice("k_proj", KV), LoraSlice("v_proj", KV))),
-        LoraTarget("o_proj", Q, HIDDEN, num_layers),
-        LoraTarget("gate_up_proj", HIDDEN, 2 * INTER, num_layers,
-                   (LoraSlice("gate_proj", INTER), LoraSlice("up_proj", INTER))),
-        LoraTarget("down_proj", INTER, HIDDEN, num_layers),
-    )
-    return LoraSpec(targets, num_slots=num_slots, max_rank=32, dtype=dtype, capture_buckets=(16, 64, 256, 1024))
+#: The default model: Llama-shaped, small enough for a 2-core CPU.
+DEMO_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION, MLP = ALL_MODULES[:4], ALL_MODULES[4:]
 
 
-def write_adapter(path: Path, spec: LoraSpec, rng: np.random.Generator, r: int, alpha: float,
+def write_adapter(path: Path, spec, rng: np.random.Generator, r: int, alpha: float,
                   modules: list[str], use_rslora: bool = False) -> None:
-    """A PEFT-format adapter directory with random A and B for ``modules`` at every layer."""
+    """A PEFT-format adapter directory with random A and B for ``modules`` at every layer of
+    ``spec``'s targets, written with NumPy alone (no model, no PEFT)."""
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -56,205 +50,215 @@ def write_adapter(path: Path, spec: LoraSpec, rng: np.random.Generator, r: int, 
     (path / "adapter_config.json").write_text(json.dumps(config))
 
 
-class DenseOracle:
-    """Each adapter's dense ``scaling * B @ A`` per target, layer and slice, in float64, from its files."""
+def demo_model(num_layers: int, seed: int):
+    """The default model: a random ``LlamaForCausalLM`` from :data:`DEMO_CONFIG` (float32)."""
+    import torch
+    import transformers
 
-    def __init__(self, spec: LoraSpec):
-        self.spec = spec
-        self.dense: dict[str, dict[tuple[str, int], np.ndarray]] = {}
-
-    def add(self, name: str, path: Path) -> None:
-        from .peft import read_peft_adapter
-
-        w = read_peft_adapter(path, self.spec, name)
-        mats = {}
-        for tname, tw in w.targets.items():
-            t = self.spec.target(tname)
-            offs = t.out_offsets(self.spec.tp_size)
-            for layer in range(t.num_layers):
-                m = np.zeros((offs[-1], t.local_in_features(self.spec.tp_size)))
-                for j in range(t.num_slices):
-                    r = int(tw.ranks[layer, j])
-                    m[offs[j]:offs[j + 1]] = float(tw.scaling[layer, j]) * (
-                        tw.b[layer, offs[j]:offs[j + 1], :r].astype(np.float64) @ tw.a[layer, j, :r].astype(np.float64))
-                mats[(tname, layer)] = m
-        self.dense[name] = mats
-
-    def delta(self, target: str, layer: int, x: np.ndarray, row_adapters: list[str | None]) -> np.ndarray:
-        out = self.spec.target(target).local_out_features(self.spec.tp_size)
-        d = np.zeros((x.shape[0], out))
-        for t, name in enumerate(row_adapters):
-            if name is not None and (target, layer) in self.dense[name]:
-                d[t] = x[t].astype(np.float64) @ self.dense[name][(target, layer)].T
-        return d
+    cfg = transformers.LlamaConfig(**{**DEMO_CONFIG, "num_hidden_layers": num_layers})
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).eval()
 
 
-def to_device(device, a: np.ndarray):
-    """A copy of ``a`` on the pool's device, once the copy has landed."""
-    if not device.is_cuda:
-        return a.copy()
-    d = device.zeros(a.shape, a.dtype)
-    device.copy_to_device(d, np.ascontiguousarray(a))
-    device.synchronize()
-    return d
+def write_peft_adapters(base, root: Path, count: int, rng: np.random.Generator) -> dict[str, Path]:
+    """``count`` adapters written by PEFT from ``base`` (random A and B, PEFT's own
+    ``init_lora_weights=False``): ranks 2-32, varied alphas, one rsLoRA, some on attention or
+    MLP alone. Returns name -> directory."""
+    import peft
+    import torch
+
+    out = {}
+    for k in range(count):
+        r = (2, 4, 8, 16, 32)[k % 5]
+        modules = (ALL_MODULES, ATTENTION, ALL_MODULES, MLP)[k % 4]
+        config = peft.LoraConfig(r=r, lora_alpha=float(rng.choice([r, 2 * r, 16])), target_modules=list(modules),
+                                 use_rslora=(k == 1), init_lora_weights=False)
+        torch.manual_seed(int(rng.integers(1 << 30)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.get_peft_model(copy.deepcopy(base), config)
+            out[f"adapter{k:02d}"] = root / f"adapter{k:02d}"
+            model.save_pretrained(str(out[f"adapter{k:02d}"]))
+    return out
 
 
 def pick_device(choice: str) -> str:
+    """``auto``: ``cuda:0`` when torch and CuPy both see a GPU, else ``cpu``."""
     if choice != "auto":
         return choice
     try:
         import cupy
+        import torch
 
-        return "cuda:0" if cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
+        return "cuda:0" if torch.cuda.is_available() and cupy.cuda.runtime.getDeviceCount() > 0 else "cpu"
     except Exception:
         return "cpu"
 
 
-def run(args) -> dict:
-    """Write the adapters, serve the requests, and return the summary; the pool and the
-    temporary adapter folder are closed whatever happens."""
-    from .pool import LoraAdapterPool
-
-    device = pick_device(args.device)
-    spec = demo_spec(args.slots + 1, args.layers, "float32" if device == "cpu" else "bfloat16")
-    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="lora-cupy-demo-")
-    workdir = Path(tmp.name if tmp else tempfile.mkdtemp(prefix="lora-cupy-demo-"))
-    pool = LoraAdapterPool(spec, device)
-    try:
-        return serve(args, pool, workdir)
-    finally:
-        pool.close()
-        if tmp is not None:
-            tmp.cleanup()
+def parse_adapters(items: list[str]) -> dict[str, Path]:
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        path = Path(path if sep else name)
+        name = name if sep else path.name
+        if name in out:
+            raise SystemExit(f"lora-cupy demo: adapter name {name!r} given twice")
+        out[name] = path
+    return out
 
 
-def serve(args, pool, workdir: Path) -> dict:
+def load_model(args, device: str):
+    import torch
+
+    if args.model:
+        import transformers
+
+        dtype = getattr(torch, args.dtype) if args.dtype else "auto"
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    else:
+        model = demo_model(args.layers, args.seed)
+        if args.dtype:
+            model = model.to(getattr(torch, args.dtype))
+    return model.to("cpu" if device == "cpu" else device).eval()
+
+
+def serve_requests(gen, requests, arrivals: float, rng: np.random.Generator, quiet: bool) -> float:
+    """Submit ``requests`` as they arrive (``arrivals`` per step on average) and run the
+    generator until every one finished; returns the wall seconds taken."""
     from tqdm import tqdm
 
-    from .delta import LoraLayerDelta
-    from .engine.admission import AdmissionQueue
-    from .engine.resource import LoraStep, ResourceReqConfig, StepContext
-
-    spec, device, dtype = pool.spec, pool.device.name, pool.spec.dtype
-    rng = np.random.default_rng(args.seed)
-    all_modules = list(PEFT_MODULES)
-    oracle = DenseOracle(spec)
-    names = []
-    for k in range(args.adapters):
-        name = f"adapter{k}"
-        r = int(rng.choice([4, 8, 16, 32]))
-        modules = all_modules if k % 3 == 0 else list(rng.choice(all_modules, size=3, replace=False))
-        write_adapter(workdir / name, spec, rng, r, alpha=float(2 * r if k % 2 else r), modules=modules,
-                      use_rslora=(k == 1))
-        pool.load_adapter_async(name, workdir / name).result()
-        oracle.add(name, workdir / name)
-        names.append(name)
-    print(f"device {device} ({dtype}); {len(names)} adapters in {args.slots} slots; "
-          f"{spec.device_bytes() / 2**20:.1f} MiB of slot weights"
-          + (f"; adapter files kept in {workdir}" if args.keep else ""))
-
-    popularity = 1.0 / np.arange(1, len(names) + 1) ** 1.2
-    popularity /= popularity.sum()
-    queue = AdmissionQueue([pool])
-    adapter_of: dict[str, str | None] = {}
-    left: dict[str, int] = {}  # rid -> decode steps left
-    new: set[str] = set()
-    running: list[str] = []
-    deltas = {(t.name, layer): LoraLayerDelta(pool, t.name, layer)
-              for t in spec.targets for layer in range(t.num_layers)}
-    worst, waited_steps, served = 0.0, 0, 0
+    pending = list(requests)
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=quiet)
     started = time.perf_counter()
-    arrivals = iter(range(args.requests))
-    bar = tqdm(total=args.steps, desc="steps", unit="step", disable=args.quiet)
-    step_no, idle_since = 0, None
-    while step_no < args.steps:
-        if idle_since is None or not len(queue):  # arrivals come per step, not per wait on a read
-            for _ in range(int(rng.poisson(args.arrivals))):
-                k = next(arrivals, None)
-                if k is None:
-                    break
-                rid = f"req{k}"
-                adapter_of[rid] = None if rng.random() < 0.2 else str(rng.choice(names, p=popularity))
-                pool.ingest_request(rid, ResourceReqConfig(adapter_of[rid]))
-                queue.submit(rid, spec.node)
-        for g in queue.pump():
-            running.append(g.rid)
-            new.add(g.rid)
-            left[g.rid] = int(rng.integers(2, 6))
-        if not running:
-            # Nothing to run: the queue's head waits for its adapter's host copy (read on the
-            # pool's reader thread), or no request has arrived. An engine would block here.
-            if not len(queue) and len(adapter_of) >= args.requests:
-                break
-            idle_since = idle_since or time.perf_counter()
-            if time.perf_counter() - idle_since > 30:
-                raise RuntimeError(f"no request could be admitted for 30 s: {queue.waiting[:3]}")
+    idle_since = None
+    while pending or gen.pending:
+        for _ in range(min(len(pending), int(rng.poisson(arrivals)) if gen.pending else 1)):
+            gen.submit(pending.pop(0))
+        events = gen.step()
+        if not events:
+            idle_since = idle_since or time.monotonic()
+            if time.monotonic() - idle_since > 60:
+                raise RuntimeError("no request could run for 60 s")
             time.sleep(0.001)
             continue
         idle_since = None
-        waited_steps += len(queue)
-        step_no += 1
-        bar.update()
-        tokens = [int(rng.integers(3, 9)) if rid in new else 1 for rid in running]
-        step = LoraStep(running, tokens, node=spec.node, seq=step_no)
-        ctx = StepContext(seq=step_no)
-        outcome = pool.admit(step, ctx)
-        if not outcome.ok:
-            raise RuntimeError(f"step {step_no}: admit refused rows {dict(outcome.failed)}")
-        pool.plan(step, ctx)
-        row_adapters = [adapter_of[rid] for rid, n in zip(running, tokens) for _ in range(n)]
-        for (target, layer), delta in deltas.items():
-            t = spec.target(target)
-            x = rng.standard_normal((len(row_adapters), t.in_features)).astype(numpy_dtype(dtype))
-            y0 = rng.standard_normal((len(row_adapters), t.out_features)).astype(numpy_dtype(dtype))
-            y = to_device(pool.device, y0)
-            delta(y, to_device(pool.device, x))
-            got = pool.device.to_host(y).astype(np.float64) - y0.astype(np.float64)
-            want = oracle.delta(target, layer, x, row_adapters)
-            worst = max(worst, float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)))
-        pool.commit(step, ctx)
-        new.clear()
-        for rid in list(running):
-            left[rid] -= 1
-            if left[rid] == 0:
-                running.remove(rid)
-                pool.remove_request(rid)
-                queue.cancel(rid)
-                served += 1
-        bar.set_postfix(running=len(running), waiting=len(queue), err=f"{worst:.1e}")
+        done = sum(ev.done for ev in events)
+        if done:
+            bar.update(done)
+        bar.set_postfix(running=len(gen.running), waiting=len(gen.queue))
     bar.close()
-    pool.check_valid()
+    return time.perf_counter() - started
+
+
+def run(args) -> dict:
+    """Build (or load) the model, write (or take) the adapters, serve the requests, check them
+    against PEFT; returns the per-request rows and the summary."""
+    from .integrations import GenerationRequest, serve
+    from .integrations.peft_reference import PeftReference
+
+    device = pick_device(args.device)
+    rng = np.random.default_rng(args.seed)
+    model = load_model(args, device)
+    tmp = tempfile.TemporaryDirectory(prefix="lora-cupy-demo-")
+    try:
+        adapters = parse_adapters(args.adapter) if args.adapter else \
+            write_peft_adapters(model, Path(tmp.name), args.adapters, rng)
+        names = sorted(adapters)
+        gen = serve(model, adapters, num_slots=args.slots + 1, max_len=args.max_len, max_batch=args.max_batch,
+                    cuda_graphs=None if device != "cpu" else False)
+        pool = gen.pool
+        try:
+            vocab = model.config.vocab_size
+            popularity = 1.0 / np.arange(1, len(names) + 1) ** 1.1
+            popularity /= popularity.sum()
+            order = rng.permutation(names)
+            requests = []
+            for i in range(args.requests):
+                adapter = None if rng.random() < args.base_share else str(rng.choice(order, p=popularity))
+                prompt = rng.integers(0, vocab, int(rng.integers(4, 17))).tolist()
+                requests.append(GenerationRequest(f"req{i:02d}", prompt, adapter,
+                                                  max_new_tokens=int(rng.integers(args.max_new_tokens // 2,
+                                                                                  args.max_new_tokens + 1))))
+            if not args.quiet:
+                print(f"device {device} ({pool.spec.dtype}); {len(names)} adapters in {args.slots} slots; "
+                      f"{len(requests)} requests; targets {', '.join(pool.spec.target_names)}; "
+                      f"{pool.spec.device_bytes() / 2**20:.1f} MiB of slot weights")
+            wall = serve_requests(gen, requests, args.arrivals, rng, args.quiet)
+            stats = gen.stats()
+            records = gen.records
+            pool.check_valid()
+            eos = gen.eos_token_id
+        finally:
+            gen.close()
+            pool.close()
+        rows = []
+        reference = PeftReference(model, adapters) if args.check else None
+        for r in requests:
+            rec = records[r.rid]
+            row = {"request": r.rid, "adapter": r.adapter or "-", "prompt": len(r.prompt),
+                   "tokens": len(rec.tokens), "waited_steps": rec.admitted - rec.submitted,
+                   "slot_hit": rec.hit}
+            if reference is not None:
+                row["matches_peft"] = reference.generate(r.prompt, r.adapter, r.max_new_tokens, eos) == rec.tokens
+            rows.append(row)
+    finally:
+        tmp.cleanup()
     summary = {
-        "device": device, "dtype": dtype, "steps": step_no, "requests_served": served,
-        "requests_admitted": len(adapter_of), "slot_loads": int(pool.stats["loads"]),
-        "admission_wait_request_steps": waited_steps, "worst_relative_error": worst,
-        "seconds": round(time.perf_counter() - started, 2),
+        "device": device, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "requests": len(rows), "adapters": len(names), "slots": args.slots,
+        "matching_peft": sum(r.get("matches_peft", False) for r in rows) if args.check else None,
+        "tokens": stats["tokens"], "seconds": round(wall, 2),
+        "tokens_per_second": round(stats["tokens"] / wall, 1), "steps": stats["steps"],
+        "slot_loads": stats["slot_loads"], "slot_hit_rate": stats["slot_hit_rate"],
+        "evictions": stats["evictions"], "graph_steps": stats["graph_steps"],
+        "max_admission_wait_steps": max(r["waited_steps"] for r in rows),
     }
-    return summary
+    return {"rows": rows, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lora-cupy demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="auto (cuda:0 when there is a GPU, else cpu), cpu, cuda:N")
-    p.add_argument("--adapters", type=int, default=8, help="adapters written and served (default 8)")
+    p.add_argument("--model", metavar="DIR", help="a Hugging Face causal LM directory (default: a small random "
+                   "Llama-style model built from a config)")
+    p.add_argument("--adapter", action="append", default=[], metavar="[NAME=]DIR",
+                   help="a PEFT adapter directory to serve (repeat; default: write --adapters of them with PEFT)")
+    p.add_argument("--adapters", type=int, default=12, help="adapters written when none is given (default 12)")
     p.add_argument("--slots", type=int, default=4, help="adapter slots, slot 0 aside (default 4)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--arrivals", type=float, default=2.0, help="mean new requests per step")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--requests", type=int, default=36, help="requests served (default 36)")
+    p.add_argument("--max-new-tokens", type=int, default=12, help="most tokens a request generates (default 12)")
+    p.add_argument("--arrivals", type=float, default=1.5, help="mean requests arriving per step (default 1.5)")
+    p.add_argument("--base-share", type=float, default=0.15, help="share of requests on the base model")
+    p.add_argument("--max-batch", type=int, default=16, help="requests running at once (default 16)")
+    p.add_argument("--max-len", type=int, default=64, help="positions per request (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="layers of the default model (default 2)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="model dtype (default: float32 for the default model, the checkpoint's for --model)")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the comparison with PEFT")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write the rows and summary to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--keep", action="store_true", help="keep the adapter files written (a temporary folder)")
     args = p.parse_args(argv)
-    for what in ("adapters", "slots", "layers", "steps"):
+    for what in ("adapters", "slots", "requests", "max_new_tokens", "layers", "max_batch"):
         if getattr(args, what) < 1:
-            p.error(f"--{what} must be at least 1")
-    summary = run(args)
-    width = max(len(k) for k in summary)
-    for k, v in summary.items():
-        print(f"{k:<{width}}  {v:.2e}" if isinstance(v, float) and k.startswith("worst") else f"{k:<{width}}  {v}")
-    ok = summary["worst_relative_error"] < (1e-5 if summary["dtype"] == "float32" else 2e-2)
-    print("every step's delta matches the float64 computation from the adapter files" if ok
-          else "MISMATCH against the float64 computation")
+            p.error(f"--{what.replace('_', '-')} must be at least 1")
+    if args.max_len < 20 + args.max_new_tokens:
+        p.error(f"--max-len must be at least 20 + --max-new-tokens ({20 + args.max_new_tokens})")
+    out = run(args)
+    for r in out["rows"]:
+        match = "" if "matches_peft" not in r else ("  tokens = PEFT's" if r["matches_peft"] else "  MISMATCH")
+        print(f"{r['request']}  adapter {r['adapter']:<10} prompt {r['prompt']:>2}  tokens {r['tokens']:>2}  "
+              f"waited {r['waited_steps']:>2} steps{match}")
+    s = out["summary"]
+    width = max(len(k) for k in s)
+    for k, v in s.items():
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    if not args.check:
+        return 0
+    ok = s["matching_peft"] == s["requests"]
+    print(f"every request's tokens equal PEFT's generation with its adapter alone" if ok else
+          f"MISMATCH: {s['requests'] - s['matching_peft']} of {s['requests']} requests differ from PEFT's generation")
     return 0 if ok else 1
