@@ -31,7 +31,7 @@ def _check_kernels(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-_BENCHES = {"kernels": "lora_cupy.bench.kernels", "pool": "lora_cupy.bench.pool"}
+_BENCHES = {"kernels": "lora_cupy.bench.kernels", "pool": "lora_cupy.bench.pool", "lane": "lora_cupy.bench.lane"}
 
 
 def main(argv: list[str] | None = None) -> int:
