@@ -1,0 +1,143 @@
+"""``lora-cupy bench lane``: the decode chain's throughput alone, with codec windows on the side
+lane, and with the same windows run on the chain.
+
+The decode chain is the engine's test model (``engine/decode_model.py``): an LLM node whose
+layers add each request's LoRA delta through the pool, its state in a paged KV cache, every
+request decoding ``--tokens`` tokens; every ``--window`` tokens a request's window goes to the
+codec node. Chain throughput is the chain's decode tokens over the span from its first step's
+start to its last step's landing (CUDA events on cuda, host time on the cpu), so codec work that
+runs after the chain is done does not count, and codec steps run on the chain do. Each mode runs
+twice; the second run is reported (the first compiles kernels and captures graphs).
+
+The issue's target: with windows on the side lane the chain keeps at least 95% of its
+throughput alone, while the same windows on the chain cost it their full time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+
+MODES = ("alone", "side", "on_chain")
+
+
+def _engine(args, side_lane: bool):
+    from ..device import as_device
+    from ..engine.decode_model import RandomAdapters, decode_engine, decode_spec
+    from ..pool import LoraAdapterPool
+
+    adapters = {f"a{i}": args.rank for i in range(args.adapters)}
+    spec = decode_spec(args.hidden, args.layers, num_slots=args.adapters + 1, max_rank=args.rank,
+                       buckets=tuple(sorted({8, 16, 32, 64, 128, 256, args.requests})))
+    pool = LoraAdapterPool(spec, as_device(args.device), reader=RandomAdapters(adapters),
+                           adapters={n: f"memory:{n}" for n in adapters})
+    pages_each = -(-args.tokens // args.page_size)
+    eng = decode_engine(pool, num_pages=args.requests * pages_each + 1, page_size=args.page_size,
+                        side_lane=side_lane, graphs=not args.no_graphs, codec_width=args.codec_width,
+                        codec_layers=args.codec_layers, vocab=min(64, args.hidden))
+    eng.worker.marks = type(eng.worker.marks)(maxlen=1 << 20)
+    return eng
+
+
+def run_mode(args, mode: str) -> dict:
+    """One mode, run twice on one engine; the second run's figures."""
+    from ..engine.scheduler import CHAIN_LANE, SIDE_LANE
+    from ..engine.worker import Request
+
+    eng = _engine(args, side_lane=(mode == "side"))
+    w = eng.worker
+    window = 0 if mode == "alone" else args.window
+    try:
+        out = None
+        for rep in range(2):
+            w.marks.clear()
+            names = [None] + [f"a{i}" for i in range(args.adapters)]
+            futs = [w.submit(Request(f"{rep}-{i}", names[i % len(names)], prompt=i, max_new_tokens=args.tokens,
+                                     window=window)) for i in range(args.requests)]
+            t0 = time.perf_counter()
+            w.drain(timeout=args.timeout)
+            wall = time.perf_counter() - t0
+            for f in futs:
+                f.result()
+            chain = [(s, e) for lane, _seq, s, e in w.marks if lane == CHAIN_LANE]
+            side = [(s, e) for lane, _seq, s, e in w.marks if lane == SIDE_LANE]
+            span = chain[-1][1].seconds_since(chain[0][0])
+            chain_busy = sum(e.seconds_since(s) for s, e in chain)
+            side_busy = sum(e.seconds_since(s) for s, e in side)
+            inside = 0.0  # side-step time that falls inside the chain's span
+            for s, e in side:
+                lo = max(0.0, s.seconds_since(chain[0][0]))
+                hi = min(span, e.seconds_since(chain[0][0]))
+                inside += max(0.0, hi - lo)
+            out = {"mode": mode, "requests": args.requests, "tokens": args.tokens, "window": window,
+                   "chain_steps": len(chain), "side_steps": len(side), "chain_span_s": span,
+                   "chain_tokens_per_s": args.requests * args.tokens / span, "chain_busy_s": chain_busy,
+                   "side_busy_s": side_busy, "side_inside_chain_s": inside, "wall_s": wall,
+                   "graphs_captured": len(w.graphs)}
+        return out
+    finally:
+        eng.close()
+
+
+def _meta(argv) -> dict:
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": "lora-cupy bench lane " + " ".join(argv)}
+    try:
+        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        check=True).stdout.strip()
+    except Exception:
+        meta["commit"] = None
+    meta["device"] = "cpu"
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="lora-cupy bench lane", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda:0", help="cuda:N or cpu (default: cuda:0)")
+    p.add_argument("--requests", type=int, default=64, help="requests decoding at once (default 64)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens each request decodes (default 256)")
+    p.add_argument("--window", type=int, default=16, help="a codec window every this many tokens (default 16)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--codec-width", type=int, default=1024)
+    p.add_argument("--codec-layers", type=int, default=8)
+    p.add_argument("--no-graphs", action="store_true", help="run the chain's steps eagerly")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--json", metavar="FILE", help="write the results here")
+    args = p.parse_args(argv)
+    meta = _meta(argv)
+    if args.device.startswith("cuda"):
+        import cupy
+
+        idx = int(args.device.split(":")[1]) if ":" in args.device else 0
+        meta["device"] = cupy.cuda.runtime.getDeviceProperties(idx)["name"].decode()
+    results = {m: run_mode(args, m) for m in MODES}
+    alone = results["alone"]["chain_tokens_per_s"]
+    summary = {"side_vs_alone": results["side"]["chain_tokens_per_s"] / alone,
+               "on_chain_vs_alone": results["on_chain"]["chain_tokens_per_s"] / alone,
+               "on_chain_extra_s": results["on_chain"]["chain_span_s"] - results["alone"]["chain_span_s"],
+               "codec_time_s": results["side"]["side_busy_s"]}
+    print(f"{'mode':<10} {'tokens/s':>12} {'chain span s':>13} {'chain steps':>12} {'side steps':>11}")
+    for m in MODES:
+        r = results[m]
+        print(f"{m:<10} {r['chain_tokens_per_s']:12.0f} {r['chain_span_s']:13.4f} {r['chain_steps']:12d} "
+              f"{r['side_steps']:11d}")
+    print(f"side lane keeps {100 * summary['side_vs_alone']:.1f}% of the chain's throughput (target >= 95%); "
+          f"windows on the chain keep {100 * summary['on_chain_vs_alone']:.1f}% "
+          f"(+{summary['on_chain_extra_s']:.4f} s for {summary['codec_time_s']:.4f} s of codec work)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**meta, "args": vars(args), "results": results, "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
