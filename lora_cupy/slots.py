@@ -25,8 +25,14 @@ the table's):
   slot (each will take a slot at its admit), :meth:`~SlotTable.unheld_count` the number of
   unheld slots ``s >= 1``, and ``len(demand()) <= unheld_count()`` always. A reservation for
   an adapter that is held, or counted already, costs nothing more. A row spends its
-  reservation when it takes a slot; a row of an adapter nobody counted may take an unheld slot
-  only while ``len(demand()) < unheld_count()`` (the admit's backstop).
+  reservation when it takes a slot.
+- The admit's backstop reads only what every rank of a lockstep instance shares (the table,
+  never the reservations, which only the deciding rank keeps): a row is refused only when no
+  victim is left for its miss (every slot held). A row of an adapter nobody counted (admitted
+  without asking) takes a slot like any other; where that leaves the reservations promising
+  more slots than are unheld, the promises made last are taken back (``AdmitPicks.shed``:
+  those rows hold nothing and ask again), so ``len(demand()) <= unheld_count()`` still holds
+  and every row still counted finds its slot (5, 6).
 - :meth:`~SlotTable.forget` drops a name -> slot entry (an unload); the slot keeps the
   weights, unheld, and ``adapters[s]`` keeps the stale name, until a miss reuses it (9).
 """
@@ -70,7 +76,8 @@ class AdmitPicks:
     """What :meth:`SlotTable.begin_admit` decided: hits taken now, misses and their victims.
 
     ``victims[i]`` is the slot the ``i``-th surviving miss takes at :meth:`SlotTable.finish_miss`.
-    ``refused`` maps rids to why they could take no slot (the backstop).
+    ``refused`` maps rids to why they could take no slot (the backstop). ``shed``: the
+    ``(rid, adapter)`` reservations an uncounted row's take made the table take back.
     """
 
     hits: list[tuple[Hashable, int]] = field(default_factory=list)
@@ -78,6 +85,7 @@ class AdmitPicks:
     victims: list[int] = field(default_factory=list)
     refused: dict[Hashable, str] = field(default_factory=dict)
     spent: list[tuple[Hashable, str]] = field(default_factory=list)  # (rid, adapter) reservations spent
+    shed: list[tuple[Hashable, str]] = field(default_factory=list)  # (rid, adapter) reservations taken back
     next_victim: int = 0
     ticked: bool = False  # the clock advanced for this admit
 
@@ -146,17 +154,17 @@ class SlotTable:
         return name
 
     # -- holds ---------------------------------------------------------------------------
-    def _take(self, name: str, rids: Sequence[Hashable], slot: int, picks: AdmitPicks
-              ) -> tuple[list[Hashable], list[Hashable]]:
-        """Rows of adapter ``name`` take ``slot``; returns (taken, refused for want of a free slot).
+    def _take(self, name: str, rids: Sequence[Hashable], slot: int, picks: AdmitPicks) -> list[Hashable]:
+        """Rows of adapter ``name`` take ``slot``; returns them.
 
-        Taking an unheld slot for an adapter no reservation counted is allowed only while
-        ``len(demand()) < unheld_count()``. The rows' reservations are spent (``picks.spent``); the admit's first
-        take advances the clock, and the slot is stamped.
+        Never refused: what may be taken follows from the table alone, the same on every rank.
+        The rows' reservations are spent (``picks.spent``); an adapter nobody counted that makes
+        an unheld slot held takes back the promises that slot backed (:meth:`_shed`). The
+        admit's first take advances the clock, and the slot is stamped.
         """
+        uncounted = False
         if self.refcounts[slot] == 0:
-            if name not in self._res_count and self._demand_count() >= self._free:
-                return [], list(rids)
+            uncounted = name not in self._res_count
             self._free -= 1
         taken: list[Hashable] = []
         for rid in rids:
@@ -171,7 +179,18 @@ class SlotTable:
             self.clock += 1
             picks.ticked = True
         self.last_used[slot] = self.clock
-        return taken, []
+        if uncounted:
+            self._shed(picks)
+        return taken
+
+    def _shed(self, picks: AdmitPicks) -> None:
+        """While the reservations promise more slots than are unheld, take back the promise
+        made last: every reservation of the adapter in ``demand()`` reserved most recently."""
+        while self._demand_count() > self._free:
+            name = next(n for n in reversed(self.reserved.values()) if not self.held(n))
+            for rid in [r for r, n in self.reserved.items() if n == name]:
+                self.unreserve(rid)
+                picks.shed.append((rid, name))
 
     def release(self, rid: Hashable) -> int | None:
         """``rid`` lets go of its slot (a remove, or a rollback); returns the slot or None."""
@@ -209,10 +228,7 @@ class SlotTable:
             if slot is None:
                 picks.misses.append(MissGroup(name, rids))
                 continue
-            taken, refused = self._take(name, rids, slot, picks)
-            picks.hits += [(rid, slot) for rid in taken]
-            for rid in refused:
-                picks.refused[rid] = "no free slot outside the reservations"
+            picks.hits += [(rid, slot) for rid in self._take(name, rids, slot, picks)]
         picks.victims = self.eviction_order()[: len(picks.misses)]
         return picks
 
@@ -221,8 +237,7 @@ class SlotTable:
         """Install ``miss.name`` in the admit's next victim and give it ``rids``; the slot or None.
 
         ``rids`` (default: the group's, at least one) are the rows still to take it. None when
-        no victim is left, or when no reservation counted the adapter and every free slot is
-        promised: the rows are then refused (``picks.refused``) and nothing changes.
+        no victim is left: the rows are then refused (``picks.refused``) and nothing changes.
         """
         rids = list(miss.rids if rids is None else rids)
         if picks.next_victim >= len(picks.victims):
@@ -232,10 +247,6 @@ class SlotTable:
         slot = picks.victims[picks.next_victim]
         if self.refcounts[slot]:
             raise ValueError(f"victim slot {slot} was taken between begin_admit and finish_miss")
-        if miss.name not in self._res_count and self._demand_count() >= self._free:
-            for rid in rids:
-                picks.refused[rid] = "no free slot outside the reservations"
-            return None
         picks.next_victim += 1
         old = self.adapters[slot]
         if old is not None and self.entries.get(old) == slot:

@@ -7,8 +7,11 @@ The decisions and their order follow the pool's invariants (the README's invaria
   one; a miss takes an empty slot first, else the least recently used unheld slot, by a
   logical clock advanced by admits;
 * reservations count slots and pin none; the adapters that reserved rows still need a slot
-  for never outnumber the unheld slots; only the deciding rank keeps them; an admit refuses
-  a row that would spend a slot promised to another adapter (the backstop);
+  for never outnumber the unheld slots; only the deciding rank keeps them;
+* the admit's backstop reads only what every rank shares: a row is refused only when its miss
+  finds no unheld slot; a row nobody counted takes a slot like any other, and where that
+  leaves the reservations promising more than the unheld slots, the promises made last are
+  taken back (their rows ask again);
 * a miss whose adapter failed to read (on any rank) fails before any slot is handed out;
 * ``rollback_admit`` gives back exactly what the admit took, loaded adapters stay resident;
 * ``unload_adapter`` stops new requests at once and forgets the adapter (name, host copy,
@@ -104,6 +107,7 @@ class SimPool:
         self.tier: dict[str, Copy] = {}  # host copies, one per adapter a live request names
         self._named: dict[str, int] = {}  # adapter -> live requests naming it
         self._reserved: dict[str, int] = {}  # adapter -> reserved rows holding no slot yet
+        self._promises: dict[object, str] = {}  # rid -> adapter, in the order they were reserved
         self._taken: list[tuple[object, int]] = []  # (rid, slot) the last admit took, until commit
 
     @property
@@ -142,6 +146,10 @@ class SimPool:
         if r.reserved == on:
             return
         r.reserved = on
+        if on:
+            self._promises[r.rid] = r.adapter
+        else:
+            del self._promises[r.rid]
         n = self._reserved.get(r.adapter, 0) + (1 if on else -1)
         if n:
             self._reserved[r.adapter] = n
@@ -241,20 +249,20 @@ class SimPool:
         self._set_reserved(r, True)
         return Reserve.GRANTED
 
-    def _may_take(self, adapter: str, slot: int | None) -> bool:
-        """Whether rows of ``adapter`` may make ``slot`` (None: a victim) held: a slot held
-        already costs nothing, a counted adapter spends its count, an uncounted one only a
-        slot no reservation was promised (the admit's backstop)."""
-        if slot is not None and self.slots.refcounts[slot] > 0:
-            return True
-        return adapter in self._reserved or len(self.demand()) < self.slots.unheld_count()
-
     def _take(self, rows: list[SimRequest], slot: int, taken: list) -> None:
+        """Rows take ``slot``, spending their reservations. Never refused (the decision reads
+        only the table, the same on every rank); an adapter nobody counted that makes an
+        unheld slot held takes back the promises made last that no unheld slot backs now."""
+        uncounted = self.slots.refcounts[slot] == 0 and rows[0].adapter not in self._reserved
         for r in rows:
             r.slot = slot
             self.slots.take(slot)
             self._set_reserved(r, False)
             taken.append((r.rid, slot))
+        while uncounted and len(self.demand()) > self.slots.unheld_count():
+            last = next(a for a in reversed(self._promises.values()) if not self.slots.held(a))
+            for rid in [rid for rid, a in self._promises.items() if a == last]:
+                self._set_reserved(self.requests[rid], False)
 
     def admit(self, rids, failed: set[str] | None = None) -> AdmitResult:
         """Give each row of the step that holds no slot yet its adapter's slot, loading misses.
@@ -263,8 +271,8 @@ class SimPool:
         first, then misses, each miss the next of the victims fixed once the hits hold their
         slots (empty slots, then least recently used). ``failed``: adapters the instance agreed
         failed to read on some rank (default: this rank's failed copies); their rows fail and
-        take nothing. A row that would spend a slot a reservation promised to another adapter,
-        or finds no unheld slot, is refused. Nothing changes if the admit raises.
+        take nothing (their reservations go before any miss takes a slot). A miss that finds
+        no unheld slot is refused. Nothing changes if the admit raises.
         """
         rows = [self._request(rid) for rid in rids]
         if len({id(r) for r in rows}) != len(rows):
@@ -292,11 +300,7 @@ class SimPool:
         hits, loads, failed_rows, refused = [], [], [], []
         # Resident first: hits hold their slots before any miss picks a victim.
         for a, g in hit_groups:
-            s = self.slots.slot_of(a)
-            if not self._may_take(a, s):
-                refused += [r.rid for r in g]
-                continue
-            self._take(g, s, taken)
+            self._take(g, self.slots.slot_of(a), taken)
             hits += [r.rid for r in g]
         victims = [int(s) for s in self.slots.eviction_order()]
         for a, g in miss_groups:
@@ -304,7 +308,10 @@ class SimPool:
                 for r in g:
                     self._set_reserved(r, False)
                 failed_rows += [r.rid for r in g]
-            elif not victims or not self._may_take(a, None):
+        for a, g in miss_groups:
+            if a in failed:
+                continue
+            if not victims:
                 refused += [r.rid for r in g]
             else:
                 s = victims.pop(0)
@@ -376,6 +383,8 @@ class SimPool:
             if r.reserved:
                 res[r.adapter] = res.get(r.adapter, 0) + 1
         assert count == self._named and res == self._reserved, "request indices out of date"
+        assert set(self._promises) == {r.rid for r in self.requests.values() if r.reserved}, \
+            "reservation order out of date"
         named = {r.adapter for r in self.requests.values() if r.touches}
         assert set(self.tier) == named, f"host tier {sorted(self.tier)} != named {sorted(named)}"
         for a in self.adapters.values():

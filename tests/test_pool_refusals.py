@@ -244,16 +244,23 @@ def test_full_pool_refuses_a_miss_at_admit_without_change(pool, paths):
     pool.check_valid()
 
 
-def test_unreserved_miss_cannot_take_a_promised_slot(pool):
+def test_unreserved_miss_takes_a_slot_and_sheds_the_promise_it_broke(pool):
+    """The backstop reads only the slot table, as every rank of an instance does: a row admitted
+    without asking takes the slot a reservation counted on, and the leader takes that promise
+    back (the row asks again) rather than refuse it where a follower would not."""
     serve_one(pool, "a", "ad0")  # one slot left
     ingest(pool, "r", "ad1")
     ingest(pool, "u", "ad2")
     wait_reads(pool, ["ad1", "ad2"])
     assert pool.reserve("r", "llm", ("llm",), False) == 1
     assert pool.reserve("u", "llm", ("llm",), False) == 0
-    out, _, _ = run_step(pool, ["u"])
-    assert isinstance(out.failed["u"], CapacityError)
-    assert run_step(pool, ["r"])[0].ok  # the reserved row finds its slot
+    assert run_step(pool, ["u"])[0].ok
+    assert "r" not in pool.slots.reserved and pool.reserve("r", "llm", ("llm",), False) == 0
+    pool.check_valid()
+    out, _, _ = run_step(pool, ["r"])  # admitted anyway: no slot is left, on every rank alike
+    assert isinstance(out.failed["r"], CapacityError)
+    pool.remove_request("u")
+    assert pool.reserve("r", "llm", ("llm",), False) == 1 and run_step(pool, ["r"])[0].ok
     pool.check_valid()
 
 

@@ -120,6 +120,18 @@ class MultiRankMachine(RuleBasedStateMachine):
         else:
             self.inst.commit()
 
+    @precondition(lambda self: self.inst is not None and self.inst.live)
+    @rule(data=st.data(), rollback=st.sampled_from([False, False, True]))
+    def admit_any(self, data, rollback):
+        """Rows the leader never asked for (unreserved admits): every rank still decides alike."""
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.inst.live)), min_size=1, unique=True))
+        self.inst.admit(rows)  # raises DivergenceError if any rank decided otherwise
+        self.admits += 1
+        if rollback:
+            self.inst.rollback_admit()
+        else:
+            self.inst.commit()
+
     @precondition(lambda self: self.inst is not None and self.inst.leader.holders())
     @rule(count=st.integers(1, 3))
     def finish(self, count):

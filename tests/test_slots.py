@@ -123,14 +123,18 @@ def test_reservations_count_adapters_not_rows_and_never_exceed_free():
     t.check_valid()
 
 
-def test_unreserved_row_may_not_take_a_promised_slot():
+def test_unreserved_row_takes_a_slot_and_the_last_promise_is_taken_back():
+    """The backstop reads only the table (what every rank shares): an uncounted row takes an
+    unheld slot; the reservation made last, which no unheld slot backs now, is shed."""
     t = SlotTable(3)
     t.reserve("r1", "a")
     t.reserve("r2", "b")
-    got = admit(t, [("x", "c")])
-    assert got["x"] is None and t.slot_of("c") is None  # the backstop
+    picks = t.begin_admit([("x", "c")])
+    assert t.finish_miss(picks, picks.misses[0]) == 1 and t.slot_of("c") == 1
+    assert picks.shed == [("r2", "b")] and t.reserved == {"r1": "a"}
+    t.check_valid()  # len(demand()) <= unheld_count() again
     got = admit(t, [("r1", "a"), ("r2", "b")])
-    assert got["r1"] and got["r2"] and not t.reserved
+    assert got["r1"] == 2 and got["r2"] is None  # the counted row finds its slot; b finds none left
     t.check_valid()
 
 

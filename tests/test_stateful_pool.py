@@ -541,6 +541,17 @@ class PoolRanksMachine(RuleBasedStateMachine):
         rows = data.draw(st.lists(st.sampled_from(ready), min_size=1, unique=True), label="rows")
         res = self.inst.admit(rows)
         assert not res.refused
+        self._finish(res, finish)
+
+    @precondition(lambda self: self.inst is not None and self.inst.live)
+    @rule(data=st.data(), finish=st.sampled_from(["commit", "commit", "rollback"]))
+    def admit_any(self, data, finish):
+        """Rows the leader never asked for (unreserved admits): every rank still decides alike."""
+        rows = data.draw(st.lists(st.sampled_from(sorted(self.inst.live)), min_size=1, unique=True),
+                         label="rows")
+        self._finish(self.inst.admit(rows), finish)
+
+    def _finish(self, res, finish):
         for r, pool in enumerate(self.pools):
             if finish == "rollback":
                 pool.rollback_admit(*self.steps[r])
