@@ -57,6 +57,7 @@ class DecodeGraphs:
         self._mempool = torch.cuda.graph_pool_handle()
         self.captures = 0
         self.replays = 0
+        self.last = None  # the graph replayed last (the e2e benchmark times its replays)
 
     def _decode(self, bucket: int) -> None:
         """The step as captured: the forward of rows ``0..bucket-1`` and their greedy tokens."""
@@ -105,6 +106,7 @@ class DecodeGraphs:
         if graph is None:
             graph = self._graphs[key] = self._capture(bucket)
         graph.replay()
+        self.last = graph
         self.replays += 1
         return self.out[:B].tolist()
 

@@ -1,0 +1,288 @@
+"""``lora-cupy bench e2e [--json FILE]``: a Llama-shaped model's step with adapters against the same
+step with none, in the same run, on a CUDA device.
+
+The model is built from a config (random weights, no download): hidden 4096, intermediate
+14336, 32 heads, 8 KV heads, 4 layers, bfloat16 by default. Adapters are rank 16 on all seven
+projections (q/k/v and gate/up served as fused targets of slices: four launches per layer).
+Every row serves its requests through :class:`~lora_cupy.integrations.LoraGenerator` and times
+one step on the device with CUDA events, median over ``--reps``; the base row is the same step
+with every request on the base model (the pool plans no adapter row, so no delta launches).
+
+Rows (goals from the project's issue):
+
+- decode, batch 64, ~128 cached tokens, CUDA graphs, 8 (then 32) distinct adapters: the decode
+  graph's replay; the static cache spans ``max_len`` (the prompts' 128 tokens plus the decode
+  margin), read whole by every replay, base and adapters alike.
+- decode, batch 1, CUDA graphs, 1 adapter.
+- prefill, 8 requests x 512 tokens, 8 adapters: one eager step that prefills all eight.
+- decode, batch 64, eager (no graphs), 8 adapters: one eager step, host work included; beside it
+  PEFT's own eager mixed batch (``adapter_names``) on a 128-token ``DynamicCache``.
+
+Progress goes to stderr, the table to stdout, every number to the JSON file (with the date,
+GPU, commit and command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: (case, goal as a ratio to base or None when only reported)
+GOALS = {
+    "decode b64 graphs 8 adapters": 1.10,
+    "decode b64 graphs 32 adapters": 1.25,
+    "decode b1 graphs 1 adapter": 1.10,
+    "prefill 8x512 8 adapters": 1.10,
+    "decode b64 eager 8 adapters": None,
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_model(layers: int, dtype: str):
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{**MODEL, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def write_adapters(model, root: Path, count: int, rank: int) -> dict[str, Path]:
+    """``count`` random rank-``rank`` adapters on all seven projections (PEFT's file layout)."""
+    from ..demo import write_adapter
+    from ..spec import LoraSpec
+
+    spec = LoraSpec.from_model(model, MODULES, num_slots=2, max_rank=rank, dtype="float32")
+    rng = np.random.default_rng(0)
+    out = {}
+    for k in range(count):
+        out[f"a{k:02d}"] = root / f"a{k:02d}"
+        write_adapter(out[f"a{k:02d}"], spec, rng, rank, 2.0 * rank, MODULES)
+    return out
+
+
+def event_ms(fn, reps: int) -> float:
+    """Median over ``reps`` of ``fn``'s device time between two CUDA events."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def generator(model, pool, **kw):
+    from ..integrations import LoraGenerator
+
+    return LoraGenerator(model, pool, **kw)
+
+
+def fill(gen, batch: int, prompt: int, adapters: list, max_new: int) -> None:
+    """Submit ``batch`` requests of ``prompt`` tokens (adapters round-robin) and step until all run."""
+    from ..integrations import GenerationRequest
+
+    rng = np.random.default_rng(1)
+    vocab = gen.model.config.vocab_size
+    base = len(gen.records)
+    for i in range(batch):
+        gen.submit(GenerationRequest(f"r{base + i}", rng.integers(0, vocab, prompt).tolist(),
+                                     adapters[i % len(adapters)], max_new_tokens=max_new))
+    while len(gen.queue) or any(gen.records[r].admitted is None for r in gen.records):
+        gen.step()
+
+
+def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int) -> float:
+    """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base)."""
+    import torch
+
+    gen = generator(model, pool, max_batch=max(batch, 1), max_len=192, max_prefill=8, cuda_graphs=graphs)
+    try:
+        fill(gen, batch, 128, adapters, max_new=60)
+        for _ in range(3):  # both parities' graphs captured, slots loaded
+            gen.step()
+        if graphs:
+            return event_ms(gen.graphs.last.replay, reps)
+        torch.cuda.synchronize()
+        return event_ms(gen.step, min(reps, 40))
+    finally:
+        gen.close()
+        for rid in list(gen.running):
+            pool.remove_request(rid)
+
+
+def prefill_row(model, pool, adapters: list, reps: int) -> float:
+    """Device ms of one eager step prefilling 8 requests of 512 tokens."""
+    from ..integrations import GenerationRequest
+
+    gen = generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False)
+    rng = np.random.default_rng(2)
+    vocab = model.config.vocab_size
+    n = [0]
+
+    def one_step():
+        for i in range(8):
+            gen.submit(GenerationRequest(f"p{n[0]}", rng.integers(0, vocab, 512).tolist(), adapters[i % len(adapters)],
+                                         max_new_tokens=1))
+            n[0] += 1
+        gen.step()
+
+    try:
+        one_step()  # slots loaded
+        return event_ms(one_step, min(reps, 20))
+    finally:
+        gen.close()
+
+
+def peft_eager_row(model, adapters: dict, batch: int, reps: int) -> float:
+    """Device ms of PEFT's eager mixed batch: ``batch`` rows, one token each, 8 adapters, on a
+    128-token DynamicCache (cropped back after each step)."""
+    import copy
+    import warnings
+
+    import peft
+    import torch
+    import transformers
+
+    names = sorted(adapters)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = peft.PeftModel.from_pretrained(copy.deepcopy(model), str(adapters[names[0]]), adapter_name=names[0])
+        for name in names[1:]:
+            pm.load_adapter(str(adapters[name]), adapter_name=name)
+    pm.eval()
+    rows = [names[i % len(names)] for i in range(batch)]
+    ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
+    with torch.inference_mode():
+        cache = transformers.DynamicCache(config=model.config)
+        pm(input_ids=ids, past_key_values=cache, use_cache=True, adapter_names=rows)
+        step_ids = ids[:, -1:]
+
+        def step():
+            pm(input_ids=step_ids, past_key_values=cache, use_cache=True, adapter_names=rows)
+            cache.crop(128)
+
+        step()
+        ms = event_ms(step, min(reps, 40))
+    del pm
+    torch.cuda.empty_cache()
+    return ms
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def run(args) -> dict:
+    import torch
+
+    from ..integrations.hf import spec_for_adapters
+    from ..pool import LoraAdapterPool
+
+    model = build_model(args.layers, args.dtype)
+    log(f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lora-cupy-e2e-") as tmp:
+        adapters = write_adapters(model, Path(tmp), 32, args.rank)
+        spec = spec_for_adapters(model, adapters, num_slots=33)
+        pool = LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in adapters.items()})
+        names = sorted(adapters)
+        try:
+            cases = [
+                ("decode b64 graphs 8 adapters", lambda a: decode_row(model, pool, 64, a, True, args.reps), names[:8]),
+                ("decode b64 graphs 32 adapters", lambda a: decode_row(model, pool, 64, a, True, args.reps), names),
+                ("decode b1 graphs 1 adapter", lambda a: decode_row(model, pool, 1, a, True, args.reps), names[:1]),
+                ("prefill 8x512 8 adapters", lambda a: prefill_row(model, pool, a, args.reps), names[:8]),
+                ("decode b64 eager 8 adapters", lambda a: decode_row(model, pool, 64, a, False, args.reps), names[:8]),
+            ]
+            for case, fn, ads in cases:
+                if args.only and args.only not in case:
+                    continue
+                log(f"{case}: base")
+                base = fn([None])
+                log(f"{case}: adapters")
+                lora = fn(ads)
+                goal = GOALS[case]
+                row = {"case": case, "base_ms": round(base, 4), "lora_ms": round(lora, 4),
+                       "ratio": round(lora / base, 3), "goal": goal,
+                       "met": None if goal is None else lora / base <= goal}
+                if case.startswith("decode b64 eager") and not args.no_peft:
+                    log(f"{case}: PEFT's eager mixed batch")
+                    peft_ms = peft_eager_row(model, {n: adapters[n] for n in ads}, 64, args.reps)
+                    row["peft_ms"] = round(peft_ms, 4)
+                    row["peft_ratio"] = round(peft_ms / base, 3)
+                rows.append(row)
+                log(f"  {row}")
+        finally:
+            pool.close()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(0), "commit": commit(),
+        "command": "lora-cupy bench e2e " + " ".join(args.argv),
+        "model": {**MODEL, "num_hidden_layers": args.layers, "dtype": args.dtype, "rank": args.rank},
+        "rows": rows,
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [f"{result['date']}, {result['gpu']}, commit {result['commit']}: `{result['command']}`", "",
+             "| case | base ms | with adapters ms | ratio | goal | met | PEFT eager ms (ratio) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        goal = "reported" if r["goal"] is None else f"<= {r['goal']:.2f}x"
+        met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
+        peft = f"{r['peft_ms']:.3f} ({r['peft_ratio']:.1f}x)" if "peft_ms" in r else ""
+        lines.append(f"| {r['case']} | {r['base_ms']:.3f} | {r['lora_ms']:.3f} | {r['ratio']:.3f}x | {goal} | {met} "
+                     f"| {peft} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="lora-cupy bench e2e", description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="FILE", help="write every number here")
+    p.add_argument("--reps", type=int, default=200, help="timed repetitions per row (default 200)")
+    p.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--only", help="run only the cases whose name contains this")
+    p.add_argument("--no-peft", action="store_true", help="skip PEFT's eager mixed batch")
+    p.add_argument("--report", metavar="FILE", help="print a saved run (--json) as markdown and exit (no GPU)")
+    args = p.parse_args(argv)
+    args.argv = argv
+    if args.report:
+        print(markdown(json.loads(Path(args.report).read_text())))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("bench e2e needs a CUDA device")
+    result = run(args)
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
