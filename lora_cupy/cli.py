@@ -31,7 +31,8 @@ def _check_kernels(argv: list[str]) -> int:
     return 1 if failed else 0
 
 
-_BENCHES = {"kernels": "lora_cupy.bench.kernels", "pool": "lora_cupy.bench.pool", "lane": "lora_cupy.bench.lane"}
+_BENCHES = {"kernels": "lora_cupy.bench.kernels", "pool": "lora_cupy.bench.pool", "lane": "lora_cupy.bench.lane",
+            "e2e": "lora_cupy.bench.e2e"}
 
 
 def main(argv: list[str] | None = None) -> int:
