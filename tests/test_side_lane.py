@@ -153,3 +153,26 @@ def test_side_lane_api(eng):
     gpu.shutdown()
     v = np.asarray(eng.model.codec_reference([1, 2, 3]))
     assert v.shape == (eng.model.codec_width,)
+
+
+def test_bench_lane_runs_on_the_cpu(tmp_path):
+    """The benchmark's three modes end to end on the cpu (its figures mean something on a GPU only)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "lane.json"
+    cmd = [sys.executable, "-m", "lora_cupy.cli", "bench", "lane", "--device", "cpu", "--requests", "6",
+           "--tokens", "12", "--window", "4", "--hidden", "32", "--layers", "2", "--rank", "4", "--adapters", "2",
+           "--page-size", "4", "--codec-width", "32", "--json", str(out)]
+    p = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "side lane keeps" in p.stdout
+    data = json.loads(out.read_text())
+    res = data["results"]
+    assert res["alone"]["side_steps"] == 0 and res["alone"]["codec_steps"] == 0
+    assert res["side"]["side_steps"] >= 1 and res["side"]["codec_steps"] == res["side"]["side_steps"]
+    assert res["on_chain"]["side_steps"] == 0 and res["on_chain"]["codec_steps"] >= 1, "the windows ran on the chain"
+    assert res["on_chain"]["chain_steps"] >= 12 + res["on_chain"]["codec_steps"]
+    assert data["command"].startswith("lora-cupy bench lane") and data["device"] == "cpu"

@@ -26,14 +26,20 @@ MODES = ("alone", "side", "on_chain")
 
 
 def _engine(args, side_lane: bool):
-    from ..device import as_device
+    from ..device import Device
     from ..engine.decode_model import RandomAdapters, decode_engine, decode_spec
     from ..pool import LoraAdapterPool
 
     adapters = {f"a{i}": args.rank for i in range(args.adapters)}
     spec = decode_spec(args.hidden, args.layers, num_slots=args.adapters + 1, max_rank=args.rank,
                        buckets=tuple(sorted({8, 16, 32, 64, 128, 256, args.requests})))
-    pool = LoraAdapterPool(spec, as_device(args.device), reader=RandomAdapters(adapters),
+    stream = None
+    if args.device.startswith("cuda"):
+        import cupy
+
+        with cupy.cuda.Device(int(args.device.partition(":")[2] or 0)):
+            stream = cupy.cuda.Stream(non_blocking=True)  # graphs capture on a stream of their own
+    pool = LoraAdapterPool(spec, Device(args.device, stream=stream), reader=RandomAdapters(adapters),
                            adapters={n: f"memory:{n}" for n in adapters})
     pages_each = -(-args.tokens // args.page_size)
     eng = decode_engine(pool, num_pages=args.requests * pages_each + 1, page_size=args.page_size,
@@ -55,6 +61,7 @@ def run_mode(args, mode: str) -> dict:
         out = None
         for rep in range(2):
             w.marks.clear()
+            before = w.stats["steps_codec"]
             names = [None] + [f"a{i}" for i in range(args.adapters)]
             futs = [w.submit(Request(f"{rep}-{i}", names[i % len(names)], prompt=i, max_new_tokens=args.tokens,
                                      window=window)) for i in range(args.requests)]
@@ -77,7 +84,7 @@ def run_mode(args, mode: str) -> dict:
                    "chain_steps": len(chain), "side_steps": len(side), "chain_span_s": span,
                    "chain_tokens_per_s": args.requests * args.tokens / span, "chain_busy_s": chain_busy,
                    "side_busy_s": side_busy, "side_inside_chain_s": inside, "wall_s": wall,
-                   "graphs_captured": len(w.graphs)}
+                   "codec_steps": w.stats["steps_codec"] - before, "graphs_captured": len(w.graphs)}
         return out
     finally:
         eng.close()

@@ -25,7 +25,8 @@ class StepGraphs:
 
     def __init__(self, lane_stream, enabled: bool = True):
         self.lane_stream = lane_stream
-        self.enabled = enabled and lane_stream.is_cuda
+        # capture needs a stream of its own: never the null stream
+        self.enabled = enabled and lane_stream.is_cuda and int(getattr(lane_stream.stream, "ptr", 0)) != 0
         self._graphs: dict[Hashable, Any] = {}
         self._seen: Counter = Counter()
         self.launches: Counter = Counter()  # key -> steps run under it
