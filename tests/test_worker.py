@@ -19,10 +19,10 @@ from lora_cupy.pool import LoraAdapterPool
 ADAPTERS = {"a0": 8, "a1": 3, "a2": 5, "a3": 1}
 
 
-def make_engine(adapters=ADAPTERS, num_slots=4, seed=0, **kw):
+def make_engine(adapters=ADAPTERS, num_slots=4, seed=0, force_double_buffer=True, **kw):
     reader = RandomAdapters(adapters, seed=seed)
     pool = LoraAdapterPool(decode_spec(num_slots=num_slots), Device("cpu"), reader=reader,
-                           adapters={n: f"memory:{n}" for n in adapters})
+                           adapters={n: f"memory:{n}" for n in adapters}, force_double_buffer=force_double_buffer)
     eng = decode_engine(pool, seed=seed, **kw)
     eng.reader = reader
     return eng
@@ -238,6 +238,22 @@ def test_the_runner_picks_the_graph_by_bucket_parity_and_active(engine):
     w.drain()
     solo.result()
     assert any(k[2] == (False, False) for k in w.graphs.launches)
+    check_empty(eng)
+
+
+def test_without_preplan_or_double_buffering_the_cpu_chain_runs_one_step_at_a_time(engine):
+    eng = engine(force_double_buffer=False, preplan=False)
+    w = eng.worker
+    assert not w.preplan and not w.double_buffer and w.depth == 1
+    reqs = [Request(f"r{i}", [None, "a0", "a1"][i % 3], prompt=i, max_new_tokens=5, window=2) for i in range(6)]
+    futs = [w.submit(r) for r in reqs]
+    w.drain()
+    for r, f in zip(reqs, futs):
+        check_result(eng, r, f.result())
+    by_bucket = {}
+    for key, reads in w.graphs.reads.items():
+        by_bucket.setdefault(key[0], set()).add(reads)
+    assert all(len(v) == 1 for v in by_bucket.values()), "a pool that does not double-buffer keeps one buffer"
     check_empty(eng)
 
 

@@ -143,6 +143,10 @@ class Worker:
         self.graphs = StepGraphs(self.chain_stream, enabled=graphs)
         self.preplan = preplan and all(getattr(r, "supports_preplan", False) for r in self.resources)
         self.double_buffer = self.preplan or any(r.force_double_buffer for r in self.resources)
+        # On cuda a step's kernels take the current plan's views as they launch, so plan(N+1) may
+        # follow launch(N) whatever the resources do; on the cpu the step runs later, on the host
+        # stream, and reads a plan it activates there, which only a pre-planned step has.
+        self.depth = CHAIN_DEPTH if (self.preplan or device.is_cuda) else 1
         self.buckets = tuple(model.buckets)
         self.max_rows = min(max_rows or self.buckets[-1], self.buckets[-1])
         self.max_chain_failures = max_chain_failures
@@ -160,8 +164,8 @@ class Worker:
         self._stop = threading.Event()
         self.loop_error: BaseException | None = None
         self.stats: Counter = Counter()
-        self.removed: list = []  # rids in the order their remove_request ran
-        self.trace: list = []  # (event, lane, seq, rids) in the main loop's order
+        self.removed: deque = deque(maxlen=1 << 16)  # rids in the order their remove_request ran
+        self.trace: deque = deque(maxlen=1 << 16)  # (event, lane, seq, rids) in the main loop's order
         self.marks: deque = deque(maxlen=4096)  # (lane, seq, start, landed) of recent landed steps
 
     # -- the public side (any thread) -------------------------------------------------------------
@@ -209,9 +213,9 @@ class Worker:
             lane.launch(self.gpu)
         while self._chain and self._finish_chain(block=False):
             pass
-        if len(self._chain) < CHAIN_DEPTH:
+        if len(self._chain) < self.depth:
             self._launch_chain()
-        if len(self._chain) >= CHAIN_DEPTH:
+        if len(self._chain) >= self.depth:
             # N+1 is launched: wait for N (here, or at the next pass when not blocking)
             self._finish_chain(block=block)
         elif block and (self._chain or any(s.busy for s in self.side_lanes.values())):
@@ -321,13 +325,15 @@ class Worker:
         if live.state in ("done", "failed"):
             return
         live.state = "failed"
-        live.future.set_exception(err)
+        if not live.future.cancelled():  # a caller may cancel the future; the request still tears down
+            live.future.set_exception(err)
         self.stats["failed"] += 1
         self._teardown(live)
 
     def _done(self, live: _Live) -> None:
         live.state = "done"
-        live.future.set_result(RequestResult(live.req.rid, live.tokens, live.hidden, live.windows))
+        if not live.future.cancelled():
+            live.future.set_result(RequestResult(live.req.rid, live.tokens, live.hidden, live.windows))
         self.stats["done"] += 1
         self._teardown(live)
 
@@ -478,8 +484,10 @@ class Worker:
                 step = rec.step = LoraStep([it[0] for it in items], node=batch.node, seq=batch.seq)
             n = len(items)
             bucket = next(b for b in self.buckets if b >= n)
-            if self.double_buffer:
-                self._parity ^= 1
+            # The runner's parity flips every decode step: its own outputs are read after step N+1
+            # is launched, so they alternate. A double-buffered resource flips with it (one flip
+            # per plan), one that is not keeps parity 0: a key's buffers are fixed either way.
+            self._parity ^= 1
             parity = self._parity
             plans = [r.plan(step, ctx) for r in self.resources]  # each resource's addressing (or None)
             staged = self.model.stage(items, bucket)
