@@ -75,3 +75,8 @@ class SlotBank:
         if not 0 <= layer_idx < t.num_layers:
             raise IndexError(f"target {target!r} has {t.num_layers} layers, not {layer_idx}")
         return self.targets[target].layers[layer_idx]
+
+    def layer_ranks(self, target: str, layer_idx: int) -> np.ndarray:
+        """``[slots]``: each slot's largest rank over its slices at one target and layer."""
+        self.layer(target, layer_idx)
+        return self.targets[target].host_ranks[layer_idx].max(axis=1)

@@ -133,6 +133,7 @@ class StepPlanner:
         self.double_buffer = double_buffer
         groupings = sorted({1, *(t.row_grouping for t in spec.targets)})
         self.buffers = {g: AddressingBuffers(spec, device, g) for g in groupings}
+        self.slot_dtype = slot_dtype(spec.num_slots)  # what plan takes a step's row slots in
         self.current: LoraStepPlan | None = None
         self._base_only = threading.local()
         self._parity = 0

@@ -1,17 +1,13 @@
 """LoraAdapterPool: per-request LoRA adapters resident in a fixed set of device slots (seed 000).
 
-The pool keeps the residency state, requests and which slot each holds, and answers the seed's
-methods; the rest it delegates: slot decisions to the :class:`~lora_cupy.slots.SlotTable`, the
-served adapters to the :class:`~lora_cupy.catalog.AdapterCatalog`, host copies to the
-:class:`~lora_cupy.store.LoraAdapterStore` (its reader thread reads every file), each step's
-addressing to the :class:`~lora_cupy.planning.StepPlanner`, slot weights to
-:class:`~lora_cupy.buffers.SlotWeights`, and the delta to a backend.
-
-Threads and locks. ``ingest_request``, ``remove_request``, ``load_adapter_async`` and
-``unload_adapter`` may come from any thread; ``ask``/``reserve`` from the runner's admission;
-``admit``/``plan``/``commit``/``rollback_admit`` from the thread that issues GPU work, one step
-at a time. One lock guards the state and is never held across a wait (invariant 10): an admit
-that must wait for a copy waits outside it, after the agreement.
+The pool keeps the requests and the slot each one's rows address, and answers the seed's
+methods. It delegates slot decisions to :mod:`~lora_cupy.slots`, served adapters to
+:mod:`~lora_cupy.catalog`, host copies to :mod:`~lora_cupy.store` (whose reader thread reads
+every file), the read agreement to :mod:`~lora_cupy.agreement`, each step's addressing to
+:mod:`~lora_cupy.planning`, slot weights to :mod:`~lora_cupy.buffers` and the delta to a
+backend. Requests, loads and unloads may come from any thread, ``ask``/``reserve`` from the
+runner's admission, a step's calls from the thread that issues GPU work. One lock guards the
+state, never held across a wait (invariant 10).
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import threading
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -30,33 +26,24 @@ from .addressing import LoraAddressing
 from .agreement import ReadAgreement
 from .backends.base import LayerWeights
 from .buffers import SlotBank
-from .catalog import AdapterCatalog, ServedAdapter
+from .catalog import AdapterCatalog, Request, ServedAdapter
 from .delta import LoraLayerDelta
 from .device import Device, as_device
 from .dtypes import normalize_dtype
 from .engine.resource import AdmitOutcome, EngineResourceInfo, LoraStep, ResourceReqConfig, StepContext, StepRows
 from .errors import CapacityError, LoraError
-from .planning import LoraStepPlan, StepPlanner, slot_dtype
+from .planning import LoraStepPlan, StepPlanner
 from .slots import SlotTable
 from .spec import LoraSpec
 from .store import FAILED, READING, READY, LoraAdapterStore
-
-__all__ = ["LoraAdapterPool", "LoraStepPlan", "ServedAdapter"]
-
-
-@dataclass
-class _Request:
-    adapter: str | None
-    covers: bool  # its adapter has something for this pool's targets
 
 
 class LoraAdapterPool:
     """Per-request LoRA adapters in ``spec.num_slots - 1`` device slots, for one rank.
 
-    ``agree(outcomes) -> outcomes``: the instance's agreement on where each miss's read stands,
-    ``outcomes[i]`` in (READY=0, READING=1, FAILED=2) for the admit's i-th miss, the same length
-    on every rank; it returns the elementwise maximum over ranks (one all-reduce MAX).
-    ``decides``: this rank chooses batches and keeps reservations (a lockstep leader).
+    ``agree(outcomes) -> outcomes``: one all-reduce MAX over the instance of the outcome per
+    miss of an admit (READY=0, READING=1, FAILED=2; :mod:`~lora_cupy.agreement`). ``decides``:
+    this rank chooses batches and keeps reservations (a lockstep leader).
     ``adapters``: served from startup, name -> path or (path, digest). ``reader`` and
     ``max_host_bytes`` configure the host tier. ``read_timeout``: seconds an admit waits for a
     copy still in flight before failing its rows (on every rank, through the agreement).
@@ -83,19 +70,16 @@ class LoraAdapterPool:
         self._store = LoraAdapterStore(spec, self.device, reader=reader, max_bytes=max_host_bytes)
         self._lock, self._step_lock = threading.Lock(), threading.Lock()
         self.slots = SlotTable(spec.num_slots)
-        self._catalog = AdapterCatalog()
+        self._catalog = AdapterCatalog(self._store, self._lock, self.slots.forget)
         self._slot_weights = SlotBank(spec, self.device)
         self._planner = StepPlanner(spec, self.device, force_double_buffer)
-        self._slot_dtype = slot_dtype(spec.num_slots)
-        self._requests: dict[Hashable, _Request] = {}
+        self._requests = self._catalog.requests  # rid -> Request, opened at ingest
         self._settled: dict[Hashable, int] = {}  # rid -> the slot its rows address (0: none here)
         self._deltas: dict[tuple[str, int], LoraLayerDelta] = {}
         self.stats = Counter()
         try:
-            futures = [self.load_adapter_async(name, *((where,) if isinstance(where, (str, bytes)) or not
-                                                       isinstance(where, Sequence) else tuple(where)))
-                       for name, where in (adapters or {}).items()]
-            for f in futures:
+            for f in [self.load_adapter_async(name, *((w,) if isinstance(w, (str, bytes)) or not isinstance(
+                    w, Sequence) else w)) for name, w in (adapters or {}).items()]:
                 f.result()
         except BaseException:
             self.close()
@@ -104,20 +88,16 @@ class LoraAdapterPool:
     @classmethod
     def build(cls, spec: LoraSpec, info: EngineResourceInfo) -> "LoraAdapterPool":
         """The pool an engine builds for ``spec`` from what it knows (device, rank, adapters...)."""
-        return cls(spec, info.device, rank=info.rank, world_size=info.world_size, backend=info.backend,
-                   dtype=info.dtype, agree=info.agree, decides=info.decides, adapters=info.adapters,
-                   reader=info.reader, max_host_bytes=info.max_host_bytes,
+        return cls(spec, info.device, info.rank, info.world_size, info.backend, info.dtype, info.agree,
+                   info.decides, adapters=info.adapters, reader=info.reader, max_host_bytes=info.max_host_bytes,
                    force_double_buffer=info.force_double_buffer)
 
-    @property
-    def store(self) -> LoraAdapterStore:
-        return self._store
+    store = property(lambda self: self._store, doc="The host tier (:class:`LoraAdapterStore`).")
 
     @property
     def force_double_buffer(self) -> bool:
-        """Whether the runner must double-buffer this resource even off the pre-plan path: the
-        pool stages each step's addressing in a reused host buffer and copies it, non-blocking,
-        into a device buffer a captured graph reads (seed 000). On unless built without it."""
+        """Double-buffer off the pre-plan path too: plan copies a reused host buffer into a
+        device buffer a captured graph reads (seed 000). On unless built without it."""
         return self._planner.double_buffer
 
     @property
@@ -132,54 +112,37 @@ class LoraAdapterPool:
     # -- requests ----------------------------------------------------------------------------
     def ingest_request(self, rid: Hashable, overrides: ResourceReqConfig | None = None) -> None:
         """Open the request's state, and start reading its adapter into the host tier."""
-        name = overrides.adapter if overrides is not None else None
         with self._lock:
-            if rid in self._requests:
-                raise ValueError(f"request {rid!r} was ingested already")
-            info = None if name is None else self._catalog.name(rid, name)
-            covers = info is not None and bool(info.targets)
-            self._requests[rid] = _Request(name, covers)
-            if covers:
-                self._store.acquire(name, info.path, info.digest, info.image_bytes)
-            else:
+            if not self._catalog.open_request(rid, overrides.adapter if overrides is not None else None).covers:
                 self._settled[rid] = 0
 
     def remove_request(self, rid: Hashable) -> None:
         """Close the request: its slot is given back (refcount), its host copy released. The
         worker calls this only once no in-flight step references the request (invariant 3)."""
         with self._lock:
-            req = self._requests.pop(rid, None)
-            if req is None:
-                return
-            self.slots.release(rid)
-            self.slots.unreserve(rid)
-            self._settled.pop(rid, None)
-            if req.adapter is None:
-                return
-            if req.covers:
-                self._store.release(req.adapter)
-            if self._catalog.unname(req.adapter):
-                self.slots.forget(req.adapter)
+            if rid in self._requests:
+                self.slots.release(rid)
+                self.slots.unreserve(rid)
+                self._settled.pop(rid, None)
+                self._catalog.close_request(rid)
 
     def runs_adapters(self, rids: Sequence[Hashable]) -> bool:
         """Whether any of ``rids`` names an adapter with something for this pool."""
         with self._lock:
-            return any(r in self._requests and self._requests[r].covers for r in rids)
+            reqs = self._requests
+            return any(r in reqs and reqs[r].covers for r in rids)
 
     # -- admission -------------------------------------------------------------------------------
     def ask(self, rid: Hashable, node_name: str, graph_walk: Sequence[str] = ()) -> AdmitOutcome | None:
         """ASKS for a row that will need a slot; the failing outcome for a row whose adapter
         failed to read and is in no slot; None when nothing is needed here (see the seed)."""
-        if not self.decides or node_name != self.spec.node:
-            return None
         with self._lock:
-            req = self._need(rid)
-            if req is None or rid in self._settled or rid in self.slots.reserved:
+            req = self._waiting(rid, node_name)
+            if req is None or rid in self.slots.reserved:
                 return None
-            if self.slots.slot_of(req.adapter) is None:
-                e = self._store.get(req.adapter)
-                if e is not None and e.state == FAILED:
-                    return AdmitOutcome.fail({rid: e.error})
+            e = self._store.get(req.adapter)
+            if e is not None and e.state == FAILED and self.slots.slot_of(req.adapter) is None:
+                return AdmitOutcome.fail({rid: e.error})
             return AdmitOutcome.ASKS
 
     def reserve(self, rid: Hashable, node_name: str, graph_walk: Sequence[str] = (),
@@ -187,14 +150,10 @@ class LoraAdapterPool:
         """Count ``rid``'s adapter against the unheld slots once its host copy is in (invariant
         6): 1 when counted (or counted already), 0 to wait, None to let it through uncounted (its
         adapter failed to read and is in no slot, so its admit fails it; or it needs nothing)."""
-        if not self.decides or node_name != self.spec.node:
-            return None
         with self._lock:
-            req = self._need(rid)
-            if req is None or rid in self._settled:
-                return None
-            if rid in self.slots.reserved:
-                return 1
+            req = self._waiting(rid, node_name)
+            if req is None or rid in self.slots.reserved:
+                return None if req is None else 1
             e = self._store.get(req.adapter)
             state = FAILED if e is None else e.state
             if state == FAILED and self.slots.slot_of(req.adapter) is None:
@@ -209,11 +168,15 @@ class LoraAdapterPool:
         with self._lock:
             self.slots.unreserve(rid)
 
-    def _need(self, rid: Hashable) -> _Request | None:
+    def _waiting(self, rid: Hashable, node_name: str) -> Request | None:
+        """``rid``'s request where this rank decides for ``node_name`` and the request still
+        needs a slot here (its adapter covers this pool, no slot yet); else None."""
+        if not self.decides or node_name != self.spec.node:
+            return None
         req = self._requests.get(rid)
         if req is None:
             raise ValueError(f"request {rid!r} was never ingested by this pool")
-        return req if req.covers else None
+        return req if req.covers and rid not in self._settled else None
 
     # -- a step ------------------------------------------------------------------------------------
     def admit(self, step: LoraStep, ctx: StepContext) -> AdmitOutcome:
@@ -245,16 +208,15 @@ class LoraAdapterPool:
                     else:
                         need.append((rid, req.adapter))
             picks = self.slots.begin_admit(need)
-            for rid, slot in picks.hits:
-                self._settled[rid] = slot
-                taken.append(rid)
+            self._settled.update(picks.hits)
+            taken += [rid for rid, _ in picks.hits]
             copies = [self._store.get(m.name) for m in picks.misses]
         errors, agreed = self._agreement.outcomes(copies)
         with self._lock:
             for i, m in enumerate(picks.misses):  # failures first: they hold nothing, no reservation
                 if agreed[i] != READY:
                     err = errors[i] or LoraError("its read failed on another rank of the instance", adapter=m.name,
-                                                 path=None if copies[i] is None else copies[i].path)
+                                                 path=getattr(copies[i], "path", None))
                     for rid in m.rids:
                         failed[rid] = err
                         self.slots.unreserve(rid)
@@ -265,15 +227,13 @@ class LoraAdapterPool:
                 slot = self.slots.finish_miss(picks, m, rids)
                 if slot is not None:
                     self._slot_weights.install(slot, copies[i].image)
-                    for rid in rids:
-                        self._settled[rid] = slot
+                    self._settled.update(dict.fromkeys(rids, slot))
                     taken += rids
                     self.stats["loads"] += 1
             for rid, why in picks.refused.items():
-                name = self._requests[rid].adapter if rid in self._requests else None
-                info = self._catalog.info(name)
+                name = getattr(self._requests.get(rid), "adapter", None)
                 failed[rid] = CapacityError(f"request {rid!r} gets no slot: {why}", adapter=name,
-                                            path=None if info is None else info.path)
+                                            path=getattr(self._catalog.info(name), "path", None))
         ctx.state[self] = taken
         self.stats["admits"] += 1
         return AdmitOutcome.fail(failed) if failed else AdmitOutcome.OK
@@ -299,7 +259,8 @@ class LoraAdapterPool:
             with self._step_lock:
                 with self._lock:
                     try:
-                        slots = np.fromiter(map(self._settled.__getitem__, rows.rids), self._slot_dtype, len(rows))
+                        slots = np.fromiter(map(self._settled.__getitem__, rows.rids), self._planner.slot_dtype,
+                                            len(rows))
                     except KeyError as e:
                         raise ValueError(f"row {e.args[0]!r} of step {ctx.seq} was not admitted here") from None
                 plan = self._planner.plan(ctx.seq, rows, slots, ctx.preplanned)
@@ -324,9 +285,7 @@ class LoraAdapterPool:
         or a base-only forward on this thread)."""
         return self._planner.running()
 
-    @property
-    def active(self) -> bool:
-        return self._planner.running() is not None
+    active = property(lambda self: self._planner.running() is not None, doc="Whether deltas add anything now.")
 
     def addressing(self, grouping: int = 1) -> LoraAddressing:
         """This step's addressing for rows of ``grouping`` (LoraTarget.row_grouping)."""
@@ -349,72 +308,29 @@ class LoraAdapterPool:
     def layer_ranks(self, target: str, layer_idx: int) -> np.ndarray:
         """``[slots]``: each slot's rank at one target and stack layer (the largest over its
         slices), 0 where its adapter adds nothing there."""
-        self.layer_weights(target, layer_idx)
         with self._lock:
-            return self._slot_weights.targets[target].host_ranks[layer_idx].max(axis=1)
+            return self._slot_weights.layer_ranks(target, layer_idx)
 
     # -- runtime load / unload -----------------------------------------------------------------------
     def load_adapter_async(self, name: str, path, digest: str | None = None) -> Future:
-        """Serve ``name`` from ``path`` once read (on the reader thread) and checked against the
-        spec, ``digest`` and the host tier's bound. The future gives its :class:`ServedAdapter`,
-        or fails: served already, still retiring, unreadable, digest mismatch, too big. Refusals
-        visible now raise here."""
-        with self._lock:
-            out = self._catalog.begin_load(name, path)
-        read = self._store.read_async(name, path, digest)
-        read.add_done_callback(lambda f: self._finish_load(name, str(path), f, out))
-        return out
-
-    def _finish_load(self, name: str, path: str, read: Future, out: Future) -> None:
-        err, info = read.exception(), None
-        if err is None:
-            targets = frozenset(read.result().targets)
-            info = ServedAdapter(name, path, read.result().digest, targets, self._store.image_bytes(targets))
-        with self._lock:
-            err = self._catalog.finish_load(name, path, out, info, err)
-        if err is not None:
-            out.set_exception(err)
-        else:
-            out.set_result(info)
+        """Serve ``name`` from ``path`` once read (on the reader thread) and checked (spec, digest,
+        the host tier's bound): the future gives its :class:`ServedAdapter`, or the refusal.
+        Refusals visible now (served already, loading, still retiring) raise here."""
+        return self._catalog.load_async(name, path, digest)
 
     def unload_adapter(self, name: str) -> bool:
         """Stop serving ``name`` to new requests (invariant 9). Its host copy and name -> slot
         entry are forgotten now if no live request names it (True), else when the last one is
-        removed (False); those run to their end on its weights. An adapter this pool does not
-        serve is a no-op (False); a load in flight is cancelled (True)."""
-        with self._lock:
-            now = self._catalog.unload(name)
-            if now:
-                self.slots.forget(name)
-            return bool(now)
+        removed (False), which runs to its end on its weights; not served: a no-op (False)."""
+        return self._catalog.unload(name)
 
     # -- checks ------------------------------------------------------------------------------------------
     def check_valid(self) -> None:
         """Assert the README's invariants 1-9 as far as state shows them (AssertionError if not)."""
         with self._lock:
-            t = self.slots
-            t.check_valid()
-            for rid, s in t.holders.items():
-                req = self._requests.get(rid)
-                assert req is not None, f"removed request {rid!r} still holds slot {s} (invariant 2)"
-                assert t.adapters[s] == req.adapter, \
-                    f"request {rid!r} on {req.adapter!r} holds slot {s} of {t.adapters[s]!r} (invariant 2)"
-                assert self._settled.get(rid) == s, f"request {rid!r}: addressing slot != held slot"
-            for rid, s in self._settled.items():
-                req = self._requests.get(rid)
-                assert req is not None, f"removed request {rid!r} is still settled"
-                assert (s == 0 and not req.covers) or t.holders.get(rid) == s, \
-                    f"request {rid!r} addresses slot {s}, holds {t.holders.get(rid)} (invariant 2)"
-            if not self.decides:
-                assert not t.reserved, "a rank that does not decide keeps reservations (invariant 6)"
-            for rid in t.reserved:
-                req = self._requests.get(rid)
-                assert req is not None and req.covers, f"reservation for {rid!r}, which needs no slot"
-            for name, n in Counter(r.adapter for r in self._requests.values() if r.covers).items():
-                assert self._store.users(name) == n, \
-                    f"adapter {name!r}: host tier counts {self._store.users(name)} users, {n} live requests"
-            self._catalog.check_valid(Counter(r.adapter for r in self._requests.values() if r.adapter is not None),
-                                      t.entries)
+            self.slots.check_valid()
+            assert self.decides or not self.slots.reserved, "a rank that does not decide keeps reservations (6)"
+            self._catalog.check_valid(self.slots, self._settled)
 
     def snapshot(self):
         """The slot table as plain data (see :class:`~lora_cupy.slots.SlotSnapshot`)."""
@@ -431,4 +347,3 @@ class LoraAdapterPool:
 
     def __exit__(self, *exc):
         self.close()
-        return False

@@ -31,6 +31,7 @@ from .device import Device, as_device
 from .dtypes import numpy_dtype
 from .errors import (AdapterFileError, CapacityError, DigestMismatchError, LoraError, RankTooLargeError,
                      ShapeMismatchError, TargetMismatchError)
+from .peft import read_peft_adapter
 from .spec import LoraSpec
 
 #: Where a host copy stands, as the agreement across ranks encodes it (the max wins).
@@ -40,9 +41,7 @@ Reader = Callable[..., AdapterWeights]
 
 
 def default_reader(path, spec: LoraSpec, name: str | None = None) -> AdapterWeights:
-    """``lora_cupy.peft.read_peft_adapter``, imported on first use."""
-    from .peft import read_peft_adapter
-
+    """A PEFT adapter directory, read and checked (:func:`lora_cupy.peft.read_peft_adapter`)."""
     return read_peft_adapter(path, spec, name=name)
 
 

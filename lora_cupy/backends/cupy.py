@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import math
 from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -95,7 +94,10 @@ class LaunchPlan:
 
     ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per column
     block and ``cpb`` column blocks per expand block, ``splits`` blocks over ``in`` per shrink
-    tile (``k_split`` features each). ``shrink`` and ``expand`` name the kernels of an unfused
+    tile (``k_split`` features each). ``tiles`` counts the launch's work units: tiles of ``bm``
+    positions, or in a fused launch chunks of one slot each (a slot's range cut into pieces of at
+    most ``bm`` from its start: fewer than ``ceil(bucket / bm) + num_slots - 1``, at most one per
+    position), so a step's slots run side by side rather than one after another in a tile. ``shrink`` and ``expand`` name the kernels of an unfused
     launch: ``"v3"`` (tiles through shared memory), ``"v4"`` (each warp streams x, or y, through
     registers: shrink rank blocks of ``STREAM_RANK_BLOCK``, expand column blocks of
     ``STREAM_BN``) or ``"v5"`` (each warp streams x, or y, through its own ring of cp.async
@@ -140,6 +142,18 @@ def default_tile(bucket: int) -> int:
     return 64
 
 
+#: Blocks per multiprocessor a fused launch gives its shrink tasks, and its expand tasks, when every
+#: chunk it is sized for has work (4 fit: 128 registers and 36 KB of shared memory a block).
+FUSED_SHRINK_PER_SM = 4
+FUSED_EXPAND_PER_SM = 4
+
+
+def fused_units(bucket: int, bm: int, num_slots: int) -> int:
+    """Work units of a fused launch: the most chunks of one slot (at most ``bm`` positions each) a
+    step of ``bucket`` positions over ``num_slots`` slots (slot 0 included) can have."""
+    return min(bucket, _ceil(bucket, bm) + num_slots - 1)
+
+
 def default_fused(bucket: int) -> bool:
     """Whether one fused launch beats two: it saves a launch, which pays while the work is small."""
     return bucket <= 64
@@ -170,10 +184,14 @@ def rank_block(shrink: str, dtype: str) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
-                dtype: str, *, num_sms: int = DEFAULT_SMS, tile: int | None = None,
+                dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
                 shrink: str | None = None) -> LaunchPlan:
-    """The launch plan of one target shape at one capture bucket.
+    """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
+    slots (slot 0 included; a fused launch's chunks depend on it).
+
+    A fused launch sizes its split-K and column groups for every chunk having work, aiming at
+    ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM`` expand blocks per multiprocessor.
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block, counting one rank
@@ -196,15 +214,18 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_VARIANTS}")
     if shrink not in SHRINK_VARIANTS:
         raise ValueError(f"shrink {shrink!r} is not one of {SHRINK_VARIANTS}")
-    tiles = _ceil(bucket, bm)
+    tiles = fused_units(bucket, bm, num_slots) if fused else _ceil(bucket, bm)
     rank_blocks = _ceil(max_rank, rank_block(shrink, dtype))
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     base = tiles * n_slices  # rank blocks past an adapter's rank stop at once: they do not count
-    want = max(1, min(nchunks, _ceil(4 * num_sms, base)))
+    want = max(1, min(nchunks, _ceil((FUSED_SHRINK_PER_SM if fused else 4) * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
-    if expand in ("v4", "v5"):
+    if fused:
+        col_blocks = _ceil(out_features, bn)
+        cpb = _ceil(col_blocks, max(1, (FUSED_EXPAND_PER_SM * num_sms) // tiles))
+    elif expand in ("v4", "v5"):
         bn = STREAM_BN if expand == "v4" else PIPE_COLS[dtype]
         col_blocks = _ceil(out_features, bn)
         share = 64 // bm  # warps that take turns on one m-tile's column blocks
@@ -222,7 +243,8 @@ def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
     """``(floats, ints)`` that v and the counters take for every target and bucket of a spec."""
     n_max = max(t.num_slices for t in spec.targets)
     floats = spec.max_tokens * n_max * rank_width(spec.max_rank)
-    return floats, 2 + 2 * _ceil(spec.max_tokens, min(MMA_SHRINK_BM))
+    units = max(_ceil(spec.max_tokens, min(MMA_SHRINK_BM)), fused_units(spec.max_tokens, min(MMA_SHRINK_BM), spec.num_slots))
+    return floats, 2 + 2 * units
 
 
 # -- argument inspection (CuPy arrays, torch tensors, any __cuda_array_interface__) --------------
@@ -304,10 +326,10 @@ class CallLimits:
     shrink: str | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
-             dtype: str) -> LaunchPlan:
+             dtype: str, num_slots: int) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
-                           max_rank, dtype, num_sms=self.num_sms, tile=self.tile, fused=self.fused,
-                           expand=self.expand, shrink=self.shrink)
+                           max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
+                           fused=self.fused, expand=self.expand, shrink=self.shrink)
 
 
 @dataclass(frozen=True)
@@ -422,9 +444,9 @@ def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO:
         return None
     if T > limits.spec.max_tokens:
         raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
-    plan = limits.plan(T, in_f, out, n, R, wa.dtype)
+    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S)
     if plan.counter_ints() > limits.counter_ints:
-        raise ValueError(f"{plan.tiles} tiles exceed the counters built for the spec")
+        raise ValueError(f"{plan.tiles} work units exceed the counters built for the spec")
     a, b, sc, rk, offs = wa.ptrs
     return LaunchArgs(dtype=wa.dtype, plan=plan, rw=rank_width(R), flags=_xy_flags(wa.flags, x_ptr, y_ptr),
                       ptrs=(y_ptr, x_ptr, a, b, sc, rk, offs, TO.ptr, IP.ptr), dims=wa.dims, positions=T,
@@ -521,16 +543,6 @@ class PackedLaunch:
             launch(fn_ptr, gx, gy, gz, bx, by, bz, c.smem, stream, p.ptr, 0)
 
 
-class _StreamHandle:
-    """A raw ``cudaStream_t`` under the CUDA stream protocol, for ``cupy.cuda.Stream.from_external``."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
 class CupyBackend:
     """Runs the slot-grouped delta on one CUDA device with the tensor-core kernels.
 
@@ -572,7 +584,6 @@ class CupyBackend:
         self._cupy = cupy
         self._driver = driver
         self._device = cupy.cuda.Device(dev_id)
-        self._streams: dict[int, Any] = {}
         self._fns: dict[tuple, Any] = {}
         self._torch_stream = None
         with self._device:
@@ -627,7 +638,7 @@ class CupyBackend:
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
         S, n, R, in_f = w.a.shape
-        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, R, normalize_dtype(dtype or self.spec.dtype))
+        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, R, normalize_dtype(dtype or self.spec.dtype), S)
 
     def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
         """``y[t, cols_j] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T`` for each
