@@ -136,3 +136,33 @@ def test_step_inputs_mask_and_window():
             assert ((windowed[b, 0, j] == 0).numpy().tolist()
                     == [n + j - 3 < c <= n + j for c in range(9)])
     assert isinstance(step_inputs(lengths, 1, 9, 8, torch.float32, window=3).mask, torch.Tensor)
+
+
+def test_static_decode_steps_equal_eager_and_peft(tmp_path):
+    """Decode steps as a CUDA graph records them (static cache over max_len, batch buckets with
+    padding rows, graphs keyed by bucket, addressing buffers and active), run eagerly here."""
+    base = tiny("llama")
+    dirs = adapters_for("llama", base, tmp_path, [4, 8, 2])
+    ref = PeftReference(base, dirs)
+    rng = np.random.default_rng()
+    reqs = random_requests(rng, sorted(dirs), 11, max_new=(4, 10))
+    out = {}
+    for static in (True, False):
+        gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=8, max_prefill=2, static_decode=static)
+        try:
+            out[static] = gen.run(reqs)
+            stats, keys = gen.stats(), (gen.graphs.keys if static else [])
+        finally:
+            gen.close()
+            gen.pool.close()
+        if static:
+            assert stats["static_decode_steps"] > 0 and stats["graph_steps"] == 0
+            buckets = {k[0] for k in keys}
+            assert buckets <= {1, 2, 4, 8} and len(buckets) > 1  # batches of several sizes, padded
+            active = [k for k in keys if k[2]]
+            # the pool double-buffers its addressing: some bucket met both of its buffers
+            assert any(len({k[1] for k in active if k[0] == b}) == 2 for b in buckets)
+            assert all(not k[1] for k in keys if not k[2])  # a step with no adapter row reads none
+    assert out[True] == out[False]
+    assert all(out[True][r.rid] == ref.generate(r.prompt, r.adapter, r.max_new_tokens, gen.eos_token_id)
+               for r in reqs)

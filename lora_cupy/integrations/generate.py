@@ -110,12 +110,14 @@ class LoraGenerator:
     ``max_batch``: running requests at once (cache rows; default: the largest capture bucket
     of the pool that fits 64). ``max_len``: positions per request, prompt plus generated
     tokens. ``max_prefill``: requests that start in one step. ``cuda_graphs``: replay decode
-    steps as CUDA graphs (default: on a CUDA device). ``eos_token_id``: the default stop token
+    steps as CUDA graphs (default: on a CUDA device); ``static_decode`` runs decode steps as the
+    graphs would (static cache, batch buckets) but eagerly, on any device. ``eos_token_id``: the default stop token
     (default: the model's generation config's, if any).
     """
 
     def __init__(self, model, pool, *, max_batch: int | None = None, max_len: int = 256,
-                 max_prefill: int = 8, cuda_graphs: bool | None = None, eos_token_id="model"):
+                 max_prefill: int = 8, cuda_graphs: bool | None = None, static_decode: bool = False,
+                 eos_token_id="model"):
         import torch
 
         self.model, self.pool = model, pool
@@ -161,12 +163,12 @@ class LoraGenerator:
         self.graphs = None
         if cuda_graphs is None:
             cuda_graphs = pool.device.is_cuda
-        if cuda_graphs:
-            if not pool.device.is_cuda:
-                raise ValueError("CUDA graphs need a CUDA device")
+        if cuda_graphs and not pool.device.is_cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        if cuda_graphs or static_decode:
             from .graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs(self, capture=bool(cuda_graphs))
         self._torch = torch
 
     # -- requests ------------------------------------------------------------------------------
@@ -254,7 +256,7 @@ class LoraGenerator:
             self._count_slots(snap_before, new)
         self.pool.plan(step, ctx)
         snap = self.pool.snapshot()
-        use_graph = self.graphs is not None and q == 1
+        use_graph = self.graphs is not None and not new  # a pure decode step
         self.history.append(StepRecord(self._step, first_new, len(new), len(self.queue), snap.refcounts,
                                        snap.adapters, use_graph))
         try:
@@ -392,7 +394,8 @@ class LoraGenerator:
             "slot_hits": hits,
             "slot_hit_rate": round(hits / len(adapter_admits), 3) if adapter_admits else 1.0,
             "evictions": self._evictions,
-            "graph_steps": sum(h.graph for h in self.history),
+            "graph_steps": self.graphs.replays if self.graphs is not None and self.graphs.capture else 0,
+            "static_decode_steps": sum(h.graph for h in self.history),
         }
 
     def close(self) -> None:

@@ -37,9 +37,13 @@ def _arrays(views) -> tuple:
 
 
 class DecodeGraphs:
-    """CUDA graphs of ``gen``'s decode step, one per (bucket, addressing buffers, active)."""
+    """CUDA graphs of ``gen``'s decode step, one per (bucket, addressing buffers, active).
 
-    def __init__(self, gen):
+    ``capture=False`` runs the same static step eagerly instead of replaying it (any device):
+    what a graph would record, checked where no graph can be captured.
+    """
+
+    def __init__(self, gen, capture: bool = True):
         import torch
 
         self.gen = gen
@@ -54,7 +58,8 @@ class DecodeGraphs:
         self.lengths = torch.zeros(self.rows, dtype=torch.long, device=dev)
         self.out = torch.zeros(self.rows, dtype=torch.long, device=dev)
         self._graphs: dict[tuple, object] = {}
-        self._mempool = torch.cuda.graph_pool_handle()
+        self.capture = capture
+        self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
         self.replays = 0
         self.last = None  # the graph replayed last (the e2e benchmark times its replays)
@@ -102,6 +107,11 @@ class DecodeGraphs:
         active = plan is not None and plan.active
         where = tuple(buffer_address(v) for g in sorted(plan.launch) for v in _arrays(plan.launch[g])) if active else ()
         key = (bucket, where, active)
+        if not self.capture:
+            self._graphs.setdefault(key, None)
+            self._decode(bucket)
+            self.replays += 1
+            return self.out[:B].tolist()
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._capture(bucket)
@@ -109,6 +119,11 @@ class DecodeGraphs:
         self.last = graph
         self.replays += 1
         return self.out[:B].tolist()
+
+    @property
+    def keys(self) -> list[tuple]:
+        """The (bucket, addressing buffers, active) keys met so far: one graph each."""
+        return list(self._graphs)
 
     def close(self) -> None:
         self._graphs.clear()

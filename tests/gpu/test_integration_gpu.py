@@ -1,0 +1,135 @@
+"""A Hugging Face model served through the pool on a CUDA device: the kernels inside the model's
+forward against PEFT, generation with CUDA-graph decode against PEFT and against eager steps.
+
+Tolerances: bfloat16 logits of each row within ``BF16_LOGITS_RTOL`` (relative norm) of PEFT's
+bf16 logits for that row's adapter alone, both against the float32 PEFT logits as the common
+reference; token agreement of bf16 greedy generation is reported (printed), float32 generation
+must agree token for token.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from lora_cupy.engine import LoraStep, ResourceReqConfig, StepContext
+from lora_cupy.integrations import GenerationRequest, attach, serve, spec_for_adapters
+from lora_cupy.integrations.peft_reference import PeftReference
+from lora_cupy.pool import LoraAdapterPool
+from tests.peft_helpers import make_peft_adapter, tiny_llama
+
+
+def _cuda_devices() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_devices() == 0, reason="needs a CUDA device")]
+
+#: ||ours - peft32|| / ||peft32||, per row, may exceed PEFT's own bf16 error by at most this much.
+BF16_LOGITS_RTOL = 2e-2
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_integration")
+    base = tiny_llama(2, 0)
+    dirs = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k, r in enumerate([4, 8, 16, 2]):
+            dirs[f"ad{k}"], _ = make_peft_adapter(root / f"ad{k}", r=r, lora_alpha=2 * r, model=copy.deepcopy(base),
+                                                  seed=5 * k + 3, use_rslora=(k == 2))
+    return base, dirs
+
+
+def on_cuda(model, dtype):
+    return copy.deepcopy(model).to(device="cuda", dtype=dtype).eval()
+
+
+def test_bf16_logits_within_tolerance_of_peft(adapters):
+    base, dirs = adapters
+    model = on_cuda(base, torch.bfloat16)
+    ref16 = PeftReference(model, dirs)
+    ref32 = PeftReference(on_cuda(base, torch.float32), dirs)
+    rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2"), ("e", "ad3"), ("f", "ad0")]
+    ids = torch.randint(0, VOCAB, (len(rows), 9), device="cuda")
+    spec = spec_for_adapters(model, dirs, num_slots=5)
+    with LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
+            attach(model, pool):
+        for rid, adapter in rows:
+            pool.ingest_request(rid, ResourceReqConfig(adapter))
+        step, ctx = LoraStep([r for r, _ in rows], [ids.shape[1]] * len(rows), seq=1), StepContext(seq=1)
+        assert pool.admit(step, ctx).ok
+        pool.plan(step, ctx)
+        with torch.inference_mode():
+            got = model(input_ids=ids).logits.float()
+    agree = 0
+    for i, (_rid, adapter) in enumerate(rows):
+        want32 = ref32.logits(ids[i:i + 1], adapter)[0].float()
+        want16 = ref16.logits(ids[i:i + 1], adapter)[0].float()
+        ours = float((got[i] - want32).norm() / want32.norm())
+        theirs = float((want16 - want32).norm() / want32.norm())
+        print(f"row {i} ({adapter}): ours {ours:.2e}, PEFT bf16 {theirs:.2e} against PEFT fp32")
+        assert ours <= theirs + BF16_LOGITS_RTOL
+        agree += int((got[i].argmax(-1) == want16.argmax(-1)).sum())
+    print(f"greedy agreement with PEFT bf16: {agree}/{ids.numel()} positions")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_decode_generation_against_peft_and_eager(adapters, dtype):
+    base, dirs = adapters
+    model = on_cuda(base, dtype)
+    rng = np.random.default_rng()
+    reqs = [GenerationRequest(f"r{i}", rng.integers(0, VOCAB, int(rng.integers(1, 12))).tolist(),
+                              None if i % 5 == 4 else f"ad{i % 4}", max_new_tokens=int(rng.integers(3, 12)))
+            for i in range(20)]
+    out = {}
+    for graphs in (True, False):
+        gen = serve(model, dirs, num_slots=3, max_len=32, max_batch=8, cuda_graphs=graphs)
+        try:
+            out[graphs] = gen.run(reqs)
+            eos = gen.eos_token_id
+            if graphs:
+                assert gen.graphs.replays > 0 and gen.stats()["graph_steps"] == gen.graphs.replays
+                # one graph per (bucket, addressing buffers, active): at most 4 buckets x 2 parities x 2
+                assert 0 < gen.graphs.captures <= 16
+            assert gen.stats()["evictions"] > 0
+            gen.pool.check_valid()
+        finally:
+            gen.close()
+            gen.pool.close()
+    assert out[True] == out[False], "graph replays and eager steps chose different tokens"
+    ref = PeftReference(model, dirs)
+    same = sum(out[True][r.rid] == ref.generate(r.prompt, r.adapter, r.max_new_tokens, eos) for r in reqs)
+    print(f"{dtype}: {same}/{len(reqs)} requests equal PEFT's generation token for token")
+    if dtype == torch.float32:
+        assert same == len(reqs)
+
+
+def test_attach_detach_bit_identical_on_cuda(adapters):
+    base, dirs = adapters
+    model = on_cuda(base, torch.bfloat16)
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, VOCAB, (3, 5), device="cuda")
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits.clone()
+    gen = serve(model, dirs, num_slots=3, max_len=16)
+    gen.run([GenerationRequest("x", [1, 2, 3], "ad1", max_new_tokens=3)])
+    gen.close()
+    gen.pool.close()
+    with torch.inference_mode():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before.view(torch.int16), after.view(torch.int16))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v.view(torch.uint8) if v.dtype != torch.bool else v,
+                           params[k].view(torch.uint8) if v.dtype != torch.bool else params[k]), k
