@@ -85,6 +85,10 @@ def test_windows_that_arrive_while_a_step_is_in_flight_batch_into_the_next(eng):
     assert len(steps[1][3]) == 6 + 2 - len(first[3])
     for r, f in zip(reqs, futs):
         check_result(eng, r, f.result())
+    # the lane's steps run under its own graphs, on its own stream, keyed by their bucket of windows
+    assert lane.graphs.lane_stream is lane.stream
+    assert {k[0] for k in lane.graphs.launches} == {"codec"} and sum(lane.graphs.launches.values()) == 2
+    assert not any(k[0] == "codec" for k in w.graphs.launches)
     check_empty(eng)
 
 
@@ -135,6 +139,7 @@ def test_without_a_side_lane_the_chain_runs_the_windows(eng):
         lanes = {t[1] for t in w.trace if t[0] == "submit"}
         assert lanes == {CHAIN_LANE}
         assert w.stats["steps_codec"] >= 1 and w.stats["steps_llm"] >= 5
+        assert sum(n for k, n in w.graphs.launches.items() if k[0] == "codec") == w.stats["steps_codec"]
         assert w.stats["steps_lane0"] == w.stats["steps_llm"] + w.stats["steps_codec"], "codec steps on the chain"
         check_empty(e)
     finally:

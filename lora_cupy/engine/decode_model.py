@@ -7,7 +7,8 @@
   ``argmax(x[:vocab])``. A step reads and writes only fixed buffers per (capture bucket, parity),
   so it can be captured in a CUDA graph.
 - The ``"codec"`` node turns a window of generated tokens (every ``window`` tokens of a
-  request) into a vector: ``tanh(mean_t C[token_t] @ Wc)``, ``codec_layers`` times over.
+  request, at most ``max_window``) into a vector: ``v = mean_t C[token_t]``, then
+  ``v = tanh(v @ Wc[l])`` for each of ``codec_layers``; fixed buffers per bucket of windows.
 
 ``Faults`` holds the controls the tests use on the cpu: a gate and a delay per lane (a host
 stream's job waits on them) and failures to inject. Every output records whether its step's
@@ -86,7 +87,8 @@ class DecodeModel:
     chain_node = CHAIN_NODE
     side_node = CODEC_NODE
 
-    def __init__(self, pool, kv, vocab: int = 16, codec_width: int = 16, codec_layers: int = 1, seed: int = 0):
+    def __init__(self, pool, kv, vocab: int = 16, codec_width: int = 16, codec_layers: int = 1, max_window: int = 16,
+                 seed: int = 0):
         self.pool, self.kv = pool, kv
         self.device = pool.device
         self.xp = self.device.xp
@@ -97,6 +99,7 @@ class DecodeModel:
         if not 1 <= vocab <= self.hidden:
             raise ValueError(f"vocab must be in [1, {self.hidden}], got {vocab}")
         self.vocab, self.codec_width, self.codec_layers = vocab, codec_width, codec_layers
+        self.max_window = max_window
         rng = np.random.default_rng(seed)
         H = self.hidden
         self.host_w = (rng.standard_normal((self.num_layers, H, H)) / np.sqrt(H)).astype(np.float32)  # [L, out, in]
@@ -154,9 +157,9 @@ class DecodeModel:
         # padding rows read and write the null page's first row
         return {"rd": rd.reshape(-1), "wr": wr.reshape(-1), "keep": keep, "x0": x0, "n": n}
 
-    def load_inputs(self, bufs: dict, staged: dict) -> None:
+    def load_inputs(self, bufs: dict, staged: dict, keys=("rd", "wr", "keep", "x0")) -> None:
         """Copy a step's staged inputs into its buffers, on the current stream."""
-        for k in ("rd", "wr", "keep", "x0"):
+        for k in keys:
             if self.device.is_cuda:
                 bufs[k].set(staged[k])
             else:
@@ -187,25 +190,59 @@ class DecodeModel:
         return tok.copy(), x.copy()
 
     # -- the codec -----------------------------------------------------------------------------
-    def codec(self, windows) -> StepOutput:
-        """The codec's device work for ``windows`` (each a sequence of token ids), on the current
-        stream: collate, then ``codec_layers`` of ``tanh(v @ Wc)`` from the mean embedding."""
-        xp = self.xp
-        k = max(len(w) for w in windows)
-        ids = np.zeros((len(windows), k), np.int64)
-        mask = np.zeros((len(windows), k, 1), np.float32)
+    def codec_buffers(self, bucket: int, parity: int = 0) -> dict:
+        """The codec's fixed buffers for up to ``bucket`` windows of up to ``max_window`` tokens."""
+        key = ("codec", bucket, parity)
+        b = self._bufs.get(key)
+        if b is None:
+            K, C, z = self.max_window, self.codec_width, self.device.zeros
+            b = self._bufs[key] = {"ids": z(bucket * K, np.int64), "mask": z((bucket, K, 1), np.float32),
+                                   "emb": z((bucket * K, C), np.float32), "v": z((bucket, C), np.float32),
+                                   "t": z((bucket, C), np.float32)}
+        return b
+
+    def codec_stage(self, windows, bucket: int) -> dict:
+        """Host inputs of a codec step: each window's token ids and its averaging weights."""
+        K = self.max_window
+        ids = np.zeros((bucket, K), np.int64)
+        mask = np.zeros((bucket, K, 1), np.float32)
         for i, w in enumerate(windows):
+            if not 1 <= len(w) <= K:
+                raise ValueError(f"a codec window of {len(w)} tokens (at most {K})")
             ids[i, :len(w)] = w
             mask[i, :len(w)] = 1.0 / len(w)
-        ids_d, mask_d = xp.asarray(ids), xp.asarray(mask)  # collated on this stream
-        v = (self.codebook[ids_d] * mask_d).sum(axis=1)  # [M, C]
+        return {"ids": ids.reshape(-1), "mask": mask, "n": len(windows)}
+
+    def codec_forward(self, bufs: dict) -> None:
+        """The codec's device work: reads and writes only ``bufs`` (capturable)."""
+        xp = self.xp
+        n, K, C = bufs["v"].shape[0], self.max_window, self.codec_width
+        emb, v, t = bufs["emb"], bufs["v"], bufs["t"]
+        xp.take(self.codebook, bufs["ids"], axis=0, out=emb)
+        e3 = emb.reshape(n, K, C)
+        xp.multiply(e3, bufs["mask"], out=e3)
+        xp.sum(e3, axis=1, out=v)
         for layer in range(self.codec_layers):
-            v = xp.tanh(v @ self.wc[layer])
-        return StepOutput({"v": v}, len(windows))
+            xp.matmul(v, self.wc[layer], out=t)
+            xp.tanh(t, out=v)
+
+    def codec(self, windows, parity: int = 0, graphs=None) -> StepOutput:
+        """A codec step for ``windows`` (each a sequence of token ids) on the current stream:
+        its inputs copied in, then its device work (under ``graphs``, keyed by bucket, if given)."""
+        bucket = next((b for b in self.buckets if b >= len(windows)), None)
+        if bucket is None:  # more windows than the largest bucket: one step sized to them, eager
+            bucket, graphs = len(windows), None
+        bufs = self.codec_buffers(bucket, parity)
+        self.load_inputs(bufs, self.codec_stage(windows, bucket), keys=("ids", "mask"))
+        if graphs is None:
+            self.codec_forward(bufs)
+        else:
+            graphs.launch(("codec", bucket, parity), lambda: self.codec_forward(bufs))
+        return StepOutput(bufs, len(windows))
 
     def read_codec(self, out: StepOutput) -> np.ndarray:
         self._check_landed(out)
-        v = out.arrays["v"]
+        v = out.arrays["v"][:out.rows]
         return v.get() if self.device.is_cuda else np.array(v)
 
     def _check_landed(self, out: StepOutput) -> None:

@@ -6,8 +6,9 @@ GPU thread between two chain steps, and they land on the lane's stream while the
 on. Submit and postprocess are the chain's own (``Worker._submit_step``, ``Worker._finish_step``),
 keyed by lane.
 
-One step in flight at a time; windows that come ready meanwhile batch into the next one. A
-step here holds no resource (``EngineManager.build`` refuses a resourced node on the lane), so
+One step in flight at a time; windows that come ready meanwhile batch into the next one. Its
+graphs (one per bucket of windows) are captured on the lane's own stream, which is what makes
+overlapping them with the chain's safe. A step here holds no resource (``EngineManager.build`` refuses a resourced node on the lane), so
 it is admitted and planned inline, never speculated, planned ahead or lockstep.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .scheduler import SIDE_LANE, ScheduledBatch
+from .graphs import StepGraphs
 from .streams import Mark
 
 
@@ -54,6 +56,7 @@ class SideStepLane:
         self.lane = lane
         self.node = worker.model.side_node
         self.stream = worker.new_stream(f"side{lane}")
+        self.graphs = StepGraphs(self.stream, enabled=worker.use_graphs)  # captured on the lane's own stream
         self._inflight: _InFlight | None = None
 
 
@@ -87,7 +90,7 @@ class SideStepLane:
         run.start = stream.mark()
         if stream.is_cuda:
             with self.worker.device.activate(), stream.stream:
-                run.out = model.codec(node_batch.windows)
+                run.out = model.codec(node_batch.windows, graphs=self.graphs)
         else:
             faults = getattr(model, "faults", None)
 
@@ -95,7 +98,7 @@ class SideStepLane:
                 try:
                     if faults is not None:
                         faults.enter(self.lane)
-                    out = model.codec(node_batch.windows)
+                    out = model.codec(node_batch.windows, graphs=self.graphs)
                     out.landed = True
                     run.out = out
                 except BaseException as e:

@@ -140,6 +140,7 @@ class Worker:
         self.admission = AdmissionQueue(self.resources)
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-gpu")
         self.chain_stream = LaneStream(device, device.stream, name="chain")
+        self.use_graphs = graphs
         self.graphs = StepGraphs(self.chain_stream, enabled=graphs)
         self.preplan = preplan and all(getattr(r, "supports_preplan", False) for r in self.resources)
         self.double_buffer = self.preplan or any(r.force_double_buffer for r in self.resources)
@@ -160,6 +161,7 @@ class Worker:
         self._wake = threading.Event()
         self._seq = 0
         self._parity = 0
+        self._codec_parity = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.loop_error: BaseException | None = None
@@ -173,6 +175,9 @@ class Worker:
         """Queue ``req``; its future gives a :class:`RequestResult` or fails with its error."""
         if req.max_new_tokens < 1:
             raise ValueError(f"request {req.rid!r}: max_new_tokens must be >= 1")
+        most = getattr(self.model, "max_window", None)
+        if req.window < 0 or (most is not None and req.window > most):
+            raise ValueError(f"request {req.rid!r}: window {req.window} outside [0, {most}]")
         fut: Future = Future()
         with self._inbox_lock:
             self._inbox.append(("add", req, fut))
@@ -464,8 +469,10 @@ class Worker:
         """The GPU thread's part of a chain step: admit and plan on every resource, then the
         device work on the chain's stream (a graph per key); on failure, roll back the admits."""
         batch = rec.batch
-        if batch.node == self.model.side_node:
-            self._launch_device(rec, lambda: self.model.codec([w.tokens for w in batch.items]))
+        if batch.node == self.model.side_node:  # windows on the chain: buffers alternate, as N+1 runs ahead
+            self._codec_parity ^= 1
+            parity, windows = self._codec_parity, [w.tokens for w in batch.items]
+            self._launch_device(rec, lambda: self.model.codec(windows, parity, self.graphs))
             return
         step = rec.step = LoraStep(batch.rids, node=batch.node, seq=batch.seq)
         ctx = rec.ctx = StepContext(seq=batch.seq, preplanned=self.preplan)

@@ -102,6 +102,8 @@ def test_graph_replays_match_eager_and_the_reference():
             if graphs:
                 assert sum(w.graphs.captures.values()) > 0, "no chain step was captured"
                 assert all(n == 1 for n in w.graphs.captures.values())
+                side = w.side_lanes[SIDE_LANE].graphs
+                assert sum(side.captures.values()) > 0, "no side step was captured on the lane's stream"
             else:
                 assert not w.graphs.captures
         finally:
