@@ -44,7 +44,7 @@ def _engine(args, side_lane: bool):
     pages_each = -(-args.tokens // args.page_size)
     eng = decode_engine(pool, num_pages=args.requests * pages_each + 1, page_size=args.page_size,
                         side_lane=side_lane, graphs=not args.no_graphs, codec_width=args.codec_width,
-                        codec_layers=args.codec_layers, vocab=min(64, args.hidden))
+                        codec_layers=args.codec_layers, vocab=min(64, args.hidden), max_window=max(1, args.window))
     eng.worker.marks = type(eng.worker.marks)(maxlen=1 << 20)
     return eng
 

@@ -314,8 +314,8 @@ class DecodeEngine:
 
 
 def decode_engine(pool, *, num_pages: int = 17, page_size: int = 4, side_lane: bool = True, graphs: bool = True,
-                  codec_width: int = 16, codec_layers: int = 1, vocab: int = 16, seed: int = 0,
-                  **worker_options) -> DecodeEngine:
+                  codec_width: int = 16, codec_layers: int = 1, vocab: int = 16, max_window: int = 16,
+                  seed: int = 0, **worker_options) -> DecodeEngine:
     """The decode chain on ``pool`` (built on :func:`decode_spec`) and a KV cache of
     ``num_pages`` pages, with the codec on the side lane (``side_lane``) or on the chain, on the
     pool's device; built through ``EngineManager.build``."""
@@ -324,7 +324,8 @@ def decode_engine(pool, *, num_pages: int = 17, page_size: int = 4, side_lane: b
 
     kv = PagedKVCache(num_pages, page_size, pool.spec.target(TARGET).in_features, node=CHAIN_NODE,
                       device=pool.device)
-    model = DecodeModel(pool, kv, vocab=vocab, codec_width=codec_width, codec_layers=codec_layers, seed=seed)
+    model = DecodeModel(pool, kv, vocab=vocab, codec_width=codec_width, codec_layers=codec_layers,
+                        max_window=max_window, seed=seed)
     groups = [{"name": "codec", "nodes": [CODEC_NODE], "side_stream": side_lane}]
     worker = EngineManager.build(model, [pool, kv], pool.device, groups, graphs=graphs, **worker_options)
     return DecodeEngine(worker, pool, kv, model)

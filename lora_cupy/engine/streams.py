@@ -84,18 +84,12 @@ class LaneStream:
         return Mark(self.stream.record(), stamp)
 
     def notify(self, fn: Callable[[], Any]) -> None:
-        """Call ``fn()`` on the host once the work queued so far has run (to wake a waiter)."""
-        if self.is_cuda:
-            self.stream.launch_host_func(lambda _arg: fn(), None)
-        else:
-            self.stream.enqueue(fn)
+        """Call ``fn()`` on the host once the work queued so far has run (to wake a waiter).
 
-    def wait(self, mark: Mark) -> None:
-        """Work queued on this stream after now waits for ``mark`` (from another lane)."""
-        if self.is_cuda:
-            self.stream.wait_event(mark.event)
-        else:
-            self.stream.wait_event(mark.event)
+        Host streams only: on cuda a host function in the stream would hold the stream until
+        the callback gets the interpreter, so a waiter polls the marks there instead."""
+        if not self.is_cuda:
+            self.stream.enqueue(fn)
 
     def close(self) -> None:
         if self.owned and not self.is_cuda:

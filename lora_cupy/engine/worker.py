@@ -43,6 +43,7 @@ from .scheduler import CHAIN_LANE, MicroScheduler, ScheduledBatch
 from .streams import LaneStream, Mark
 
 CHAIN_DEPTH = 2  # step N on the device, N+1 behind it
+POLL_S = 2e-4  # how often the main loop looks at cuda marks while steps are in flight
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ class Worker:
             # N+1 is launched: wait for N (here, or at the next pass when not blocking)
             self._finish_chain(block=block)
         elif block and (self._chain or any(s.busy for s in self.side_lanes.values())):
-            self._wake.wait(timeout)
+            # host streams wake us as a step lands; on cuda we poll the marks (streams.py)
+            self._wake.wait(POLL_S if self.device.is_cuda else timeout)
 
     def drain(self, timeout: float = 30.0) -> None:
         """Run the loop here until every request has finished or failed (tests, one-shot use)."""
