@@ -123,7 +123,10 @@ class MultiRankMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.inst is not None and self.inst.live)
     @rule(data=st.data(), rollback=st.sampled_from([False, False, True]))
     def admit_any(self, data, rollback):
-        """Rows the leader never asked for (unreserved admits): every rank still decides alike."""
+        """The leader reserves for what waits, then admits rows it let in and rows it never
+        asked for (unreserved admits): every rank still decides alike."""
+        for rid in data.draw(st.permutations(sorted(self.inst.live))):
+            self.inst.reserve(rid)
         rows = data.draw(st.lists(st.sampled_from(sorted(self.inst.live)), min_size=1, unique=True))
         self.inst.admit(rows)  # raises DivergenceError if any rank decided otherwise
         self.admits += 1

@@ -546,7 +546,11 @@ class PoolRanksMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.inst is not None and self.inst.live)
     @rule(data=st.data(), finish=st.sampled_from(["commit", "commit", "rollback"]))
     def admit_any(self, data, finish):
-        """Rows the leader never asked for (unreserved admits): every rank still decides alike."""
+        """The leader reserves for what waits, then admits rows it let in and rows it never
+        asked for (unreserved admits): every rank still decides alike."""
+        for rid in data.draw(st.permutations(sorted(self.inst.live)), label="asked"):
+            self.inst._deliver_until_ingested(0, rid)
+            assert real_reserve(self.pools[0], rid) == sim_reserve(self.inst.leader, rid), f"reserve {rid}"
         rows = data.draw(st.lists(st.sampled_from(sorted(self.inst.live)), min_size=1, unique=True),
                          label="rows")
         self._finish(self.inst.admit(rows), finish)
