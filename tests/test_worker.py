@@ -89,6 +89,20 @@ def test_many_requests_match_the_float64_reference(engine):
     check_empty(eng)
 
 
+def test_torch_layers_on_the_same_buffers_match_the_reference(engine):
+    """The base matmuls in torch on views of the model's buffers (DLPack on cuda), deltas from the pool."""
+    eng = engine(torch_layers=True)
+    w = eng.worker
+    reqs = [Request(f"r{i}", [None, "a0", "a2"][i % 3], prompt=i, max_new_tokens=4, window=2) for i in range(5)]
+    futs = [w.submit(r) for r in reqs]
+    w.drain()
+    for r, f in zip(reqs, futs):
+        check_result(eng, r, f.result())
+    bufs = next(iter(b for k, b in eng.model._bufs.items() if k[0] != "codec"))
+    assert np.shares_memory(bufs["torch"][1].numpy(), bufs["y"]), "torch writes the model's own buffer"
+    check_empty(eng)
+
+
 def test_step_n_plus_1_is_launched_behind_step_n_never_deeper(engine):
     eng = engine()
     w = eng.worker

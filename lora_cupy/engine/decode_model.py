@@ -88,7 +88,7 @@ class DecodeModel:
     side_node = CODEC_NODE
 
     def __init__(self, pool, kv, vocab: int = 16, codec_width: int = 16, codec_layers: int = 1, max_window: int = 16,
-                 seed: int = 0):
+                 torch_layers: bool = False, seed: int = 0):
         self.pool, self.kv = pool, kv
         self.device = pool.device
         self.xp = self.device.xp
@@ -115,9 +115,35 @@ class DecodeModel:
         self._bufs: dict[tuple[int, int], dict] = {}
         self.faults = Faults()
         self.early_reads = 0
+        # torch_layers: the base matmuls run in torch on the lane's stream, on views of the same
+        # buffers (DLPack on cuda, shared memory on the cpu); the deltas stay the pool's
+        self.torch_layers = torch_layers
+        self._torch_streams: dict[int, object] = {}
+        self.wt_torch = [self._as_torch(w) for w in self.wt] if torch_layers else None
 
     def _dev(self, a: np.ndarray):
         return a.copy() if not self.device.is_cuda else self.device.xp.asarray(a)
+
+    def _as_torch(self, a):
+        """A torch view of a device array, no copy (made once, outside any capture)."""
+        import torch
+
+        return torch.from_dlpack(a) if self.device.is_cuda else torch.from_numpy(a)
+
+    def _torch_matmul(self, bufs: dict, layer: int) -> None:
+        """``y = x @ Wt[layer]`` in torch, on the current CuPy stream (an ExternalStream on cuda)."""
+        import torch
+
+        x, y = bufs["torch"]
+        if not self.device.is_cuda:
+            torch.matmul(x, self.wt_torch[layer], out=y)
+            return
+        ptr = self.xp.cuda.get_current_stream().ptr
+        ext = self._torch_streams.get(ptr)
+        if ext is None:
+            ext = self._torch_streams[ptr] = torch.cuda.ExternalStream(ptr, device=x.device)
+        with torch.cuda.stream(ext):
+            torch.matmul(x, self.wt_torch[layer], out=y)
 
     # -- the chain -------------------------------------------------------------------------------
     def buffers(self, bucket: int, parity: int) -> dict:
@@ -133,6 +159,8 @@ class DecodeModel:
                 "x": z((bucket, H), np.float32), "y": z((bucket, H), np.float32),
                 "tok": z(bucket, np.int64),
             }
+            if self.torch_layers:
+                b["torch"] = (self._as_torch(b["x"]), self._as_torch(b["y"]))
         return b
 
     def output(self, bufs: dict, rows: int) -> StepOutput:
@@ -174,7 +202,10 @@ class DecodeModel:
         xp.multiply(x, bufs["keep"], out=x)
         xp.add(x, bufs["x0"], out=x)
         for layer in range(self.num_layers):
-            xp.matmul(x, self.wt[layer], out=y)
+            if self.torch_layers:
+                self._torch_matmul(bufs, layer)
+            else:
+                xp.matmul(x, self.wt[layer], out=y)
             self.deltas[layer](y, x)
             xp.tanh(y, out=x)
         xp.put(kv, bufs["wr"], x.reshape(-1))
@@ -315,7 +346,7 @@ class DecodeEngine:
 
 def decode_engine(pool, *, num_pages: int = 17, page_size: int = 4, side_lane: bool = True, graphs: bool = True,
                   codec_width: int = 16, codec_layers: int = 1, vocab: int = 16, max_window: int = 16,
-                  seed: int = 0, **worker_options) -> DecodeEngine:
+                  torch_layers: bool = False, seed: int = 0, **worker_options) -> DecodeEngine:
     """The decode chain on ``pool`` (built on :func:`decode_spec`) and a KV cache of
     ``num_pages`` pages, with the codec on the side lane (``side_lane``) or on the chain, on the
     pool's device; built through ``EngineManager.build``."""
@@ -325,7 +356,7 @@ def decode_engine(pool, *, num_pages: int = 17, page_size: int = 4, side_lane: b
     kv = PagedKVCache(num_pages, page_size, pool.spec.target(TARGET).in_features, node=CHAIN_NODE,
                       device=pool.device)
     model = DecodeModel(pool, kv, vocab=vocab, codec_width=codec_width, codec_layers=codec_layers,
-                        max_window=max_window, seed=seed)
+                        max_window=max_window, torch_layers=torch_layers, seed=seed)
     groups = [{"name": "codec", "nodes": [CODEC_NODE], "side_stream": side_lane}]
     worker = EngineManager.build(model, [pool, kv], pool.device, groups, graphs=graphs, **worker_options)
     return DecodeEngine(worker, pool, kv, model)
