@@ -64,6 +64,34 @@ class LoraStepPlan:
             self.ready.synchronize()
 
 
+class RowSlots(dict):
+    """rid -> the slot its rows address (0: none in this pool), its keys also kept as a set, so
+    an admit tells a step whose rows all hold their slots by one set comparison."""
+
+    def __init__(self):
+        super().__init__()
+        self.rids: set = set()
+
+    def __setitem__(self, rid, slot: int) -> None:
+        super().__setitem__(rid, slot)
+        self.rids.add(rid)
+
+    def update(self, pairs) -> None:
+        for rid, slot in dict(pairs).items():
+            self[rid] = slot
+
+    def pop(self, rid, *default):
+        self.rids.discard(rid)
+        return super().pop(rid, *default)
+
+    def slots_of(self, rids, dtype: np.dtype) -> np.ndarray:
+        """``[rows]`` each rid's slot; ValueError naming a rid that holds none here."""
+        try:
+            return np.fromiter(map(self.__getitem__, rids), dtype, len(rids))
+        except KeyError as e:
+            raise ValueError(f"row {e.args[0]!r} was not admitted here") from None
+
+
 def slot_dtype(num_slots: int) -> np.dtype:
     """The narrowest dtype of a step's row slots: int16 lets a stable argsort take radix sort."""
     return np.dtype(np.int16 if num_slots < 32767 else np.int32)

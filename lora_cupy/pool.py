@@ -32,7 +32,7 @@ from .device import Device, as_device
 from .dtypes import normalize_dtype
 from .engine.resource import AdmitOutcome, EngineResourceInfo, LoraStep, ResourceReqConfig, StepContext, StepRows
 from .errors import CapacityError, LoraError
-from .planning import LoraStepPlan, StepPlanner
+from .planning import LoraStepPlan, RowSlots, StepPlanner
 from .slots import SlotTable
 from .spec import LoraSpec
 from .store import FAILED, READING, READY, LoraAdapterStore
@@ -74,7 +74,7 @@ class LoraAdapterPool:
         self._slot_weights = SlotBank(spec, self.device)
         self._planner = StepPlanner(spec, self.device, force_double_buffer)
         self._requests = self._catalog.requests  # rid -> Request, opened at ingest
-        self._settled: dict[Hashable, int] = {}  # rid -> the slot its rows address (0: none here)
+        self._settled = RowSlots()  # rid -> the slot its rows address (0: none here)
         self._deltas: dict[tuple[str, int], LoraLayerDelta] = {}
         self.stats = Counter()
         try:
@@ -190,7 +190,7 @@ class LoraAdapterPool:
         their victims, whose weights are queued on the device's stream ahead of the step.
         """
         rows = step.rows_for(self.spec.node)
-        if rows.rid_set <= self._settled.keys():
+        if rows.rid_set <= self._settled.rids:
             return AdmitOutcome.OK
         with self._step_lock:
             return self._admit(rows, ctx)
@@ -258,11 +258,7 @@ class LoraAdapterPool:
         if len(rows):
             with self._step_lock:
                 with self._lock:
-                    try:
-                        slots = np.fromiter(map(self._settled.__getitem__, rows.rids), self._planner.slot_dtype,
-                                            len(rows))
-                    except KeyError as e:
-                        raise ValueError(f"row {e.args[0]!r} of step {ctx.seq} was not admitted here") from None
+                    slots = self._settled.slots_of(rows.rids, self._planner.slot_dtype)
                 plan = self._planner.plan(ctx.seq, rows, slots, ctx.preplanned)
         elif not ctx.preplanned:
             self._planner.current = None

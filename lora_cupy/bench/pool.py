@@ -1,9 +1,12 @@
-"""``lora-cupy bench pool``: the pool's host-side cost per step, in the steady state.
+"""``lora-cupy bench pool``: the pool's host-side cost per step and per layer call.
 
-Every row already holds its slot, as on every step after a request's first, so ``admit`` is
-one set check and ``plan`` groups the rows by slot into the fixed host buffer and queues its
-copy to the device (the copy's issue counts; its transfer does not). Medians over many steps.
-Adapters are random weights made in memory (no files), served from startup.
+Per step, in the steady state: every row already holds its slot, as on every step after a
+request's first, so ``admit`` is one set check and ``plan`` groups the rows by slot into the
+fixed host buffer and queues its copy to the device (the copy's issue counts; its transfer does
+not). Per layer call (on CUDA): the host time of one eager ``LoraLayerDelta`` call on torch
+tensors, beside CuPy launching as many empty RawKernels as that call launches and a torch
+``add_``, measured in the same run. Medians over many steps and calls. Adapters are random
+weights made in memory (no files), served from startup.
 """
 
 from __future__ import annotations
@@ -90,6 +93,76 @@ def measure(device: str = "cpu", rows: int = 256, slots: int = 32, steps: int = 
         pool.close()
 
 
+_EMPTY = 'extern "C" __global__ void lora_bench_empty() {}'
+
+
+def measure_layer_call(device: str = "cuda:0", tokens: int = 64, adapters: int = 8, features: int = 4096,
+                       rank: int = 16, calls: int = 3000, batch: int = 100) -> dict:
+    """Medians (microseconds of host time) of one eager layer call with torch tensors, of CuPy
+    launching as many empty RawKernels, and of a torch ``y.add_(x)``, each call timed alone in
+    batches of ``batch`` (the device synchronized between batches, outside the timing)."""
+    import cupy
+    import torch
+
+    from ..pool import LoraAdapterPool
+
+    spec = LoraSpec((LoraTarget("o_proj", features, features, 1),), num_slots=adapters + 1, max_rank=rank,
+                    dtype="bfloat16")
+    pool = LoraAdapterPool(spec, device, adapters={f"a{i}": f"memory://a{i}" for i in range(adapters)},
+                           reader=_reader(rank))
+    try:
+        rids = list(range(tokens))
+        for rid in rids:
+            pool.ingest_request(rid, ResourceReqConfig(f"a{rid % adapters}"))
+        for i in range(adapters):
+            pool.store.get(f"a{i}").wait(60)
+        step, ctx = LoraStep(rids, np.ones(tokens, np.int32), node=spec.node), StepContext()
+        if not pool.admit(step, ctx).ok:
+            raise RuntimeError("the benchmark's admit failed")
+        pool.plan(step, ctx)
+        delta = pool.layer_delta("o_proj", 0)
+        tdev = torch.device(device)
+        x = torch.randn(tokens, features, device=tdev, dtype=torch.bfloat16)
+        y = torch.randn(tokens, features, device=tdev, dtype=torch.bfloat16)
+        delta(y, x)  # packs the bucket's launch
+        layer = pool.backend.prepare(delta.weights)  # the same preparation, to count its kernels
+        views = pool.current_plan().launch[1]
+        layer(y, x, views)
+        kernels = len(layer.packed(views).calls)
+        empty = cupy.RawKernel(_EMPTY, "lora_bench_empty")
+        stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(tdev))
+
+        def empties():
+            for _ in range(kernels):
+                empty((1,), (1,), ())
+
+        def time_calls(fn) -> list[float]:
+            clock, out = time.perf_counter_ns, []
+            for _ in range(3):  # warm-up
+                fn()
+            for _ in range(calls // batch):
+                torch.cuda.synchronize(tdev)
+                for _ in range(batch):
+                    t0 = clock()
+                    fn()
+                    out.append(clock() - t0)
+            torch.cuda.synchronize(tdev)
+            return out
+
+        with stream:
+            empty_ns = time_calls(empties)
+            layer_ns = time_calls(lambda: delta(y, x))
+            add_ns = time_calls(lambda: y.add_(x))
+            empty_ns += time_calls(empties)  # before and after, against drift
+        med = lambda v: statistics.median(v) / 1e3  # noqa: E731
+        return {"device": device, "tokens": tokens, "adapters": adapters, "features": features, "rank": rank,
+                "kernels_per_call": kernels, "calls": calls, "layer_call_us_median": med(layer_ns),
+                "empty_launches_us_median": med(empty_ns), "torch_add_us_median": med(add_ns),
+                "layer_over_empty": med(layer_ns) / med(empty_ns)}
+    finally:
+        pool.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lora-cupy bench pool", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (default: cpu)")
@@ -97,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=32, help="adapter slots, all held (default: 32)")
     p.add_argument("--tokens", type=int, default=1, help="tokens per row (default: 1, decode)")
     p.add_argument("--steps", type=int, default=2000, help="measured steps (default: 2000)")
+    p.add_argument("--layer-tokens", type=int, default=64, help="tokens of the layer-call step (default: 64)")
+    p.add_argument("--layer-adapters", type=int, default=8, help="adapters of the layer-call step (default: 8)")
     p.add_argument("--json", metavar="FILE", help="also write the results to FILE as JSON")
     args = p.parse_args(argv)
     r = measure(args.device, args.rows, args.slots, args.steps, args.tokens)
@@ -104,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['steps']} steps")
     print(f"  admit (steady state)      median {r['admit_us_median']:8.2f} us   p90 {r['admit_us_p90']:8.2f} us")
     print(f"  plan (copy issue incl.)   median {r['plan_us_median']:8.2f} us   p90 {r['plan_us_p90']:8.2f} us")
+    if args.device.startswith("cuda"):
+        lc = r["layer_call"] = measure_layer_call(args.device, args.layer_tokens, args.layer_adapters)
+        print(f"layer call, torch tensors, bf16 {lc['features']}->{lc['features']} r{lc['rank']}, "
+              f"{lc['tokens']} tokens over {lc['adapters']} adapters ({lc['kernels_per_call']} kernel(s)), host time:")
+        print(f"  LoraLayerDelta call        median {lc['layer_call_us_median']:8.2f} us")
+        print(f"  {lc['kernels_per_call']} empty RawKernel launch(es) median {lc['empty_launches_us_median']:8.2f} us"
+              f"   -> {lc['layer_over_empty']:.2f}x")
+        print(f"  torch y.add_(x)            median {lc['torch_add_us_median']:8.2f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -1,0 +1,141 @@
+"""The CUDA backend's per-layer launch, checked without a GPU: parameters packed once at their
+natural alignment, y / x / flags patched per call (only when they change), one packed launch per
+capture bucket's views, and x / y refused before anything launches."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from lora_cupy.backends import cupy as cb
+from lora_cupy.backends.base import LayerWeights
+from lora_cupy.planning import LaunchViews
+from lora_cupy.spec import LoraSpec, LoraTarget
+from tests.test_kernel_backend_cpu import FakeDeviceArray
+
+
+def _read(params_ptr: int, index: int, ctype):
+    """The value parameter ``index`` points at, as the driver would read it."""
+    ptr = ctypes.cast(params_ptr, ctypes.POINTER(ctypes.c_uint64))[index]
+    return ctypes.cast(ptr, ctypes.POINTER(ctype))[0]
+
+
+def test_packed_args_lay_values_out_aligned_and_patch_in_place():
+    args = (np.uint64(1 << 40), np.int32(-7), np.uint64(9), np.int32(3), np.float32(1.5), np.int32(11))
+    p = cb.PackedArgs(args)
+    assert p.offsets == (0, 8, 16, 24, 28, 32)
+    types = (ctypes.c_uint64, ctypes.c_int32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_int32)
+    assert [_read(p.ptr, i, t) for i, t in enumerate(types)] == [1 << 40, -7, 9, 3, 1.5, 11]
+    p.set_u64(2, 12345678901)
+    p.set_i32(5, -2)
+    assert _read(p.ptr, 2, ctypes.c_uint64) == 12345678901 and _read(p.ptr, 5, ctypes.c_int32) == -2
+    assert _read(p.ptr, 1, ctypes.c_int32) == -7 and _read(p.ptr, 4, ctypes.c_float) == 1.5  # neighbours kept
+
+
+class _Fn:
+    """A stand-in for a CuPy RawKernel: only its function pointer is read."""
+
+    def __init__(self, ptr):
+        self.kernel = type("K", (), {"ptr": ptr})()
+
+
+class _Recorder:
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        # the driver copies the values at launch: read them now, as it would
+        self.launches.append((fn, (gx, gy, gz), (bx, by, bz), smem, stream,
+                              _read(params, 0, ctypes.c_uint64), _read(params, 1, ctypes.c_uint64),
+                              _read(params, 2, ctypes.c_int32)))
+
+
+def _calls():
+    args = (np.uint64(0), np.uint64(0), np.int32(0))
+    return [cb.KernelCall("a", _Fn(101), (3, 1, 1), (128, 1, 1), 64, args, 0, 1, 2),
+            cb.KernelCall("b", _Fn(202), (5, 2, 1), (32, 4, 1), 0, args, 0, 1, 2)]
+
+
+def test_packed_launch_patches_y_x_and_flags_and_launches_in_order():
+    launch = cb.PackedLaunch(_calls())
+    rec = launch._launch_kernel = _Recorder()
+    launch.run(77, y_ptr=4096, x_ptr=8192, flags=5)
+    launch.run(78, y_ptr=4096, x_ptr=8192, flags=5)  # unchanged: nothing to patch
+    launch.run(79, y_ptr=1 << 33, x_ptr=8192, flags=3)
+    assert [r[0] for r in rec.launches] == [101, 202] * 3
+    assert rec.launches[1][1:4] == ((5, 2, 1), (32, 4, 1), 0) and rec.launches[0][3] == 64
+    assert [r[4] for r in rec.launches] == [77, 77, 78, 78, 79, 79]
+    assert [r[5:] for r in rec.launches[:4]] == [(4096, 8192, 5)] * 4
+    assert [r[5:] for r in rec.launches[4:]] == [(1 << 33, 8192, 3)] * 2
+
+
+class _FakeBackend:
+    """What LayerLaunch reads of a CupyBackend: limits, kernels per call, a stream, launches."""
+
+    def __init__(self, limits):
+        self.limits = limits
+        self.prepared, self.launched = [], []
+
+    def _kernels(self, call):
+        self.prepared.append(call)
+        return _calls()
+
+    def stream_ptr(self, torch):
+        return 5
+
+    def launch(self, packed, stream, y_ptr, x_ptr, flags):
+        self.launched.append((packed, stream, y_ptr, x_ptr, flags))
+
+
+def _layer(T=64, in_f=64, out=96, S=5, R=16):
+    spec = LoraSpec((LoraTarget("t", in_f, out, 1),), num_slots=S, max_rank=R, dtype="bfloat16")
+    floats, ints = cb.plan_workspace(spec)
+    be = _FakeBackend(cb.CallLimits(spec, 0, cb.DEFAULT_SMS, floats, ints, {}))
+    w = LayerWeights(FakeDeviceArray((S, 1, R, in_f), "<u2"), FakeDeviceArray((S, out, R), "<u2"),
+                     FakeDeviceArray((S, 1), "<f4"), FakeDeviceArray((S, 1), "<i4"), (0, out))
+    return be, cb.LayerLaunch(be, w), spec
+
+
+def _views(bucket, S=5, parity=0):
+    return LaunchViews(bucket, parity, FakeDeviceArray((bucket,), "<i4"), FakeDeviceArray((S + 1,), "<i4"))
+
+
+def test_layer_launch_packs_once_per_bucket_views_and_checks_x_and_y_every_call():
+    be, layer, spec = _layer()
+    v16, v64 = _views(16), _views(64)
+    x, y = FakeDeviceArray((64, 64), "<u2"), FakeDeviceArray((64, 96), "<u2")
+    layer(y, x, v64)
+    layer(y, x, v64)
+    layer(y, x, v16)
+    assert [c.plan.bucket for c in be.prepared] == [64, 16]  # one packed launch per views object
+    assert be.launched[0][0] is be.launched[1][0] is not be.launched[2][0]
+    ptr_y = y.__cuda_array_interface__["data"][0]
+    assert be.launched[0][1:4] == (5, ptr_y, x.__cuda_array_interface__["data"][0]) and be.launched[0][4] == 7
+    misaligned = FakeDeviceArray((64, 96), "<u2", ptr=(1 << 31) + 2)
+    layer(misaligned, x, v64)
+    assert be.launched[-1][2] == (1 << 31) + 2 and be.launched[-1][4] == 3  # y's 16-byte path off
+    n = len(be.launched)
+    for bad, err in ((FakeDeviceArray((64, 65), "<u2"), ValueError), (FakeDeviceArray((64, 64), "<f2"), TypeError),
+                     (np.zeros((64, 64), np.float32), TypeError)):
+        with pytest.raises(err):
+            layer(y, bad, v64)
+    with pytest.raises(ValueError, match="share rows"):
+        layer(FakeDeviceArray((32, 96), "<u2"), x, v64)
+    assert len(be.launched) == n  # nothing launched for a refused call
+
+
+def test_layer_launch_refuses_torch_tensors_on_the_host():
+    torch = pytest.importorskip("torch")
+    be, layer, _ = _layer()
+    with pytest.raises(TypeError, match="CUDA"):
+        layer(torch.zeros(64, 96, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16), _views(64))
+    assert not be.launched
+
+
+def test_weights_are_checked_when_the_layer_is_made():
+    be, _, spec = _layer()
+    with pytest.raises(TypeError, match="int32"):
+        cb.LayerLaunch(be, LayerWeights(FakeDeviceArray((5, 1, 16, 64), "<u2"), FakeDeviceArray((5, 96, 16), "<u2"),
+                                        FakeDeviceArray((5, 1), "<f4"), FakeDeviceArray((5, 1), "<i8"), (0, 96)))
