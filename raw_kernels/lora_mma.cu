@@ -54,6 +54,9 @@ struct Args {
       col_blocks, cpb, flags;
   __device__ int rank_blocks() const { return (max_rank + 63) / 64; }
   __device__ int tiles(int bm) const { return (bucket + bm - 1) / bm; }
+  // Work units of a launch: tiles of BM positions, or (fused) chunks of one slot each, at most
+  // BM positions: a slot's range cut from its start, so sum(ceil(len / BM)) < tiles + slots.
+  __device__ int units(int bm, bool fused) const { return fused ? min(bucket, tiles(bm) + num_slots - 1) : tiles(bm); }
   __device__ int col_groups() const { return (col_blocks + cpb - 1) / cpb; }
 };
 
@@ -65,8 +68,8 @@ struct ShrinkTask {
   int tile, q, j, rb;
 };
 template <typename T, int BM>
-__device__ __forceinline__ ShrinkTask shrink_task_of(const Args<T>& g, int u) {
-  const int n = g.n_slices, per = g.tiles(BM) * g.splits * n, w = u % per;
+__device__ __forceinline__ ShrinkTask shrink_task_of(const Args<T>& g, int u, bool fused) {
+  const int n = g.n_slices, per = g.units(BM, fused) * g.splits * n, w = u % per;
   return {w / (n * g.splits), (w / n) % g.splits, w % n, u / per};
 }
 
@@ -79,6 +82,7 @@ struct TileRows {
   int run_slot[BM], run_lo[BM], run_hi[BM];
   int nrun, pend;
   int warp_count[4];
+  int p0;  // the first position of the tile or chunk
 };
 
 // Reads slot_indptr and the tile's token rows in one round of loads, then finds the runs.
@@ -99,7 +103,10 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
     tr.tok[tid] = s > 0 ? t : -1;
     tr.slot[tid] = s;
   }
-  if (tid == 0) tr.pend = pend;
+  if (tid == 0) {
+    tr.pend = pend;
+    tr.p0 = p0;
+  }
   __syncthreads();
   constexpr int NW = (BM + 31) / 32;
   const int lane = tid & 31, w = tid >> 5;
@@ -131,6 +138,62 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
     int total = 0;
     for (int k = 0; k < NW; ++k) total += tr.warp_count[k];
     tr.nrun = total;
+  }
+  __syncthreads();
+}
+
+// The k-th chunk of the step's addressing, as a tile of one run: slot s's range of positions
+// (s >= 1, clipped to `positions`) cut into pieces of at most BM from its start, chunks in slot
+// order. Rows [0, m) hold positions [p0, p0 + m); nrun = 0 where the step has k chunks or fewer.
+// One warp counts each slot's chunks and scans the counts (a lane per run of slots), so a
+// chunk's rows are known after two rounds of loads: slot_indptr, then its token rows.
+template <int BM>
+__device__ void read_chunk(TileRows<BM>& tr, int* s_indptr, const int* __restrict__ slot_indptr,
+                           const int* __restrict__ token_order, int num_slots, int positions, int k) {
+  static_assert(BM <= 128, "a chunk has at most 128 positions");
+  __shared__ int chunk[3];  // first position, rows, slot
+  const int tid = threadIdx.x;
+  for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
+  if (tid == 0) chunk[1] = 0;
+  __syncthreads();
+  if (tid < 32) {
+    const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
+    int c = 0;
+    for (int s = s0; s < s1; ++s) c += (max(min(s_indptr[s + 1], positions) - s_indptr[s], 0) + BM - 1) / BM;
+    int incl = c;  // inclusive scan of the lanes' counts
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (tid >= o) incl += v;
+    }
+    int kk = k - (incl - c);
+    if (kk >= 0 && kk < c) {
+      for (int s = s0; s < s1; ++s) {
+        const int lo = s_indptr[s], len = max(min(s_indptr[s + 1], positions) - lo, 0), nc = (len + BM - 1) / BM;
+        if (kk < nc) {
+          chunk[0] = lo + kk * BM;
+          chunk[1] = min(BM, len - kk * BM);
+          chunk[2] = s;
+          break;
+        }
+        kk -= nc;
+      }
+    }
+  }
+  __syncthreads();
+  const int p0 = chunk[0], m = chunk[1];
+  if (tid < BM) {
+    const bool in = tid < m;
+    tr.tok[tid] = in ? token_order[p0 + tid] : -1;
+    tr.slot[tid] = in ? chunk[2] : 0;
+    tr.run_of[tid] = 0;
+  }
+  if (tid == 0) {
+    tr.p0 = p0;
+    tr.nrun = m > 0;
+    tr.run_slot[0] = chunk[2];
+    tr.run_lo[0] = 0;
+    tr.run_hi[0] = m;
   }
   __syncthreads();
 }
@@ -193,10 +256,16 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   using M = typename C::M;
   __shared__ int row_r[BM];  // this row's rank inside the rank block (0..64)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  const ShrinkTask task = shrink_task_of<T, BM>(g, u);
-  const int q = task.q, j = task.j, rb = task.rb, tile = task.tile, p0 = tile * BM;
-  read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
-  if (p0 >= tr.pend) return;
+  const ShrinkTask task = shrink_task_of<T, BM>(g, u, fused);
+  const int q = task.q, j = task.j, rb = task.rb, tile = task.tile;
+  if (fused) {
+    read_chunk<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile);
+    if (tr.nrun == 0) return;
+  } else {
+    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile * BM);
+    if (tile * BM >= tr.pend) return;
+  }
+  const int p0 = tr.p0;
   if (tid < BM) {
     const int s = tr.slot[tid];
     int r = 0;
@@ -362,9 +431,9 @@ __device__ __forceinline__ void add_pair(T* p, float d0, float d1, bool both) {
 // (fence, then count); the last one acquires them (count, then fence) before it writes.
 template <typename T, int BM>
 __device__ void release_v(const Args<T>& g, const TileRows<BM>& tr, const int (&pr)[MAX_SLICES][BM],
-                          int& last_reader, int tile, int groups, int p0, int n) {
+                          int& last_reader, int tile, int groups, int p0, int n, bool fused = false) {
   const int tid = threadIdx.x;
-  int* readers = g.counters + 2 + g.tiles(BM) + tile;
+  int* readers = g.counters + 2 + g.units(BM, fused) + tile;
   __syncthreads();
   if (tid == 0) {
     __threadfence();
@@ -415,9 +484,11 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const float(&ps)[MAX_SLICES][BM] = rm.ps;
   const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  const int groups = g.col_groups(), cg = u % groups, tile = u / groups, p0 = tile * BM;
-  read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
-  if (p0 >= tr.pend || tr.nrun == 0) return;
+  const int groups = g.col_groups(), cg = u % groups, tile = u / groups;
+  if (fused) read_chunk<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile);
+  else read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile * BM);
+  if (tr.nrun == 0 || (!fused && tile * BM >= tr.pend)) return;
+  const int p0 = tr.p0;
   const int out = g.out_features, n = g.n_slices, nrun = tr.nrun;
   const int cb0 = cg * g.cpb, cb1 = min(cb0 + g.cpb, g.col_blocks);
   read_run_meta<T, BM>(g, tr, rm);
@@ -619,12 +690,38 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   cp_async_wait<0>();
 
-  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n);
+  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n, fused);
 }
 
 template <typename T, int BM, int BN>
 __host__ __device__ constexpr int fused_smem() {
   return Shrink<T, BM>::SMEM > Expand<T, BM, BN>::SMEM ? Shrink<T, BM>::SMEM : Expand<T, BM, BN>::SMEM;
+}
+
+// One block of the fused launch: a ticket taken when the block starts picks its task, shrink
+// tasks first (every chunk's, split and rank block), then expand tasks, so an expand task only
+// ever waits for shrink tasks of blocks already running. The last block to finish resets the
+// ticket, done and ready counts for the next launch.
+template <typename T, int BM, int BN>
+__device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int blocks) {
+  __shared__ int ticket;
+  const int units = g.units(BM, true);
+  const int n_shrink = units * g.splits * g.n_slices * g.rank_blocks();
+  if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
+  __syncthreads();
+  const int u = ticket;
+  if (u < n_shrink) shrink_task<T, BM>(g, dsmem, s_indptr, tr, u, true);
+  else expand_task<T, BM, BN>(g, dsmem, s_indptr, tr, u - n_shrink, true);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(g.counters + 1, 1) == blocks - 1) {  // every other block has finished
+      for (int i = 0; i < units; ++i) g.counters[2 + i] = 0;
+      g.counters[0] = 0;
+      g.counters[1] = 0;
+      __threadfence();
+    }
+  }
 }
 
 }  // namespace lora
@@ -676,27 +773,10 @@ template <typename T, int BM, int BN>
 __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
-  __shared__ int ticket;
   LORA_ARGS;
   lora::require_smem(lora::fused_smem<T, BM, BN>() + 4 * (num_slots + 1));
-  int* s_indptr = reinterpret_cast<int*>(dsmem + lora::fused_smem<T, BM, BN>());
-  const int tiles = g.tiles(BM);
-  const int n_shrink = tiles * splits * n_slices * g.rank_blocks();
-  if (threadIdx.x == 0) ticket = atomicAdd(counters, 1);
-  __syncthreads();
-  const int u = ticket;
-  if (u < n_shrink) lora::shrink_task<T, BM>(g, dsmem, s_indptr, tr, u, true);
-  else lora::expand_task<T, BM, BN>(g, dsmem, s_indptr, tr, u - n_shrink, true);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(counters + 1, 1) == (int)gridDim.x - 1) {  // every other block has finished
-      for (int i = 0; i < tiles; ++i) counters[2 + i] = 0;
-      counters[0] = 0;
-      counters[1] = 0;
-      __threadfence();
-    }
-  }
+  lora::fused_task<T, BM, BN>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::fused_smem<T, BM, BN>()), tr,
+                              gridDim.x);
 }
 
 // The v4 kernels (shrink_stream.cuh, expand_stream.cuh): registers capped for 4 blocks per

@@ -96,7 +96,7 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
     prev = None
     for T in range(1, spec.max_tokens + 1, 7):
         b = spec.bucket_for(T)
-        p = cb.plan_launch(b, in_f, out, n, R, dtype)
+        p = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=spec.num_slots)
         if prev is not None and prev.bucket == b:
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
@@ -106,16 +106,18 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         assert p.tiles * p.bm >= b and p.col_blocks * p.bn >= out and 1 <= p.cpb <= p.col_blocks
         assert p.workspace_floats(cb.rank_width(R)) <= floats and p.counter_ints() <= ints
         for t in kernels.MMA_SHRINK_BM:  # any tile a caller may force fits the counters
-            assert cb.plan_launch(b, in_f, out, n, R, dtype, tile=t).counter_ints() <= ints
+            for fused in (False, True):
+                assert cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=spec.num_slots, tile=t,
+                                      fused=fused).counter_ints() <= ints
         assert p.rank_blocks == -(-R // cb.rank_block(p.shrink, dtype))
         assert p.fused or (p.shrink, p.expand) == (cb.default_shrink(b), cb.default_expand(b))
 
 
 def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
-    small = cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16")
+    small = cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
     assert small.splits > 16 and small.shrink_blocks >= cb.DEFAULT_SMS // 4
     assert small.cpb == 1  # every column block its own block while blocks are few
-    big = cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16")
+    big = cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
     assert big.splits < small.splits
     assert big.cpb > 1 and 2 * cb.DEFAULT_SMS <= big.expand_blocks <= 8 * cb.DEFAULT_SMS
     assert small.fused and not big.fused
@@ -124,8 +126,8 @@ def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
 def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """Only the rank blocks differ: the extra ones stop at once past a rank-16 adapter."""
     for b in DEFAULT_CAPTURE_BUCKETS:
-        p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16")
-        p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16")
+        p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
+        p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
         assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb, p16.shrink, p16.expand) == (
             p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb, p128.shrink, p128.expand)
         rb = cb.rank_block(p128.shrink, "bfloat16")
@@ -138,7 +140,8 @@ def test_workspace_is_v_at_the_largest_bucket():
     spec = LoraSpec((qkv, down), num_slots=65, max_rank=120)
     floats, ints = cb.plan_workspace(spec)
     assert floats == 4096 * 3 * 128  # [bucket, n, rw], rw = 120 rounded up to 16
-    assert ints == 2 + 2 * 4096 // 16
+    # work units: tiles of 16 positions, or a fused launch's chunks of one slot (4096 / 16 + 64)
+    assert ints == 2 + 2 * (4096 // 16 + 64)
 
 
 @pytest.mark.parametrize("version", ["v4", "v5"])
@@ -153,7 +156,8 @@ def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R
     rb = kernels.STREAM_RANK_BLOCK[dtype] if version == "v4" else cb.RANK_BLOCK
     for b in (128, 256, 512, 1024, 4096):
         for tile in kernels.MMA_SHRINK_BM:
-            p = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=False, shrink=version, expand=version)
+            p = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=False, shrink=version,
+                               expand=version)
             assert (p.shrink, p.expand, p.bn) == (version, version, bn)
             assert p.col_blocks * p.bn >= out > (p.col_blocks - 1) * p.bn
             share = 64 // tile
@@ -162,7 +166,8 @@ def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R
             assert p.rank_blocks == -(-R // rb)
             assert p.shrink_blocks == p.tiles * p.splits * n * p.rank_blocks
             assert p.k_split % (128 // cb._ITEMSIZE[dtype]) == 0 and p.splits * p.k_split >= in_f
-            f = cb.plan_launch(b, in_f, out, n, R, dtype, tile=tile, fused=True, shrink=version, expand=version)
+            f = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=True, shrink=version,
+                               expand=version)
             assert (f.shrink, f.expand) == ("v3", "v3")
 
 
@@ -172,7 +177,8 @@ def test_v4_defaults_name_unfused_buckets_and_keep_a_pools_plan_whatever_its_ran
     for b in cb.V4_EXPAND_BUCKETS | cb.V4_SHRINK_BUCKETS:
         assert not cb.default_fused(b)
     for b in DEFAULT_CAPTURE_BUCKETS:
-        plans = [cb.plan_launch(b, 4096, out, 1, r, dt) for out in (4096, 14336) for r in (8, 16, 128)
+        plans = [cb.plan_launch(b, 4096, out, 1, r, dt, num_slots=33) for out in (4096, 14336)
+                 for r in (8, 16, 128)
                  for dt in DTYPES]
         assert len({(p.shrink, p.expand) for p in plans}) == 1
         p = plans[0]
@@ -182,16 +188,49 @@ def test_v4_defaults_name_unfused_buckets_and_keep_a_pools_plan_whatever_its_ran
 
 def test_unknown_kernel_versions_are_refused():
     with pytest.raises(ValueError, match="expand"):
-        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", expand="v6")
+        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="v6")
     with pytest.raises(ValueError, match="shrink"):
-        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", shrink="v2")
+        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", num_slots=33, shrink="v2")
+
+
+def test_fused_units_hold_every_chunk_of_any_addressing():
+    """A fused launch's work units are chunks of one slot (a slot's range cut into pieces of at most
+    ``bm`` from its start, clipped to the positions): however a step spreads over the slots, its
+    chunks never outnumber the units the launch was sized for, and a step of one slot per position
+    needs all of them."""
+    rng = np.random.default_rng(0)
+    for bucket in (1, 2, 16, 64, 100, 4096):
+        for bm in kernels.MMA_SHRINK_BM:
+            for S in (2, 3, 9, 33, 513):
+                units = cb.fused_units(bucket, bm, S)
+                assert units <= bucket
+                for _ in range(20):
+                    T = int(rng.integers(1, bucket + 1))
+                    slots = np.sort(rng.integers(0, S, T))
+                    indptr = np.zeros(S + 1, np.int64)
+                    np.cumsum(np.bincount(slots, minlength=S), out=indptr[1:])
+                    chunks = sum(-(-int(min(indptr[s + 1], T) - indptr[s]) // bm) for s in range(1, S))
+                    assert chunks <= units
+                if S - 1 >= bucket:
+                    assert units == bucket
+
+
+def test_fused_plans_fill_about_a_wave_whatever_the_bucket():
+    for b in (1, 16, 64):
+        for S in (2, 9, 33):
+            for out in (4096, 28672):
+                p = cb.plan_launch(b, 4096, out, 1, 16, "bfloat16", num_slots=S)
+                assert p.fused and p.tiles == cb.fused_units(b, p.bm, S)
+                assert p.tiles * p.splits < cb.FUSED_SHRINK_PER_SM * cb.DEFAULT_SMS + p.tiles
+                assert p.expand_blocks <= max(p.tiles, cb.FUSED_EXPAND_PER_SM * cb.DEFAULT_SMS)
+                assert (p.col_blocks - 1) * p.bn < out <= p.col_blocks * p.bn
 
 
 def test_tile_and_fused_overrides():
-    p = cb.plan_launch(4096, 4096, 4096, 1, 16, "float16", tile=16, fused=True)
-    assert (p.bm, p.bn, p.fused, p.tiles) == (16, 64, True, 256)
+    p = cb.plan_launch(4096, 4096, 4096, 1, 16, "float16", num_slots=33, tile=16, fused=True)
+    assert (p.bm, p.bn, p.fused, p.tiles) == (16, 64, True, 256 + 32)  # chunks: tiles + slots - 1
     with pytest.raises(ValueError, match="tile"):
-        cb.plan_launch(64, 4096, 4096, 1, 16, "float16", tile=48)
+        cb.plan_launch(64, 4096, 4096, 1, 16, "float16", num_slots=33, tile=48)
 
 
 # -- argument checks ---------------------------------------------------------------------------------

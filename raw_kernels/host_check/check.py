@@ -50,7 +50,9 @@ from test_kernels import CASES as GPU_CASES  # noqa: E402
 #: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp.
 CASES = {**GPU_CASES,
          "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
-                      mix="zipf", num_slots=17, active=12)}
+                      mix="zipf", num_slots=17, active=12),
+         "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
+                            num_slots=513, active=61)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
@@ -98,11 +100,12 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def plan_for(case, *, shrink: str, expand: str, tile: int, sms: int) -> cb.LaunchPlan:
-    """The unfused launch plan of ``case`` at its capture bucket."""
+def plan_for(case, *, shrink: str, expand: str, tile: int, sms: int, fused: bool = False) -> cb.LaunchPlan:
+    """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``)."""
     S, n, R, in_f = case.w.a.shape
     return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, case.y0.shape[1], n, R,
-                          case.spec.dtype, tile=tile, fused=False, shrink=shrink, expand=expand, num_sms=sms)
+                          case.spec.dtype, num_slots=S, tile=tile, fused=fused, shrink=None if fused else shrink,
+                          expand=None if fused else expand, num_sms=sms)
 
 
 def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, int]:
@@ -130,7 +133,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
     lib.emu_set_shrink(int(plan.shrink[1:]))
-    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, int(plan.expand[1:]), plan.shrink_blocks,
+    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, 0 if plan.fused else int(plan.expand[1:]), plan.shrink_blocks,
                        plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
     assert rc == 0, f"no kernel for tile {plan.bm}"
@@ -148,6 +151,7 @@ def main(argv=None) -> int:
     ap.add_argument("--expand", default="v5", choices=cb.EXPAND_VARIANTS)
     ap.add_argument("--cp-async", default="late", choices=("late", "early"),
                     help="when an emulated cp.async lands: at the wait that retires it, or at once")
+    ap.add_argument("--fused", action="store_true", help="the fused launch (chunks of one slot each)")
     ap.add_argument("--sms", type=int, default=cb.DEFAULT_SMS)
     ap.add_argument("--misalign", action="store_true")
     ap.add_argument("--asan", action="store_true")
@@ -162,7 +166,8 @@ def main(argv=None) -> int:
             for dt in args.dtypes.split(","):
                 for tile in (int(t) for t in args.tiles.split(",")):
                     case = build_case(rng, dtype=dt, **CASES[name])
-                    plan = plan_for(case, shrink=args.shrink, expand=args.expand, tile=tile, sms=args.sms)
+                    plan = plan_for(case, shrink=args.shrink, expand=args.expand, tile=tile, sms=args.sms,
+                                    fused=args.fused)
                     t0 = time.time()
                     try:
                         y, flags = run(lib, case, plan, misalign=args.misalign)
@@ -171,7 +176,8 @@ def main(argv=None) -> int:
                     except AssertionError as e:
                         fails += 1
                         status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
-                    print(f"{name:10s} {dt:9s} tile {tile:2d} {plan.shrink}/{plan.expand} splits {plan.splits:3d} "
+                    kind = "fused" if plan.fused else f"{plan.shrink}/{plan.expand}"
+                    print(f"{name:10s} {dt:9s} tile {tile:2d} {kind} units {plan.tiles:3d} splits {plan.splits:3d} "
                           f"cpb {plan.cpb:3d} {status} ({time.time() - t0:.1f}s)", flush=True)
         print(f"{fails} failed")
     return 1 if fails else 0

@@ -136,8 +136,21 @@ template <typename T, int BM> static void stream_block(int u) {
   lora::expand_stream_task<T, BM>(g, s_indptr, tr, u);
 }
 
+static int g_blocks = 0;
+template <typename T, int BM, int BN> static void fused_block(int u) {
+  static lora::TileRows<BM> tr;
+  auto g = args<T>();
+  lora::fused_task<T, BM, BN>(g, dsm.data(), s_indptr, tr, g_blocks);
+}
+
 static int g_shrink = 3;
+// expand 0: the fused launch (its blocks run in ticket order, every shrink task before any expand)
 template <typename T, int BM, int BN> static void run(int expand, int shrink_blocks, int expand_blocks) {
+  if (expand == 0) {
+    g_blocks = shrink_blocks + expand_blocks;
+    for (int u = 0; u < g_blocks; ++u) emu::run_block(fused_block<T, BM, BN>, u);
+    return;
+  }
   for (int u = 0; u < shrink_blocks; ++u)
     emu::run_block(g_shrink == 5 ? shrink5_block<T, BM> : g_shrink == 4 ? shrink4_block<T, BM> : shrink_block<T, BM>, u);
   for (int u = 0; u < expand_blocks; ++u)
@@ -152,7 +165,7 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
-// dtype 0 bf16, 1 fp16, 2 fp32; expand 3, 4 or 5; dims: S n R in out bucket positions rw splits k_split col_blocks cpb flags
+// dtype 0 bf16, 1 fp16, 2 fp32; expand 3, 4 or 5, or 0 for the fused launch; dims: S n R in out bucket positions rw splits k_split col_blocks cpb flags
 extern "C" void emu_set_shrink(int v) { g_shrink = v; }
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,

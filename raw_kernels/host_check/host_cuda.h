@@ -109,6 +109,14 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
   emu::warp_barrier();
   return r;
 }
+inline int __shfl_up_sync(unsigned, int v, int delta) {
+  auto& st = emu::stage[emu::warp()];
+  st.u[emu::lane()] = (unsigned)v;
+  emu::warp_barrier();
+  const int r = emu::lane() >= delta ? (int)st.u[emu::lane() - delta] : v;
+  emu::warp_barrier();
+  return r;
+}
 inline void __threadfence() {}
 inline void __nanosleep(unsigned) {}
 inline void __trap() { abort(); }

@@ -142,6 +142,19 @@ def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
+@pytest.mark.parametrize("tile", [16, 64])
+@pytest.mark.parametrize("T,mix", [(64, "distinct"), (61, "zipf"), (16, "uniform")])
+def test_fused_chunks_of_a_step_over_many_slots(make_case, check, T, mix, tile):
+    """The fused launch's chunks of one slot each when slots outnumber tiles: a pool of 512
+    adapters, up to one per position (every work unit used), each warp lane scanning 16 slots."""
+    case = make_case(T=T, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), dtype="bfloat16",
+                     mix=mix, num_slots=513, active=T)
+    be = backend_for(case.spec, tile=tile, fused=True)
+    plan = be.plan(T, dev_weights(case.w), "bfloat16")
+    assert plan.fused and plan.tiles == min(plan.bucket, -(-plan.bucket // tile) + 512)
+    check(case, run_cupy(be, case), "bfloat16")
+
+
 def dev_misaligned(h: np.ndarray):
     """A C-contiguous device copy of h whose address is one element past 16-byte alignment."""
     flat = dev(np.zeros(h.size + 8, h.dtype))
