@@ -8,9 +8,11 @@ from .resource import (AdmitOutcome, EngineResourceInfo, LoraStep, Resource, Res
                        StepContext, StepRows)
 from .scheduler import CHAIN_LANE, SIDE_LANE, MicroScheduler
 from .side_steps import SideStepLane
+from .tp import LockstepError, LockstepRank, RankFailureError, StepOrder, StepResult, Teardown, TPGroup
 from .worker import Request, RequestResult, Worker
 
 __all__ = ["AdmissionQueue", "Granted", "AdmitOutcome", "EngineResourceInfo", "LoraStep", "Resource",
            "ResourceReqConfig", "StepContext", "StepRows", "KVReqConfig", "PagedKVCache", "EngineConfigError",
            "EngineManager", "NodeGroup", "CHAIN_LANE", "SIDE_LANE", "MicroScheduler", "SideStepLane", "Request",
            "RequestResult", "Worker"]
+__all__ += ["LockstepError", "LockstepRank", "RankFailureError", "StepOrder", "StepResult", "Teardown", "TPGroup"]
