@@ -3,16 +3,17 @@
 Requests (a prompt and an adapter name, or none) are submitted at any time and wait in an
 :class:`~lora_cupy.engine.AdmissionQueue` in front of the pool: one whose adapter can find no
 slot waits there holding nothing, and runs once a slot frees (the pool evicts the least
-recently used unheld adapter). Each step runs one forward of the attached model over a mixed
-batch: running requests decode one token, newly admitted ones prefill their prompts, every row
-padded to the step's ``q`` tokens (see :mod:`.kv_cache`). The step's pool rows are the
-batch's rows in order, ``q`` tokens each, so the hooked linears' ``[B * q, in]`` inputs line
-up with the addressing. Tokens are greedy (argmax) and streamed per request as
-:class:`TokenEvent`; a request finishes at ``max_new_tokens`` or its end-of-sequence token, is
-removed from the pool (its slot's refcount drops) and its cache row is reused.
+recently used unheld adapter). Each scheduler step runs the attached model over mixed batches,
+rows on any adapters or none: the running requests decode one token each in one forward, and
+the newly admitted ones prefill their prompts in another, right-padded to the longest (see
+:mod:`.kv_cache`). Each forward is one pool step whose rows are the batch's rows in order,
+``q`` tokens each, so the hooked linears' ``[B * q, in]`` inputs line up with the addressing.
+Tokens are greedy (argmax) and streamed per request as :class:`TokenEvent`; a request finishes
+at ``max_new_tokens`` or its end-of-sequence token, is removed from the pool (its slot's
+refcount drops) and its cache row is reused.
 
-On a CUDA device a decode step (every row one token) replays a CUDA graph
-(:class:`~lora_cupy.integrations.graphs.DecodeGraphs`); steps that prefill run eagerly.
+On a CUDA device the decode forward replays a CUDA graph
+(:class:`~lora_cupy.integrations.graphs.DecodeGraphs`); prefill forwards run eagerly.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class LoraGenerator:
         self.running: list[Hashable] = []  # cache row i holds running[i]
         self._lengths: list[int] = []  # tokens cached per running row
         self._next: list[int] = []  # each running row's next input token
-        self._step = 0
+        self._step = 0  # scheduler steps
+        self._seq = 0  # pool steps (a scheduler step runs one to decode, one to prefill)
         self._evictions = 0
         self._loads0 = int(pool.stats["loads"])
         self._tokens = 0
@@ -222,25 +224,62 @@ class LoraGenerator:
             time.sleep(0.001)
 
     def step(self) -> list[TokenEvent]:
-        """One scheduler step: admit what may start, run one forward, choose one token per row."""
+        """One scheduler step: admit what may start; the running requests decode one token each
+        (one forward; a graph replay on CUDA), the newly admitted ones prefill their prompts
+        (one forward, rows right-padded to the longest prompt); one token per request."""
         events, new = self._admit_new()
         if not self.running:
             return events
         started = time.perf_counter()
         self._step += 1
-        snap_before = self.pool.snapshot() if new else None
+        old = self.running[:len(self.running) - len(new)]
+        planned = []
+        use_graph = False
+        chosen: list[int] = []
+        try:
+            if old:
+                planned.append(self._pool_step(old, 1, []))
+                use_graph = self.graphs is not None
+                n = len(old)
+                chosen += (self.graphs.run(n, self._next[:n], self._lengths[:n], planned[-1][1]) if use_graph
+                           else self._forward(0, [[t] for t in self._next[:n]]))
+            if new:
+                before = self.pool.snapshot()
+                got = self._pool_step(new, max(len(self.records[r].request.prompt) for r in new), new, events)
+                if got is not None:
+                    planned.append(got)
+                    self._count_slots(before, new)
+                    chosen += self._forward(len(old), [list(self.records[r].request.prompt) for r in new])
+        except BaseException:
+            for step, ctx in planned:
+                self.pool.rollback_admit(step, ctx)
+            raise
+        for step, ctx in planned:
+            self.pool.commit(step, ctx)
+        for i in range(len(old)):
+            self._lengths[i] += 1
+        for k, rid in enumerate(new):
+            self._lengths[len(old) + k] += len(self.records[rid].request.prompt)
+        snap = self.pool.snapshot()
+        self.history.append(StepRecord(self._step, len(old), len(new), len(self.queue), snap.refcounts,
+                                       snap.adapters, use_graph))
+        events += self._emit(chosen)
+        self._busy += time.perf_counter() - started
+        return events
+
+    def _pool_step(self, rids: list, q: int, new: list, events: list | None = None):
+        """Admit and plan one pool step of ``rids``, ``q`` tokens each: ``(step, ctx)``, or None
+        when every row was refused. A row refused at admit (its adapter's read failed, on some
+        rank) is a new one: what the admit took is given back, the request is refused (an event
+        in ``events``) and the rest are admitted again."""
         while True:
-            B = len(self.running)
-            first_new = B - len(new)
-            counts = [1] * first_new + [len(self.records[r].request.prompt) for r in new]
-            q = max(counts)
-            step = LoraStep(self.running, [q] * B, node=self.pool.spec.node, seq=self._step)
-            ctx = StepContext(seq=self._step)
+            self._seq += 1
+            step, ctx = LoraStep(rids, [q] * len(rids), node=self.pool.spec.node, seq=self._seq), \
+                StepContext(seq=self._seq)
             outcome = self.pool.admit(step, ctx)
             if outcome.ok:
-                break
-            # Rows refused at admit (an adapter whose read failed, on some rank): give back what
-            # this admit took, refuse those requests and admit the rest again.
+                self.pool.plan(step, ctx)
+                return step, ctx
             self.pool.rollback_admit(step, ctx)
             for rid, err in outcome.failed.items():
                 if rid not in new:
@@ -249,39 +288,21 @@ class LoraGenerator:
                 for seq in (self.running, self._lengths, self._next):
                     seq.pop(i)
                 new.remove(rid)
+                rids = [r for r in rids if r != rid]
                 events.append(self._refuse(rid, err))
-            if not self.running:
-                return events
-        if new:
-            self._count_slots(snap_before, new)
-        self.pool.plan(step, ctx)
-        snap = self.pool.snapshot()
-        use_graph = self.graphs is not None and not new  # a pure decode step
-        self.history.append(StepRecord(self._step, first_new, len(new), len(self.queue), snap.refcounts,
-                                       snap.adapters, use_graph))
-        try:
-            if use_graph:
-                chosen = self.graphs.run(B, self._next, self._lengths, ctx)
-            else:
-                chosen = self._forward(counts, q, new)
-        except BaseException:
-            self.pool.rollback_admit(step, ctx)
-            raise
-        self.pool.commit(step, ctx)
-        for i, n in enumerate(counts):
-            self._lengths[i] += n
-        events += self._emit(chosen)
-        self._busy += time.perf_counter() - started
-        return events
+            if not rids:
+                return None
+            q = max(len(self.records[r].request.prompt) for r in rids)
 
     def _admit_new(self) -> tuple[list[TokenEvent], list[Hashable]]:
-        """Let requests through admission while cache rows and the step's token budget allow."""
+        """Let requests through admission while cache rows, ``max_prefill`` and the prefill's
+        tokens (the pool's largest capture bucket) allow."""
         events, new = [], []
         q = 1
         while len(self.running) < self.max_batch and len(new) < self.max_prefill and len(self.queue):
             head = self.queue.waiting[0].rid
             n = len(self.records[head].request.prompt)
-            if (len(self.running) + 1) * max(q, n) > self.pool.spec.max_tokens:
+            if (len(new) + 1) * max(q, n) > self.pool.spec.max_tokens:
                 break
             granted = self.queue.pump(limit=1)
             if not granted:
@@ -309,29 +330,26 @@ class LoraGenerator:
         after = self.pool.snapshot()
         self._evictions += sum(1 for a, b in zip(before.adapters, after.adapters) if a is not None and a != b)
 
-    def _forward(self, counts: list[int], q: int, new: list) -> list[int]:
-        """One eager forward of the batch, rows right-padded to ``q`` tokens; the greedy token
-        of each row's last real position."""
+    def _forward(self, row0: int, inputs: list[list[int]]) -> list[int]:
+        """One eager forward of cache rows ``row0..`` (one per input), right-padded to the
+        longest input; the greedy token after each row's last input."""
         torch = self._torch
-        B = len(counts)
+        B, q = len(inputs), max(len(t) for t in inputs)
         dev = self.torch_device
         ids = torch.zeros((B, q), dtype=torch.long)
-        first_new = B - len(new)
-        for i in range(first_new):
-            ids[i, 0] = self._next[i]
-        for k, rid in enumerate(new):
-            prompt = self.records[rid].request.prompt
-            ids[first_new + k, :len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
-        lengths = torch.as_tensor(self._lengths, dtype=torch.long, device=dev)
-        kv_len = min(self.max_len, max(l + q for l in self._lengths))
+        for i, toks in enumerate(inputs):
+            ids[i, :len(toks)] = torch.as_tensor(toks, dtype=torch.long)
+        rows = self._lengths[row0:row0 + B]
+        lengths = torch.as_tensor(rows, dtype=torch.long, device=dev)
+        kv_len = min(self.max_len, max(n + q for n in rows))
         dtype = next(self.model.parameters()).dtype
         si = step_inputs(lengths, q, kv_len, self.max_len, dtype, window=self.window, layer_types=self.layer_types)
-        self.cache.begin(si.write_cols, kv_len)
+        self.cache.begin(si.write_cols, kv_len, row0)
         with torch.inference_mode(), self.adding():
             out = self.decoder(input_ids=ids.to(dev), attention_mask=si.mask, position_ids=si.position_ids,
                                use_cache=True, **{self._cache_kw: self.cache})
             h = out.last_hidden_state  # [B, q, hidden]
-            last = torch.as_tensor([n - 1 for n in counts], device=dev)
+            last = torch.as_tensor([len(t) - 1 for t in inputs], device=dev)
             logits = self.lm_head(h[torch.arange(B, device=dev), last])  # [B, vocab]
             return logits.argmax(-1).tolist()
 

@@ -2,8 +2,9 @@
 
 Hugging Face attention layers call ``cache.update(k, v, layer_idx, ...)`` and attend to what
 it returns. Here every layer's keys and values live in fixed tensors
-``k[rows, kv_heads, max_len, head_dim]`` (and v), made once; request ``b`` of a step owns row
-``b`` (the generator keeps running requests packed in rows ``0..B-1``, in step order). A step
+``k[rows, kv_heads, max_len, head_dim]`` (and v), made once; each running request owns a row
+(the generator keeps them packed in rows ``0..n-1``), and a forward runs a run of consecutive
+rows (row ``b`` of its batch is cache row ``row0 + b``). A step
 gives each row ``q`` query tokens, right-padded: row ``b``'s token ``j`` sits at position
 ``lengths[b] + j`` and writes its key and value into that column. :func:`step_inputs` builds
 the step's position ids, write columns and additive 4-D attention mask from ``lengths`` with
@@ -74,30 +75,34 @@ class RowKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._cols = None
-        self._rows = None
+        self._row0 = 0
+        self._row_index: dict = {}  # B -> arange(B)[:, None], kept: a captured graph reads its own
         self._kv_len = max_len
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    def begin(self, write_cols, kv_len: int) -> None:
-        """The step's write columns ``[B, q]`` (row b of the batch is cache row b) and key length."""
+    def begin(self, write_cols, kv_len: int, row0: int = 0) -> None:
+        """The step's write columns ``[B, q]`` (row b of the batch is cache row ``row0 + b``) and
+        key length."""
         import torch
 
         B = write_cols.shape[0]
-        if B > self.rows:
-            raise ValueError(f"a step of {B} rows exceeds the cache's {self.rows}")
-        if self._rows is None or self._rows.shape[0] != B or self._rows.device != write_cols.device:
-            self._rows = torch.arange(B, device=write_cols.device)[:, None]
+        if row0 + B > self.rows:
+            raise ValueError(f"a step of rows {row0}..{row0 + B - 1} exceeds the cache's {self.rows}")
+        self._row0 = row0
+        if B not in self._row_index:
+            self._row_index[B] = torch.arange(B, device=write_cols.device)[:, None]
+        self._rows = self._row_index[B]
         self._cols = write_cols
         self._kv_len = kv_len
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Write the step's keys and values ``[B, kv_heads, q, head_dim]`` into their columns;
-        return rows ``0..B-1`` up to the step's key length ``[B, kv_heads, kv_len, head_dim]``."""
-        B = key_states.shape[0]
-        k, v = self.k[layer_idx][:B], self.v[layer_idx][:B]
+        return the batch's rows up to the step's key length ``[B, kv_heads, kv_len, head_dim]``."""
+        B, r0 = key_states.shape[0], self._row0
+        k, v = self.k[layer_idx][r0:r0 + B], self.v[layer_idx][r0:r0 + B]
         k[self._rows, :, self._cols] = key_states.transpose(1, 2)
         v[self._rows, :, self._cols] = value_states.transpose(1, 2)
         return k[:, :, :self._kv_len], v[:, :, :self._kv_len]
