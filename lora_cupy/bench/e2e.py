@@ -31,12 +31,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
+#: ``--tiny``: the same code on a model small enough for a CPU (a smoke run; its times mean nothing).
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=2, vocab_size=256, max_position_embeddings=1024)
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: (case, goal as a ratio to base or None when only reported)
 GOALS = {
@@ -52,13 +56,13 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_model(layers: int, dtype: str):
+def build_model(shape: dict, dtype: str, device: str):
     import torch
     import transformers
 
-    cfg = transformers.LlamaConfig(**{**MODEL, "num_hidden_layers": layers})
+    cfg = transformers.LlamaConfig(**shape)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg)
     return model.to(getattr(torch, dtype)).eval()
 
@@ -78,10 +82,16 @@ def write_adapters(model, root: Path, count: int, rank: int) -> dict[str, Path]:
 
 
 def event_ms(fn, reps: int) -> float:
-    """Median over ``reps`` of ``fn``'s device time between two CUDA events."""
+    """Median over ``reps`` of ``fn``'s device time between two CUDA events (wall time on the CPU)."""
     import torch
 
     times = []
+    if not torch.cuda.is_available():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -95,7 +105,7 @@ def event_ms(fn, reps: int) -> float:
 def generator(model, pool, **kw):
     from ..integrations import LoraGenerator
 
-    return LoraGenerator(model, pool, **kw)
+    return LoraGenerator(model, pool, eos_token_id=None, **kw)  # every request runs its full length
 
 
 def fill(gen, batch: int, prompt: int, adapters: list, max_new: int) -> None:
@@ -116,14 +126,18 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int)
     """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base)."""
     import torch
 
-    gen = generator(model, pool, max_batch=max(batch, 1), max_len=192, max_prefill=8, cuda_graphs=graphs)
+    cuda = pool.device.is_cuda
+    gen = generator(model, pool, max_batch=max(batch, 1), max_len=192, max_prefill=8,
+                    cuda_graphs=graphs and cuda, static_decode=graphs and not cuda)
     try:
         fill(gen, batch, 128, adapters, max_new=60)
         for _ in range(3):  # both parities' graphs captured, slots loaded
             gen.step()
-        if graphs:
+        assert len(gen.running) == batch and all(h.decode_rows == batch for h in gen.history[-3:])
+        if graphs and cuda:
             return event_ms(gen.graphs.last.replay, reps)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return event_ms(gen.step, min(reps, 40))
     finally:
         gen.close()
@@ -172,15 +186,18 @@ def peft_eager_row(model, adapters: dict, batch: int, reps: int) -> float:
             pm.load_adapter(str(adapters[name]), adapter_name=name)
     pm.eval()
     rows = [names[i % len(names)] for i in range(batch)]
-    ids = torch.randint(0, model.config.vocab_size, (batch, 128), device="cuda")
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.get_decoder().forward).parameters else "past_key_values"
+    ids = torch.randint(0, model.config.vocab_size, (batch, 128), device=next(model.parameters()).device)
     with torch.inference_mode():
         cache = transformers.DynamicCache(config=model.config)
-        pm(input_ids=ids, past_key_values=cache, use_cache=True, adapter_names=rows)
+        pm(input_ids=ids, use_cache=True, adapter_names=rows, **{kw: cache})
         step_ids = ids[:, -1:]
 
         def step():
-            pm(input_ids=step_ids, past_key_values=cache, use_cache=True, adapter_names=rows)
-            cache.crop(128)
+            pm(input_ids=step_ids, use_cache=True, adapter_names=rows, **{kw: cache})
+            cache.crop(-1)  # back to the 128 cached tokens
 
         step()
         ms = event_ms(step, min(reps, 40))
@@ -203,13 +220,16 @@ def run(args) -> dict:
     from ..integrations.hf import spec_for_adapters
     from ..pool import LoraAdapterPool
 
-    model = build_model(args.layers, args.dtype)
-    log(f"model: {args.layers} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    shape = {**(TINY if args.tiny else MODEL), **({"num_hidden_layers": args.layers} if args.layers else {})}
+    model = build_model(shape, args.dtype, "cuda" if device != "cpu" else "cpu")
+    log(f"model: {shape['num_hidden_layers']} layers, {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B "
+        f"parameters, {args.dtype}, on {device}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="lora-cupy-e2e-") as tmp:
         adapters = write_adapters(model, Path(tmp), 32, args.rank)
         spec = spec_for_adapters(model, adapters, num_slots=33)
-        pool = LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in adapters.items()})
+        pool = LoraAdapterPool(spec, device, adapters={k: str(v) for k, v in adapters.items()})
         names = sorted(adapters)
         try:
             cases = [
@@ -241,9 +261,9 @@ def run(args) -> dict:
             pool.close()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "gpu": torch.cuda.get_device_name(0), "commit": commit(),
+        "gpu": torch.cuda.get_device_name(0) if device != "cpu" else "none (cpu)", "commit": commit(),
         "command": "lora-cupy bench e2e " + " ".join(args.argv),
-        "model": {**MODEL, "num_hidden_layers": args.layers, "dtype": args.dtype, "rank": args.rank},
+        "model": {**shape, "dtype": args.dtype, "rank": args.rank},
         "rows": rows,
     }
 
@@ -266,9 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lora-cupy bench e2e", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="FILE", help="write every number here")
     p.add_argument("--reps", type=int, default=200, help="timed repetitions per row (default 200)")
-    p.add_argument("--layers", type=int, default=MODEL["num_hidden_layers"])
+    p.add_argument("--layers", type=int, help=f"layers (default {MODEL['num_hidden_layers']})")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tiny", action="store_true",
+                   help="a small model, runnable on the CPU: checks the benchmark's own code (times mean nothing)")
     p.add_argument("--only", help="run only the cases whose name contains this")
     p.add_argument("--no-peft", action="store_true", help="skip PEFT's eager mixed batch")
     p.add_argument("--report", metavar="FILE", help="print a saved run (--json) as markdown and exit (no GPU)")
@@ -279,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    if not torch.cuda.is_available():
-        p.error("bench e2e needs a CUDA device")
+    if not torch.cuda.is_available() and not args.tiny:
+        p.error("bench e2e needs a CUDA device (or --tiny, a smoke run on the CPU)")
     result = run(args)
     print(markdown(result))
     if args.json:

@@ -1,0 +1,22 @@
+"""``lora-cupy bench e2e --tiny``: the end-to-end benchmark's own code, run on the CPU on a small
+model (its times mean nothing here; on a GPU the same code times the Llama-shaped model)."""
+
+from __future__ import annotations
+
+import json
+
+from lora_cupy.cli import main
+
+
+def test_e2e_bench_runs_its_rows_on_a_small_model(tmp_path, capsys):
+    out = tmp_path / "e2e.json"
+    assert main(["bench", "e2e", "--tiny", "--reps", "2", "--only", "b1 graphs", "--json", str(out)]) == 0
+    assert main(["bench", "e2e", "--tiny", "--reps", "2", "--only", "eager", "--json", str(tmp_path / "b.json")]) == 0
+    rows = json.loads(out.read_text())["rows"] + json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert [r["case"] for r in rows] == ["decode b1 graphs 1 adapter", "decode b64 eager 8 adapters"]
+    for r in rows:
+        assert r["base_ms"] > 0 and r["lora_ms"] > 0 and abs(r["ratio"] - r["lora_ms"] / r["base_ms"]) < 1e-2
+    assert rows[1]["peft_ms"] > 0  # PEFT's eager mixed batch beside the eager row
+    capsys.readouterr()
+    assert main(["bench", "e2e", "--report", str(out)]) == 0
+    assert "| decode b1 graphs 1 adapter |" in capsys.readouterr().out
