@@ -40,7 +40,7 @@ def random_requests(rng, names, n, max_new=(3, 8)):
             for i in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2-window", "mistral", "phi3"])
 def test_tokens_equal_peft_per_request_with_more_adapters_than_slots(kind, tmp_path):
     base = tiny(kind)
     dirs = adapters_for(kind, base, tmp_path, [4, 8, 2, 6, 3] if kind == "llama" else [4, 8, 3])

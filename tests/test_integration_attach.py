@@ -25,7 +25,8 @@ VOCAB = 64
 
 
 def tiny(kind: str):
-    """A random 2-layer model of a Llama-style family: Llama, Qwen2 (q/k/v biases), Phi-3 (fused)."""
+    """A random 2-layer model of a Llama-style family: Llama, Qwen2 (q/k/v biases; with a sliding
+    window on one layer), Mistral (a sliding window), Phi-3 (fused)."""
     import transformers
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -35,6 +36,11 @@ def tiny(kind: str):
         return tiny_llama(2, 0)
     if kind == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common)).eval()
+    if kind == "qwen2-window":  # layer 0 full attention, layer 1 a sliding window of 4 positions
+        cfg = transformers.Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        return transformers.Qwen2ForCausalLM(cfg).eval()
+    if kind == "mistral":  # every layer a sliding window of 5 positions
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=5)).eval()
     if kind == "phi3":
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0)).eval()
     raise ValueError(kind)
