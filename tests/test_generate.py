@@ -166,3 +166,34 @@ def test_static_decode_steps_equal_eager_and_peft(tmp_path):
     assert out[True] == out[False]
     assert all(out[True][r.rid] == ref.generate(r.prompt, r.adapter, r.max_new_tokens, gen.eos_token_id)
                for r in reqs)
+
+
+def test_a_request_whose_adapter_fails_to_read_is_refused_alone(tmp_path):
+    """An adapter file broken after it was loaded: its requests end with the typed error at
+    admission, holding nothing; every other request runs to its end."""
+    from lora_cupy.errors import LoraError
+
+    base = tiny("llama")
+    dirs = adapters_for("llama", base, tmp_path, [4, 8])
+    gen = serve(base, dirs, num_slots=3, max_len=16)
+    try:
+        weights = dirs["ad1"] / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])  # truncated
+        reqs = [GenerationRequest(f"r{i}", [3, 4, 5], ("ad0", "ad1", None)[i % 3], max_new_tokens=3)
+                for i in range(6)]
+        errors = {}
+        for r in reqs:
+            gen.submit(r)
+        for ev in gen.stream():
+            if ev.error is not None:
+                errors[ev.rid] = ev.error
+        assert set(errors) == {"r1", "r4"}
+        assert all(isinstance(e, LoraError) and "ad1" in str(e) for e in errors.values())
+        for r in reqs:
+            if r.rid not in errors:
+                assert len(gen.records[r.rid].tokens) == 3 or gen.records[r.rid].tokens[-1] == gen.eos_token_id
+        gen.pool.check_valid()
+        assert not any(gen.pool.snapshot().refcounts)
+    finally:
+        gen.close()
+        gen.pool.close()
