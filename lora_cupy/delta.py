@@ -37,11 +37,13 @@ class LoraLayerDelta:
         plan = self.pool.current_plan()
         if plan is None:
             return y
-        if x.shape[0] < plan.addressing[self.grouping].num_tokens:
-            raise ValueError(f"{self.target}[{self.layer_idx}]: {x.shape[0]} rows, but the step addresses "
-                             f"{plan.addressing[self.grouping].num_tokens} at row grouping {self.grouping}")
-        plan.wait_host()
-        self._launch(y, x, plan.launch[self.grouping])
+        if plan.ready is not None:
+            plan.wait_host()
+        g = self.grouping
+        try:
+            self._launch(y, x, plan.launch[g], plan.rows[g])
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{self.target}[{self.layer_idx}]: {e}") from None
         return y
 
     def __repr__(self) -> str:

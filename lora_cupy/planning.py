@@ -49,13 +49,14 @@ class LaunchViews:
 
 @dataclass
 class LoraStepPlan:
-    """One step's plan: its addressing per row grouping, the launch views per grouping, whether
-    any row has an adapter, and the event after its copies (a CPU layer waits for it; on CUDA
-    stream order suffices)."""
+    """One step's plan: its addressing per row grouping, the launch views and the rows addressed
+    per grouping, whether any row has an adapter, and the event after its copies (a CPU layer
+    waits for it; on CUDA stream order suffices)."""
 
     seq: int
     addressing: dict[int, LoraAddressing]
     launch: dict[int, LaunchViews]
+    rows: dict[int, int]
     active: bool
     ready: Any
 
@@ -181,7 +182,8 @@ class StepPlanner:
             addressing[g], launch[g], copy = b.stage(rows, slots, parity)
             copies.append(copy)
         fence = self._fences[parity] = self.device.copy_batch(copies, reuse=fence)
-        plan = LoraStepPlan(seq, addressing, launch, addressing[1].active, None if self.device.is_cuda else fence)
+        plan = LoraStepPlan(seq, addressing, launch, {g: a.num_tokens for g, a in addressing.items()},
+                            addressing[1].active, None if self.device.is_cuda else fence)
         if not preplanned:
             self.current = plan
         return plan

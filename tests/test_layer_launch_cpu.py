@@ -106,23 +106,25 @@ def test_layer_launch_packs_once_per_bucket_views_and_checks_x_and_y_every_call(
     be, layer, spec = _layer()
     v16, v64 = _views(16), _views(64)
     x, y = FakeDeviceArray((64, 64), "<u2"), FakeDeviceArray((64, 96), "<u2")
-    layer(y, x, v64)
-    layer(y, x, v64)
-    layer(y, x, v16)
+    layer(y, x, v64, 64)
+    layer(y, x, v64, 64)
+    layer(y, x, v16, 16)
     assert [c.plan.bucket for c in be.prepared] == [64, 16]  # one packed launch per views object
     assert be.launched[0][0] is be.launched[1][0] is not be.launched[2][0]
     ptr_y = y.__cuda_array_interface__["data"][0]
     assert be.launched[0][1:4] == (5, ptr_y, x.__cuda_array_interface__["data"][0]) and be.launched[0][4] == 7
     misaligned = FakeDeviceArray((64, 96), "<u2", ptr=(1 << 31) + 2)
-    layer(misaligned, x, v64)
+    layer(misaligned, x, v64, 64)
     assert be.launched[-1][2] == (1 << 31) + 2 and be.launched[-1][4] == 3  # y's 16-byte path off
     n = len(be.launched)
     for bad, err in ((FakeDeviceArray((64, 65), "<u2"), ValueError), (FakeDeviceArray((64, 64), "<f2"), TypeError),
                      (np.zeros((64, 64), np.float32), TypeError)):
         with pytest.raises(err):
-            layer(y, bad, v64)
+            layer(y, bad, v64, 64)
     with pytest.raises(ValueError, match="share rows"):
-        layer(FakeDeviceArray((32, 96), "<u2"), x, v64)
+        layer(FakeDeviceArray((32, 96), "<u2"), x, v64, 32)
+    with pytest.raises(ValueError, match="addresses 65"):
+        layer(y, x, v64, 65)  # the step addresses more rows than x has
     assert len(be.launched) == n  # nothing launched for a refused call
 
 
@@ -130,7 +132,7 @@ def test_layer_launch_refuses_torch_tensors_on_the_host():
     torch = pytest.importorskip("torch")
     be, layer, _ = _layer()
     with pytest.raises(TypeError, match="CUDA"):
-        layer(torch.zeros(64, 96, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16), _views(64))
+        layer(torch.zeros(64, 96, dtype=torch.bfloat16), torch.zeros(64, 64, dtype=torch.bfloat16), _views(64), 64)
     assert not be.launched
 
 

@@ -305,9 +305,9 @@ class SpyBackend:
     def prepare(self, w):
         launch = self.inner.prepare(w)
 
-        def run(y, x, views):
+        def run(y, x, views, rows):
             self.calls += 1
-            launch(y, x, views)
+            launch(y, x, views, rows)
 
         return run
 

@@ -39,8 +39,10 @@ class LoraBackend(Protocol):
         in slot s's range of ``token_order`` (s >= 1) and every slice j; in place on y."""
         ...
 
-    def prepare(self, w: LayerWeights) -> Callable[[Any, Any, Any], None]:
+    def prepare(self, w: LayerWeights) -> Callable[[Any, Any, Any, int], None]:
         """One layer's delta with everything but x and y resolved once: a callable
-        ``(y, x, views)`` running :meth:`delta` over ``views.token_order`` / ``views.slot_indptr``
-        (a capture bucket's fixed addressing buffers, the same hashable object step after step)."""
+        ``(y, x, views, rows)`` running :meth:`delta` over ``views.token_order`` /
+        ``views.slot_indptr`` (a capture bucket's fixed addressing buffers, the same hashable
+        object step after step); ``rows``: how many rows of x the step addresses (x may have
+        more, never fewer)."""
         ...

@@ -669,19 +669,19 @@ class CupyBackend:
         return LayerLaunch(self, w)
 
     # -- streams and launches ---------------------------------------------------------------------
+    def torch_stream(self):
+        """A function giving torch's current stream on this device, as a raw pointer."""
+        if self._torch_stream is None:
+            import torch
+
+            raw, dev = getattr(torch._C, "_cuda_getCurrentRawStream", None), self.limits.device_id
+            self._torch_stream = (functools.partial(raw, dev) if raw is not None else
+                                  (lambda: torch.cuda.current_stream(dev).cuda_stream))
+        return self._torch_stream
+
     def stream_ptr(self, torch: bool) -> int:
         """The caller's stream: torch's current one on this device for torch tensors, else CuPy's."""
-        if torch:
-            get = self._torch_stream
-            if get is None:
-                import torch as _torch
-
-                raw = getattr(_torch._C, "_cuda_getCurrentRawStream", None)
-                dev = self.limits.device_id
-                get = self._torch_stream = ((lambda: raw(dev)) if raw is not None else
-                                            (lambda: _torch.cuda.current_stream(dev).cuda_stream))
-            return get()
-        return self._cupy.cuda.get_current_stream().ptr
+        return self.torch_stream()() if torch else self._cupy.cuda.get_current_stream().ptr
 
     def launch(self, packed: PackedLaunch, stream: int, y_ptr: int | None = None, x_ptr: int | None = None,
                flags: int | None = None) -> None:
@@ -766,37 +766,41 @@ class LayerLaunch:
         self.backend = backend
         self.weights = check_weights(backend.limits, w)
         self._launches: dict[Any, PackedLaunch | None] = {}
-        self._tensor = self._tdtype = None  # torch.Tensor and the weights' torch dtype, once torch calls
+        self._device = backend.limits.device_id
+        self._tensor = self._tdtype = self._stream = None  # torch.Tensor, the weights' dtype in torch, its stream
 
-    def __call__(self, y, x, views) -> None:
-        """``y += delta(x)`` over ``views.token_order`` / ``views.slot_indptr``: a capture bucket's
-        fixed addressing buffers, the same (hashable) object step after step, which keys the
-        packed launch."""
+    def __call__(self, y, x, views, rows: int) -> None:
+        """``y += delta(x)`` over ``views.token_order`` / ``views.slot_indptr`` (a capture bucket's
+        fixed addressing buffers, the same hashable object step after step, which keys the packed
+        launch); ``rows``: how many rows of x the step addresses."""
+        if type(x) is self._tensor and type(y) is self._tensor:  # the hot path: torch tensors that fit
+            dims, dt, dev = self.weights.dims, self._tdtype, self._device
+            if (x.dtype is dt and y.dtype is dt and x.dim() == 2 and y.dim() == 2 and x.is_contiguous()
+                    and y.is_contiguous() and x.get_device() == dev and y.get_device() == dev):
+                xs, ys = x.shape, y.shape
+                packed = self._launches.get(views, False)
+                if xs[1] == dims[3] and ys[1] == dims[4] and xs[0] == ys[0] and xs[0] >= rows and packed is not False:
+                    if packed is not None:
+                        yp, xp = y.data_ptr(), x.data_ptr()
+                        self.backend.launch(packed, self._stream(), yp, xp, _xy_flags(self.weights.flags, xp, yp))
+                    return
+        self._checked_call(y, x, views, rows)
+
+    def _checked_call(self, y, x, views, rows: int) -> None:
+        """Every check, each refusal naming what is wrong; the bucket's launch packed on first use."""
         be = self.backend
-        ptrs = self._torch_ptrs(y, x) if type(x) is self._tensor and type(y) is self._tensor else None
-        if ptrs is None:  # CuPy arrays, a first torch call, or arguments that do not fit: the full check
-            Y, X = inspect_arg("y", y), inspect_arg("x", x)
-            _check_xy(be.limits, self.weights, Y, X)
-            if Y.is_torch and X.is_torch and self._tensor is None:
-                self._tensor, self._tdtype = type(x), x.dtype
-            ptrs, torch = (Y.ptr, X.ptr), Y.is_torch or X.is_torch
-        else:
-            torch = True
+        Y, X = inspect_arg("y", y), inspect_arg("x", x)
+        _check_xy(be.limits, self.weights, Y, X)
+        if X.shape[0] < rows:
+            raise ValueError(f"x has {X.shape[0]} rows, but the step addresses {rows}")
+        torch = Y.is_torch or X.is_torch
+        if torch and self._tensor is None and Y.is_torch and X.is_torch:
+            self._tensor, self._tdtype, self._stream = type(x), x.dtype, be.torch_stream()
         packed = self._launches.get(views, False)
         if packed is False:
-            packed = self._prepare(views, *ptrs, torch)
+            packed = self._prepare(views, Y.ptr, X.ptr, torch)
         if packed is not None:
-            be.launch(packed, be.stream_ptr(torch), ptrs[0], ptrs[1], _xy_flags(self.weights.flags, ptrs[1], ptrs[0]))
-
-    def _torch_ptrs(self, y, x) -> tuple[int, int] | None:
-        """y's and x's pointers where both are torch tensors that fit the layer, else None."""
-        dims, dt, dev = self.weights.dims, self._tdtype, self.backend.limits.device_id
-        if (x.dtype is dt and y.dtype is dt and x.dim() == 2 and y.dim() == 2 and x.is_contiguous()
-                and y.is_contiguous() and x.get_device() == dev and y.get_device() == dev):
-            xs, ys = x.shape, y.shape
-            if xs[1] == dims[3] and ys[1] == dims[4] and xs[0] == ys[0]:
-                return y.data_ptr(), x.data_ptr()
-        return None
+            be.launch(packed, be.stream_ptr(torch), Y.ptr, X.ptr, _xy_flags(self.weights.flags, X.ptr, Y.ptr))
 
     def packed(self, views) -> PackedLaunch | None:
         """The launch packed for ``views`` (None: not yet called there, or no positions)."""

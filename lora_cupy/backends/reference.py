@@ -82,7 +82,7 @@ class ReferenceLaunch:
         self.in_features, self.out_features = w.a.shape[3], w.b.shape[1]
         self.dtype = w.a.dtype
 
-    def __call__(self, y, x, views) -> None:
+    def __call__(self, y, x, views, rows: int) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):
             raise TypeError(f"the reference backend takes NumPy arrays, got {type(x).__name__} and "
                             f"{type(y).__name__}")
@@ -91,4 +91,6 @@ class ReferenceLaunch:
         if x.ndim != 2 or y.ndim != 2 or x.shape[1] != self.in_features or y.shape != (x.shape[0], self.out_features):
             raise ValueError(f"x {x.shape} and y {y.shape} do not fit [T, {self.in_features}] and "
                              f"[T, {self.out_features}]")
+        if x.shape[0] < rows:
+            raise ValueError(f"x has {x.shape[0]} rows, but the step addresses {rows}")
         reference_delta(y, x, self.weights, views.token_order, views.slot_indptr)

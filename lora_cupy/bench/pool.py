@@ -127,7 +127,7 @@ def measure_layer_call(device: str = "cuda:0", tokens: int = 64, adapters: int =
         delta(y, x)  # packs the bucket's launch
         layer = pool.backend.prepare(delta.weights)  # the same preparation, to count its kernels
         views = pool.current_plan().launch[1]
-        layer(y, x, views)
+        layer(y, x, views, tokens)
         kernels = len(layer.packed(views).calls)
         empty = cupy.RawKernel(_EMPTY, "lora_bench_empty")
         stream = cupy.cuda.Stream.from_external(torch.cuda.current_stream(tdev))
