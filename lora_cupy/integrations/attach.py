@@ -102,8 +102,6 @@ class Attachment:
     """
 
     def __init__(self, model, pool):
-        import torch
-
         self.model = model
         self.pool = pool
         self.sites: list[_Site] = []
@@ -111,50 +109,7 @@ class Attachment:
         self._modules = []
         self.enabled = True
         self._num_groups = 0
-        spec = pool.spec
-        tp = spec.tp_size
-        linears = {}
-        for path, mod in model.named_modules():
-            if isinstance(mod, torch.nn.Linear) and layer_index(path) is not None and spec.owns_module(path):
-                linears[path] = mod
-        by_leaf: dict[str, list[str]] = {}
-        for path in linears:
-            by_leaf.setdefault(path.rsplit(".", 1)[-1], []).append(path)
-        dtype = spec.dtype
-        plan = []  # (path, module, target, layer, col0, col1, group key or None)
-        for t in spec.targets:
-            offs = t.out_offsets(tp)
-            in_f, out_f = t.local_in_features(tp), t.local_out_features(tp)
-            if t.name in by_leaf:
-                for path in by_leaf[t.name]:
-                    plan.append((path, linears[path], t, layer_index(path), 0, out_f, None))
-            elif t.num_slices > 1 and all(s.name in by_leaf for s in t.slices):
-                for j, s in enumerate(t.slices):
-                    for path in by_leaf[s.name]:
-                        group = (path.rsplit(".", 1)[0], t.name, layer_index(path))
-                        plan.append((path, linears[path], t, layer_index(path), offs[j], offs[j + 1], group))
-            else:
-                want = [t.name] + ([s.name for s in t.slices] if t.num_slices > 1 else [])
-                raise TargetMismatchError(f"target {t.name!r}: the model has no linear named "
-                                          f"{' or '.join(repr(w) for w in want)} inside a 'layers.<i>.' stack")
-            seen = set()
-            for path, mod, tt, layer, c0, c1, g in plan:
-                if tt is not t:
-                    continue
-                if layer >= t.num_layers:
-                    raise TargetMismatchError(f"linear {path!r}: stack layer {layer} is outside target "
-                                              f"{t.name!r}'s {t.num_layers} layers")
-                if mod.in_features != in_f or mod.out_features != c1 - c0:
-                    raise ShapeMismatchError(f"linear {path!r} is [{mod.out_features}, {mod.in_features}] but "
-                                             f"target {t.name!r} wants [{c1 - c0}, {in_f}] on this rank")
-                if torch_dtype_name(mod.weight.dtype) != dtype:
-                    raise ShapeMismatchError(f"linear {path!r} holds {torch_dtype_name(mod.weight.dtype)} "
-                                             f"weights but the pool's slots are {dtype}")
-                seen.add(layer)
-            missing = sorted(set(range(t.num_layers)) - seen)
-            if missing:
-                raise TargetMismatchError(f"target {t.name!r}: the model has no linear for it at stack "
-                                          f"layer(s) {missing}")
+        plan = _plan_sites(model, pool.spec)
         for path, mod, _t, _l, _c0, _c1, _g in plan:
             if mod in _ATTACHED:
                 raise ValueError(f"linear {path!r} is attached to a pool already: detach that one first")
@@ -255,6 +210,51 @@ class Attachment:
 
     def __repr__(self) -> str:
         return f"Attachment({len(self.sites)} linears, {'attached' if self.attached else 'detached'})"
+
+
+def _plan_sites(model, spec) -> list[tuple]:
+    """Each linear to hook: ``(path, module, target, layer, col0, col1, group)``, ``group`` the
+    key of the separate linears sharing one fused-slice launch (None: the target's own linear).
+    Checks every target has a linear of the right shape and dtype at each of its layers."""
+    import torch
+
+    tp = spec.tp_size
+    linears = {path: mod for path, mod in model.named_modules()
+               if isinstance(mod, torch.nn.Linear) and layer_index(path) is not None and spec.owns_module(path)}
+    by_leaf: dict[str, list[str]] = {}
+    for path in linears:
+        by_leaf.setdefault(path.rsplit(".", 1)[-1], []).append(path)
+    plan = []
+    for t in spec.targets:
+        offs = t.out_offsets(tp)
+        in_f, out_f = t.local_in_features(tp), t.local_out_features(tp)
+        mine = []
+        if t.name in by_leaf:
+            mine = [(path, linears[path], t, layer_index(path), 0, out_f, None) for path in by_leaf[t.name]]
+        elif t.num_slices > 1 and all(s.name in by_leaf for s in t.slices):
+            for j, s in enumerate(t.slices):
+                for path in by_leaf[s.name]:
+                    group = (path.rsplit(".", 1)[0], t.name, layer_index(path))
+                    mine.append((path, linears[path], t, layer_index(path), offs[j], offs[j + 1], group))
+        else:
+            want = [t.name] + ([s.name for s in t.slices] if t.num_slices > 1 else [])
+            raise TargetMismatchError(f"target {t.name!r}: the model has no linear named "
+                                      f"{' or '.join(repr(w) for w in want)} inside a 'layers.<i>.' stack")
+        for path, mod, _t, layer, c0, c1, _g in mine:
+            if layer >= t.num_layers:
+                raise TargetMismatchError(f"linear {path!r}: stack layer {layer} is outside target "
+                                          f"{t.name!r}'s {t.num_layers} layers")
+            if mod.in_features != in_f or mod.out_features != c1 - c0:
+                raise ShapeMismatchError(f"linear {path!r} is [{mod.out_features}, {mod.in_features}] but "
+                                         f"target {t.name!r} wants [{c1 - c0}, {in_f}] on this rank")
+            if torch_dtype_name(mod.weight.dtype) != spec.dtype:
+                raise ShapeMismatchError(f"linear {path!r} holds {torch_dtype_name(mod.weight.dtype)} "
+                                         f"weights but the pool's slots are {spec.dtype}")
+        missing = sorted(set(range(t.num_layers)) - {m[3] for m in mine})
+        if missing:
+            raise TargetMismatchError(f"target {t.name!r}: the model has no linear for it at stack layer(s) {missing}")
+        plan += mine
+    return plan
 
 
 def attach(model, pool) -> Attachment:
