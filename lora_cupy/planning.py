@@ -67,15 +67,19 @@ class LoraStepPlan:
 
 class RowSlots(dict):
     """rid -> the slot its rows address (0: none in this pool), its keys also kept as a set, so
-    an admit tells a step whose rows all hold their slots by one set comparison."""
+    an admit tells a step whose rows all hold their slots by one set comparison; ``version``
+    counts the changes, so a step's slots are looked up again only after one."""
 
     def __init__(self):
         super().__init__()
         self.rids: set = set()
+        self.version = 0
+        self._last: tuple = (-1, None, None)  # (version, rids, slots) of the last lookup
 
     def __setitem__(self, rid, slot: int) -> None:
         super().__setitem__(rid, slot)
         self.rids.add(rid)
+        self.version += 1
 
     def update(self, pairs) -> None:
         for rid, slot in dict(pairs).items():
@@ -83,14 +87,23 @@ class RowSlots(dict):
 
     def pop(self, rid, *default):
         self.rids.discard(rid)
+        self.version += 1
         return super().pop(rid, *default)
 
-    def slots_of(self, rids, dtype: np.dtype) -> np.ndarray:
-        """``[rows]`` each rid's slot; ValueError naming a rid that holds none here."""
+    def slots_of(self, rids: tuple, dtype: np.dtype) -> np.ndarray:
+        """``[rows]`` each rid's slot (read-only; the same array while nothing changed since a
+        lookup of the same rids: a decode batch step after step); ValueError naming a rid that
+        holds none here."""
+        version, last_rids, slots = self._last
+        if version == self.version and last_rids == rids:
+            return slots
         try:
-            return np.fromiter(map(self.__getitem__, rids), dtype, len(rids))
+            slots = np.fromiter(map(self.__getitem__, rids), dtype, len(rids))
         except KeyError as e:
             raise ValueError(f"row {e.args[0]!r} was not admitted here") from None
+        slots.flags.writeable = False
+        self._last = (self.version, rids, slots)
+        return slots
 
 
 def slot_dtype(num_slots: int) -> np.dtype:
