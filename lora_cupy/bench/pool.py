@@ -23,6 +23,7 @@ import numpy as np
 from ..adapter import AdapterWeights, TargetWeights
 from ..dtypes import numpy_dtype
 from ..engine.resource import LoraStep, ResourceReqConfig, StepContext
+from ..pool import LoraAdapterPool
 from ..spec import LoraSpec, LoraTarget
 
 #: The targets of the benchmark: what a layer's weights are does not change host time.
@@ -51,8 +52,6 @@ def _reader(rank: int):
 def measure(device: str = "cpu", rows: int = 256, slots: int = 32, steps: int = 2000, tokens: int = 1,
             rank: int = 16, warmup: int = 50) -> dict:
     """Medians (microseconds) of a steady-state admit and plan; ``slots`` adapters, each in a slot."""
-    from ..pool import LoraAdapterPool
-
     spec = LoraSpec(_TARGETS, num_slots=slots + 1, max_rank=rank, dtype="float16")
     adapters = {f"a{i}": f"memory://a{i}" for i in range(slots)}
     pool = LoraAdapterPool(spec, device, adapters=adapters, reader=_reader(rank))
@@ -103,8 +102,6 @@ def measure_layer_call(device: str = "cuda:0", tokens: int = 64, adapters: int =
     batches of ``batch`` (the device synchronized between batches, outside the timing)."""
     import cupy
     import torch
-
-    from ..pool import LoraAdapterPool
 
     spec = LoraSpec((LoraTarget("o_proj", features, features, 1),), num_slots=adapters + 1, max_rank=rank,
                     dtype="bfloat16")
