@@ -40,9 +40,9 @@ TOUCHES = {"a0": ("qkv_proj", "o_proj"), "a1": ("qkv_proj", "o_proj"), "a2": ("o
 # ------------------------------------------------------------------------------------------------
 # Launching ranks
 # ------------------------------------------------------------------------------------------------
-def _entry(target, rank: int, world: int, store: str, out: str, args: tuple) -> None:
-    """One rank's process: join the group, run ``target``, write what happened, exit hard
-    (a peer that died must not hang this one in the group's teardown)."""
+def _entry(target, rank: int, world: int, store: str, out: str, args: tuple, backend: str) -> None:
+    """One rank's process: join the group (``nccl``: on GPU ``rank``), run ``target``, write
+    what happened, exit hard (a peer that died must not hang this one in the group's teardown)."""
     result = {"rank": rank, "ok": False}
     started = time.monotonic()
     try:
@@ -50,7 +50,9 @@ def _entry(target, rank: int, world: int, store: str, out: str, args: tuple) -> 
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=COLLECTIVE_TIMEOUT))
         result["value"] = target(rank, world, *args)
         result["ok"] = True
@@ -62,12 +64,13 @@ def _entry(target, rank: int, world: int, store: str, out: str, args: tuple) -> 
     os._exit(0)
 
 
-def launch(target, world: int, tmp_path: Path, *args) -> list[dict]:
+def launch(target, world: int, tmp_path: Path, *args, backend: str = "gloo") -> list[dict]:
     """Run ``target(rank, world, *args)`` on ``world`` spawned processes; each rank's result."""
     ctx = multiprocessing.get_context("spawn")
     out = tmp_path / f"ranks-{target.__name__}-{world}"
     out.mkdir()
-    procs = [ctx.Process(target=_entry, args=(target, r, world, str(out / "store"), str(out), args), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(target, r, world, str(out / "store"), str(out), args, backend),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
