@@ -29,11 +29,12 @@ def buffer_address(a) -> int:
     return int(a.ctypes.data)
 
 
-def _arrays(views) -> tuple:
-    """The device arrays of one grouping's launch views (``token_order``, ``slot_indptr``)."""
-    if hasattr(views, "token_order"):
-        return (views.token_order, views.slot_indptr)
-    return tuple(views)
+def buffers_key(views) -> tuple:
+    """Which fixed addressing buffers one grouping's launch views are: their capture bucket and
+    parity where the views say so, else where their arrays start."""
+    if hasattr(views, "parity"):
+        return (views.bucket, views.parity)
+    return tuple(buffer_address(a) for a in views)
 
 
 class DecodeGraphs:
@@ -105,7 +106,7 @@ class DecodeGraphs:
         self.lengths[:bucket].copy_(torch.as_tensor(list(lengths) + [0] * pad, dtype=torch.long))
         plan = ctx.plan_results.get(pool)
         active = plan is not None and plan.active
-        where = tuple(buffer_address(v) for g in sorted(plan.launch) for v in _arrays(plan.launch[g])) if active else ()
+        where = tuple(buffers_key(plan.launch[g]) for g in sorted(plan.launch)) if active else ()
         key = (bucket, where, active)
         if not self.capture:
             self._graphs.setdefault(key, None)
