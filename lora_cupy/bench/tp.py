@@ -1,0 +1,367 @@
+"""``lora-cupy bench tp [--json FILE]``: a tensor-parallel LoRA decode step against the same
+step on the base model, and what the lockstep costs, on ``--world`` GPUs of one host (NCCL).
+
+Each rank is a process holding its shard of a stack of Llama-shaped layers made of
+column-parallel and row-parallel linears: ``qkv_proj`` (q, k, v slices) and ``gate_up_proj``
+(gate, up slices) split by output, ``o_proj`` and ``down_proj`` split by input, an NCCL
+all-reduce after each of those two. Attention is left out (q, k and v meet elementwise), so the
+adapters' share of the step is larger than in a whole model. Every rank's pool serves
+``--adapters`` random rank ``--rank`` adapters (in memory), one delta launch per target per
+layer; the ranks run in lockstep (``LockstepRank``).
+
+Rows, medians over ``--reps``:
+
+- ``base``: a decode step (``--batch`` rows of one token) with every row on the base model: the
+  pool plans no adapter row, so no delta launches. Device time between CUDA events on rank 0.
+- ``lora``: the same step with the rows spread over the adapters. Its ratio to ``base``.
+- ``lockstep step``: the host time of one steady-state step's lockstep on the leader: the
+  order's broadcast (gloo), every rank's admit (a set check) and plan, and finish.
+- ``agree``: one ``agree`` call with no copy in flight, i.e. one all-reduce MAX of a few bytes,
+  on the NCCL group (what the pools use) and on the gloo group beside it.
+- ``admit with a miss``: the leader's step whose one row misses: broadcast, the agreement,
+  the victim's weights queued to the device, plan.
+
+``--tiny`` runs the same code on a small stack over gloo on the CPU (a smoke run; its times
+mean nothing). The table goes to stdout, every number to the JSON file with the date, the
+GPUs, the commit and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from datetime import timedelta
+
+import numpy as np
+
+SHAPE = dict(hidden=4096, kv=1024, intermediate=14336, layers=4)
+TINY = dict(hidden=128, kv=32, intermediate=256, layers=2)
+TIMEOUT = 300.0  # seconds any collective may take, and (times 3) the whole run
+
+
+def make_spec(shape: dict, rank: int, world: int, adapters: int, max_rank: int, dtype: str, batch: int):
+    from ..spec import LoraSlice, LoraSpec, LoraTarget
+
+    H, KV, I, L = shape["hidden"], shape["kv"], shape["intermediate"], shape["layers"]
+    targets = (
+        LoraTarget("qkv_proj", H, H + 2 * KV, L, (LoraSlice("q_proj", H), LoraSlice("k_proj", KV),
+                                                  LoraSlice("v_proj", KV)), sharding="column"),
+        LoraTarget("o_proj", H, H, L, sharding="row"),
+        LoraTarget("gate_up_proj", H, 2 * I, L, (LoraSlice("gate_proj", I), LoraSlice("up_proj", I)),
+                   sharding="column"),
+        LoraTarget("down_proj", I, H, L, sharding="row"))
+    return LoraSpec(targets, num_slots=adapters + 1, max_rank=max_rank, dtype=dtype,
+                    capture_buckets=(max(batch, 1),), tp_rank=rank, tp_size=world)
+
+
+def memory_reader(rank: int):
+    """Random adapters of ``rank`` at every target, this TP rank's shard, made in memory."""
+    from ..adapter import AdapterWeights, TargetWeights
+    from ..dtypes import numpy_dtype
+
+    def read(path, spec, name=None):
+        rng = np.random.default_rng([zlib.crc32(str(name).encode()), spec.tp_rank])
+        dt = numpy_dtype(spec.dtype)
+        targets = {}
+        for t in spec.targets:
+            L, n = t.num_layers, t.num_slices
+            inl, outl = t.local_in_features(spec.tp_size), t.local_out_features(spec.tp_size)
+            targets[t.name] = TargetWeights(
+                a=(rng.standard_normal((L, n, rank, inl), np.float32) / np.sqrt(t.in_features)).astype(dt),
+                b=(rng.standard_normal((L, outl, rank), np.float32) / np.sqrt(rank)).astype(dt),
+                ranks=np.full((L, n), rank, np.int32), scaling=np.ones((L, n), np.float32))
+        return AdapterWeights(str(name), str(path), f"bench-{name}", targets)
+
+    return read
+
+
+class ParallelStack:
+    """This rank's shard of ``layers`` column/row-parallel blocks (see the module docstring)."""
+
+    def __init__(self, shape: dict, rank: int, world: int, dtype, device, pool):
+        import torch
+
+        H, KV, I, L = shape["hidden"], shape["kv"], shape["intermediate"], shape["layers"]
+        g = torch.Generator(device="cpu").manual_seed(1000 + rank)
+
+        def w(out, inp):
+            return (torch.randn(out, inp, generator=g) / inp ** 0.5).to(device=device, dtype=dtype)
+
+        self.h, self.kv, self.i = H // world, KV // world, I // world
+        self.layers = [dict(qkv=w(self.h + 2 * self.kv, H), o=w(H, self.h), gu=w(2 * self.i, H), down=w(H, self.i))
+                       for _ in range(L)]
+        self.deltas = [{t: pool.layer_delta(t, layer) for t in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+                       for layer in range(L)]
+        self.rep = H // KV
+        self.arr = (lambda t: t) if pool.device.is_cuda else (lambda t: t.numpy())  # what the backend takes
+
+    def forward(self, x):
+        import torch
+        import torch.distributed as dist
+        import torch.nn.functional as F
+
+        h = x
+        for W, d in zip(self.layers, self.deltas):
+            qkv = h @ W["qkv"].T
+            d["qkv_proj"](self.arr(qkv), self.arr(h))
+            q, k, v = qkv.split((self.h, self.kv, self.kv), dim=1)
+            a = (F.silu(q) * (1 + torch.tanh(k).repeat_interleave(self.rep, dim=1))
+                 + v.repeat_interleave(self.rep, dim=1)).contiguous()
+            o = a @ W["o"].T
+            d["o_proj"](self.arr(o), self.arr(a))  # the delta before the all-reduce
+            dist.all_reduce(o)
+            h = F.rms_norm(h + o, (h.shape[1],))
+            gu = h @ W["gu"].T
+            d["gate_up_proj"](self.arr(gu), self.arr(h))
+            gate, up = gu.split((self.i, self.i), dim=1)
+            m = (F.silu(gate) * up).contiguous()
+            down = m @ W["down"].T
+            d["down_proj"](self.arr(down), self.arr(m))
+            dist.all_reduce(down)
+            h = F.rms_norm(h + down, (h.shape[1],))
+        return h
+
+
+def device_ms(fn, reps: int, cuda: bool) -> float:
+    """Median over ``reps`` of ``fn``'s time between two CUDA events (wall time on the CPU)."""
+    import torch
+
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def host_us(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def rank_main(rank: int, world: int, args: dict) -> dict:
+    """One rank's part of the benchmark (every rank runs the same collectives in order)."""
+    import torch
+
+    from ..engine.resource import ResourceReqConfig
+    from ..engine.tp import LockstepRank, TPGroup
+    from ..pool import LoraAdapterPool
+
+    cuda = args["backend"] == "nccl"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    shape = TINY if args["tiny"] else SHAPE
+    B, n_ad, reps = args["batch"], args["adapters"], args["reps"]
+    tp = LockstepRank(TPGroup(timeout=TIMEOUT), ingest_timeout=TIMEOUT, copy_timeout=TIMEOUT)
+    spec = make_spec(shape, rank, world, n_ad, args["rank"], args["dtype"], B)
+    names = [f"a{i}" for i in range(n_ad)]
+    pool = LoraAdapterPool(spec, device, rank=rank, world_size=world, agree=tp.agree, decides=tp.is_leader,
+                           reader=memory_reader(args["rank"]),
+                           adapters={n: f"memory://{n}" for n in names + [f"m{j}" for j in range(args["misses"])]})
+    tp.add_pool(pool)
+    out: dict = {}
+    try:
+        dtype = getattr(torch, args["dtype"])
+        stack = ParallelStack(shape, rank, world, dtype, device, pool)
+        x = torch.randn(B, shape["hidden"], generator=torch.Generator().manual_seed(5)).to(device=device, dtype=dtype)
+        base = [f"b{i}" for i in range(B)]
+        lora = [f"l{i}" for i in range(B)]
+        for i in range(B):
+            tp.ingest_request(base[i], ResourceReqConfig(None))
+            tp.ingest_request(lora[i], ResourceReqConfig(names[i % n_ad]))
+        for n in names:
+            pool.store.get(n).wait(TIMEOUT)
+        if tp.is_leader:
+            for rid in lora:
+                pool.reserve(rid, "llm", ("llm",), False)
+
+        def step(rows):
+            res = tp.lead(rows) if tp.is_leader else tp.follow()
+            if res.failed:
+                raise RuntimeError(f"rank {rank}: rows failed at admit: {res.failed}")
+
+        def timed(rows):
+            step(rows)
+            with torch.inference_mode():
+                stack.forward(x)  # warm-up
+                ms = device_ms(lambda: stack.forward(x), reps, cuda)
+            tp.finish()
+            return ms
+
+        out["base_ms"] = timed(base)
+        out["lora_ms"] = timed(lora)
+
+        def lockstep_step():
+            step(lora)
+            tp.finish()
+
+        lockstep_step()
+        out["lockstep_step_us"] = host_us(lockstep_step, reps)
+        outcomes = np.zeros(1, np.int8)
+        tp.agree(outcomes)
+        out["agree_nccl_us" if cuda else "agree_us"] = host_us(lambda: tp.agree(outcomes), reps)
+        if cuda:
+            gloo = LockstepRank(TPGroup(tp.group.control_group, timeout=TIMEOUT))
+            gloo.agree(outcomes)
+            out["agree_gloo_us"] = host_us(lambda: gloo.agree(outcomes), reps)
+        for rid in lora:  # free the slots: each miss below evicts an unheld adapter
+            if tp.is_leader:
+                tp.remove_request(rid)
+        miss = []
+        for j in range(args["misses"]):
+            rid = f"miss{j}"
+            tp.ingest_request(rid, ResourceReqConfig(f"m{j}"))
+            pool.store.get(f"m{j}").wait(TIMEOUT)
+            t0 = time.perf_counter()
+            if tp.is_leader:
+                pool.reserve(rid, "llm", ("llm",), False)
+            step([rid])
+            miss.append((time.perf_counter() - t0) * 1e6)
+            tp.finish()
+            if tp.is_leader:
+                tp.remove_request(rid)
+        if miss:
+            out["admit_miss_us"] = statistics.median(miss)
+        if tp.is_leader:
+            tp.stop()
+        else:
+            assert tp.follow() is None
+        out["stats"] = dict(tp.stats)
+        return out
+    finally:
+        pool.close()
+
+
+def _entry(rank: int, world: int, args: dict, out_dir: str) -> None:
+    result = {"rank": rank}
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if args["backend"] == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(args["backend"], init_method=f"file://{out_dir}/store", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=TIMEOUT))
+        result["value"] = rank_main(rank, world, args)
+    except BaseException as e:  # noqa: BLE001  (reported by the launcher)
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    os._exit(0)
+
+
+def run(args) -> dict:
+    world = args.world
+    opts = dict(vars(args), backend="gloo" if args.tiny else "nccl")
+    if not args.tiny:
+        import torch
+
+        if torch.cuda.device_count() < world:
+            raise SystemExit(f"bench tp needs {world} CUDA devices, found {torch.cuda.device_count()} (or --tiny)")
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_entry, args=(r, world, opts, d), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 3 * TIMEOUT
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = []
+        for r in range(world):
+            path = os.path.join(d, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                raise SystemExit(f"rank {r} left no result (exit code {procs[r].exitcode})")
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+    for res in results:
+        if "error" in res:
+            raise SystemExit(f"rank {res['rank']} failed: {res['error']}")
+    lead = results[0]["value"]
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": _commit(), "gpus": _gpus(world, args.tiny), "command": "lora-cupy bench tp " + " ".join(sys.argv[3:]),
+            "shape": TINY if args.tiny else SHAPE, "world": world, "batch": args.batch, "adapters": args.adapters,
+            "rank": args.rank, "dtype": args.dtype, "reps": args.reps, "leader": lead,
+            "ratio": lead["lora_ms"] / lead["base_ms"]}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _gpus(world: int, tiny: bool) -> list[str]:
+    if tiny:
+        return []
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(world)]
+
+
+def markdown(r: dict) -> str:
+    lead = r["leader"]
+    lines = [f"TP={r['world']} decode step, batch {r['batch']}, {r['adapters']} adapters of rank {r['rank']}, "
+             f"{r['dtype']}, {r['shape']['layers']} layers (hidden {r['shape']['hidden']}, intermediate "
+             f"{r['shape']['intermediate']}); {', '.join(r['gpus']) or 'CPU (gloo, --tiny)'}; commit {r['commit']}",
+             "", "| row | time |", "|---|---|",
+             f"| base step | {lead['base_ms']:.3f} ms |",
+             f"| LoRA step | {lead['lora_ms']:.3f} ms ({r['ratio']:.2f}x base) |",
+             f"| lockstep per step (host: broadcast, admit, plan, finish) | {lead['lockstep_step_us']:.0f} us |"]
+    for key, label in (("agree_nccl_us", "one agree (NCCL all-reduce MAX)"), ("agree_gloo_us", "one agree (gloo)"),
+                       ("agree_us", "one agree (gloo)"), ("admit_miss_us", "a step whose row misses (leader host)")):
+        if key in lead:
+            lines.append(f"| {label} | {lead[key]:.0f} us |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lora-cupy bench tp", description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=2, help="ranks (GPUs of this host)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16, help="the adapters' LoRA rank")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--misses", type=int, default=20, help="steps whose one row misses")
+    p.add_argument("--tiny", action="store_true", help="a small stack over gloo on the CPU (a smoke run)")
+    p.add_argument("--json", help="write every number here")
+    args = p.parse_args(argv)
+    if args.tiny and args.dtype == "bfloat16":
+        args.dtype = "float32"
+    result = run(args)
+    print(markdown(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
