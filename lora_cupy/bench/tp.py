@@ -191,7 +191,7 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
         for i in range(B):
             tp.ingest_request(base[i], ResourceReqConfig(None))
             tp.ingest_request(lora[i], ResourceReqConfig(names[i % n_ad]))
-        for n in names:
+        for n in names[:B]:  # the adapters a row names
             pool.store.get(n).wait(TIMEOUT)
         if tp.is_leader:
             for rid in lora:
