@@ -32,8 +32,10 @@ class DivergenceError(SimError, AssertionError):
 class SimInstance:
     """``world_size`` ranks (rank 0 decides) over ``num_slots`` slots each.
 
-    ``read_outcome(rank, adapter) -> bool`` says whether a read lands ok; it is asked when a
-    read is completed without an explicit outcome (a rank that must wait for its copy).
+    ``read_outcome(rank, adapter) -> bool | None`` says whether a read lands ok; it is asked
+    when a read is completed without an explicit outcome (a rank that must wait for its copy).
+    None at an admit: the copy is still in flight when the rank's wait times out; the miss
+    fails on every rank like a failed read, and the copy lands later (``complete_read``).
     """
 
     def __init__(self, num_slots: int, world_size: int, read_outcome=None):
@@ -160,7 +162,11 @@ class SimInstance:
                 if not req.touches or req.slot is not None or pool.slots.slot_of(req.adapter) is not None:
                     continue
                 if pool.tier.get(req.adapter) is Copy.PENDING:
-                    self.complete_read(r, req.adapter)
+                    ok = self.read_outcome(r, req.adapter)
+                    if ok is None:  # still in flight after the wait's timeout: fails everywhere
+                        failed.add(req.adapter)
+                        continue
+                    self.complete_read(r, req.adapter, ok)
                 if pool.tier.get(req.adapter) is Copy.FAILED:
                     failed.add(req.adapter)
         results = [pool.admit(rids, failed=failed) for pool in self.ranks]

@@ -17,7 +17,7 @@ import sim
 from lora_cupy.engine.resource import ResourceReqConfig
 from lora_cupy.errors import CapacityError
 from lora_cupy.pool import LoraAdapterPool
-from sim.pool import Reserve
+from sim.pool import Copy, Reserve
 from tests.pool_helpers import SyntheticReader, small_spec
 from tests.test_stateful_pool import TIMEOUT, TOUCHES, BarrierAgree, admit_on_every_rank
 
@@ -136,3 +136,26 @@ def test_a_counted_miss_after_an_uncounted_one_in_one_step():
     assert res == fres and res.slots == (("u", 1), ("k1", 2)) and res.refused == ("k2",)
     assert t.snapshot() == follower.snapshot()
     t.check_valid()
+
+
+def test_simulated_copy_timeout_fails_the_row_everywhere_and_the_copy_lands_later():
+    """The sim's mirror of ``LockstepRank``'s copy timeout: rank 1's copy is still in flight when
+    its wait gives up, so the row fails on every rank; the copy then lands, and the next admit
+    of a request on that adapter installs it on every rank alike."""
+    slow = {(1, "a")}
+    inst = sim.SimInstance(3, 2, read_outcome=lambda r, a: None if (r, a) in slow else True)
+    inst.load_adapter("a")
+    inst.ingest_request("r", "a")
+    inst.deliver(0, len(inst.inbox[0]))
+    inst.complete_read(0, "a")
+    assert inst.reserve("r") is Reserve.GRANTED
+    res = inst.admit(["r"])
+    assert res.failed == ("r",) and not res.slots
+    assert inst.ranks[1].tier["a"] is Copy.PENDING  # still reading there
+    inst.commit()
+    inst.ingest_request("r2", "a")  # before r's teardown: the copy is kept on every rank
+    inst.remove_request("r")
+    slow.clear()
+    res = inst.admit(["r2"])
+    assert res.slots == (("r2", 1),)
+    inst.check_valid()

@@ -50,6 +50,7 @@ def _entry(target, rank: int, world: int, store: str, out: str, args: tuple, bac
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo's pairs on the loopback
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,

@@ -260,6 +260,7 @@ def _entry(rank: int, world: int, args: dict, out_dir: str) -> None:
         import torch
         import torch.distributed as dist
 
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: the gloo group on the loopback
         if args["backend"] == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(args["backend"], init_method=f"file://{out_dir}/store", rank=rank,

@@ -302,6 +302,8 @@ class LockstepRank:
 
     def stop(self, payload: Any = None) -> None:
         """Tell the followers there are no more steps (leader only)."""
+        if not self.is_leader:
+            raise LockstepError(f"rank {self.rank}: only the leader stops the instance")
         self._check_finished()
         if self._last is not None:
             for pool in self.pools:
