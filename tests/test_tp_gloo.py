@@ -5,7 +5,7 @@ own ``LoraAdapterPool``. The leader plays random histories: requests ingested an
 that fail or lag per rank, loads and unloads, rows admitted with a reservation and without one,
 rollbacks. Followers take the conductor's messages on a thread of their own, each after a lag
 of its own, so removes race ingests there. After every step all ranks gather their slot tables
-and failed rows, which must be identical. A follower whose copy outlives ``copy_timeout`` fails
+and failed rows, which must be identical. A follower whose copy outlives the pools' ``read_timeout`` fails
 its row on every rank; the sharded delta (column-parallel targets concatenated, row-parallel
 ones summed as the all-reduce would) equals the single-rank delta; and a rank that dies
 mid-step makes the others raise ``RankFailureError`` within the group's timeout.
@@ -130,12 +130,12 @@ def make_rank(rank: int, world: int, reader, *, num_slots=3, copy_timeout=10.0, 
     from lora_cupy.engine.tp import LockstepRank, TPGroup
     from lora_cupy.pool import LoraAdapterPool
 
-    tp = LockstepRank(TPGroup(timeout=timeout), ingest_timeout=COLLECTIVE_TIMEOUT,
-                      copy_timeout=copy_timeout)
+    tp = LockstepRank(TPGroup(timeout=timeout), ingest_timeout=COLLECTIVE_TIMEOUT)
+    assert (tp.rank, tp.world_size) == (rank, world)
     if reader is not None:
         reader.loading.update(adapters or ())  # the loads' reads never fail
-    pool = LoraAdapterPool(spec or small_spec(num_slots=num_slots), "cpu", rank=rank, world_size=world,
-                           agree=tp.agree, decides=tp.is_leader, reader=reader, adapters=adapters)
+    pool = LoraAdapterPool(spec or small_spec(num_slots=num_slots), "cpu", reader=reader, adapters=adapters,
+                           **tp.pool_kwargs(read_timeout=copy_timeout))
     if reader is not None:
         reader.loading.difference_update(adapters or ())
     tp.add_pool(pool)
@@ -311,7 +311,8 @@ def copy_timeout_phase(rank: int, world: int) -> dict:
         took = time.monotonic() - t0
         tp.finish()
         tp.check_lockstep(sorted(res.failed))
-        summary = {"failed": sorted(res.failed), "took": took, "timeouts": tp.stats["copy_timeouts"]}
+        summary = {"failed": sorted(res.failed), "took": took, "agrees": tp.stats["agrees"],
+                   "error": str(res.failed.get("r"))}
         if tp.is_leader:
             tp.remove_request("r")  # the worker fails the row: its teardown lands before the next admit
         tp.ingest_request("r2", ResourceReqConfig("a1"))
@@ -513,7 +514,9 @@ def test_two_ranks_random_histories_copy_timeout_and_shards(tmp_path, adapter_di
     _check_histories(values, seeds)
     timed = [v["copy_timeout"] for v in values]
     assert all(t["failed"] == ["r"] for t in timed), timed  # failed on every rank, not only the slow one
-    assert timed[1]["timeouts"] == 1 and all(t["took"] < 2.5 for t in timed), timed  # not the 3 s read
+    assert all(t["took"] < 2.5 for t in timed), timed  # not the 3 s read
+    assert all(t["agrees"] == 2 for t in timed), timed  # the first answer said in flight: a second agree
+    assert "still in flight after 0.5s" in timed[1]["error"] and "another rank" in timed[0]["error"], timed
     assert all(t["later_ok"] for t in timed)
     assert all(v["shards"]["worst"] < 1e-5 for v in values)
 

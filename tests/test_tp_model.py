@@ -107,8 +107,7 @@ def tp_model_worker(rank: int, world: int, dirs: list[str], device: str) -> dict
     full = tiny_llama(NUM_LAYERS, seed=3)  # the same weights on every rank
     model = shard_llama(copy.deepcopy(full), rank, world).to(device)
     tp = LockstepRank(TPGroup(timeout=COLLECTIVE_TIMEOUT), ingest_timeout=COLLECTIVE_TIMEOUT)
-    pool = LoraAdapterPool(model_spec(full, rank, world), device, rank=rank, world_size=world, agree=tp.agree,
-                           decides=tp.is_leader, adapters=adapters)
+    pool = LoraAdapterPool(model_spec(full, rank, world), device, adapters=adapters, **tp.pool_kwargs())
     tp.add_pool(pool)
     attachment = attach(model, pool)
     all_reduce_after(model)

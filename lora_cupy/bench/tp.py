@@ -174,12 +174,12 @@ def rank_main(rank: int, world: int, args: dict) -> dict:
     device = f"cuda:{rank}" if cuda else "cpu"
     shape = TINY if args["tiny"] else SHAPE
     B, n_ad, reps = args["batch"], args["adapters"], args["reps"]
-    tp = LockstepRank(TPGroup(timeout=TIMEOUT), ingest_timeout=TIMEOUT, copy_timeout=TIMEOUT)
+    tp = LockstepRank(TPGroup(timeout=TIMEOUT), ingest_timeout=TIMEOUT)
     spec = make_spec(shape, rank, world, n_ad, args["rank"], args["dtype"], B)
     names = [f"a{i}" for i in range(n_ad)]
-    pool = LoraAdapterPool(spec, device, rank=rank, world_size=world, agree=tp.agree, decides=tp.is_leader,
-                           reader=memory_reader(args["rank"]),
-                           adapters={n: f"memory://{n}" for n in names + [f"m{j}" for j in range(args["misses"])]})
+    pool = LoraAdapterPool(spec, device, reader=memory_reader(args["rank"]),
+                           adapters={n: f"memory://{n}" for n in names + [f"m{j}" for j in range(args["misses"])]},
+                           **tp.pool_kwargs(read_timeout=TIMEOUT))
     tp.add_pool(pool)
     out: dict = {}
     try:

@@ -9,11 +9,12 @@ decisions with no journal (README invariant 5). Ingests, loads and unloads come 
 conductor, on any thread, whenever they arrive on a rank; a step or teardown that names a
 request this rank has not ingested yet waits for it, for at most ``ingest_timeout``.
 
-``agree`` (what each pool is built with) is one ``all_reduce(MAX)`` over the admit's per-miss
-read outcomes on the instance's group (invariant 7). Where the answer says a copy is still in
-flight somewhere, each rank waits for its own, outside every lock, for at most
-``copy_timeout``; a copy still in flight then counts as failed, and the instance agrees once
-more, so the row fails on every rank instead of the step hanging.
+``agree`` (what each pool is built with, :meth:`LockstepRank.pool_kwargs`) is one
+``all_reduce(MAX)`` over the admit's per-miss read outcomes on the instance's group (invariant
+7). Where the answer says a copy is still in flight somewhere, each rank's pool waits for its
+own, outside every lock, for at most its ``read_timeout``; a copy still in flight then counts
+as failed, and the pools agree once more, so the row fails on every rank instead of the step
+hanging.
 
 A collective that fails or outlives the group's timeout (another rank died, or stopped
 answering) raises :class:`RankFailureError`, which names this rank and what it was doing.
@@ -33,10 +34,6 @@ import numpy as np
 
 from ..errors import LoraError
 from .resource import AdmitOutcome, LoraStep, ResourceReqConfig, StepContext
-
-#: The pool's agreement codes (``lora_cupy.store``): where a miss's host copy stands.
-READY, READING, FAILED = 0, 1, 2
-
 
 class RankFailureError(LoraError):
     """Another rank of the instance died or stopped answering: a collective failed or timed out."""
@@ -180,16 +177,15 @@ class TPGroup:
 class LockstepRank:
     """One rank of a lockstep instance: its pools, the leader's orders, and ``agree``.
 
-    Build each pool with ``agree=rank.agree, decides=rank.is_leader`` (and the group's rank
-    and world size), then :meth:`add_pool` it. The leader calls :meth:`lead` per step and
+    Build each pool with :meth:`pool_kwargs` (this rank's ``agree``, ``decides``, rank, world
+    size and read timeout), then :meth:`add_pool` it. The leader calls :meth:`lead` per step and
     :meth:`remove_request` for teardowns; a follower loops on :meth:`follow` until it
     returns None. Every rank calls :meth:`finish` once the step ran (or never will).
     """
 
-    def __init__(self, group: TPGroup, *, ingest_timeout: float = 30.0, copy_timeout: float = 30.0):
+    def __init__(self, group: TPGroup, *, ingest_timeout: float = 30.0):
         self.group = group
         self.ingest_timeout = float(ingest_timeout)
-        self.copy_timeout = float(copy_timeout)
         self.pools: list = []
         self.seq = 0  # admits done on this rank
         self.stats = Counter()
@@ -199,7 +195,6 @@ class LockstepRank:
         self._last: StepResult | None = None
         self._finished = True
         self._rollback_last = False
-        self._admitting: tuple[Any, LoraStep] | None = None
 
     @property
     def rank(self) -> int:
@@ -212,6 +207,13 @@ class LockstepRank:
     @property
     def is_leader(self) -> bool:
         return self.group.is_leader
+
+    def pool_kwargs(self, read_timeout: float = 30.0) -> dict:
+        """What a ``LoraAdapterPool`` of this rank is built with: rank, world size, ``agree``,
+        ``decides``, and ``read_timeout``, which bounds an admit's wait for a copy still in
+        flight (the row then fails on every rank)."""
+        return dict(rank=self.rank, world_size=self.world_size, agree=self.agree, decides=self.is_leader,
+                    read_timeout=read_timeout)
 
     def add_pool(self, pool) -> None:
         """Drive ``pool`` in lockstep (built with this rank's ``agree`` and ``decides``)."""
@@ -370,14 +372,10 @@ class LockstepRank:
         step, ctx = order.step(), StepContext(seq=order.seq)
         failed: dict = {}
         self._finished = False
-        try:
-            for pool in self.pools:
-                self._admitting = (pool, step)
-                out: AdmitOutcome = pool.admit(step, ctx)
-                for rid, err in out.failed.items():
-                    failed.setdefault(rid, err)
-        finally:
-            self._admitting = None
+        for pool in self.pools:
+            out: AdmitOutcome = pool.admit(step, ctx)
+            for rid, err in out.failed.items():
+                failed.setdefault(rid, err)
         self.seq = order.seq
         res = StepResult(order, step, ctx, failed)
         keep = [i for i, rid in enumerate(order.rids) if rid not in failed]
@@ -407,59 +405,12 @@ class LockstepRank:
 
     # -- agree ---------------------------------------------------------------------------------------
     def agree(self, local: np.ndarray) -> np.ndarray:
-        """The pools' ``agree``: the instance's maximum of each miss's read outcome, never READING.
-
-        Where some rank's copy is still in flight, this rank waits (outside every lock) for
-        its own copies in flight, for at most ``copy_timeout``; one still in flight then
-        counts as FAILED, and the ranks agree once more on the final outcomes.
-        """
-        seq = self.seq + 1
-        agreed = self.group.all_reduce_max(local, f"agree of admit {seq}")
-        self.stats["agrees"] += 1
-        if not (agreed == READING).any():
-            return agreed
-        final = np.array(local, copy=True)
-        waiting = [i for i in range(len(local)) if local[i] == READING and agreed[i] != FAILED]
-        entries = self._miss_copies(len(local)) if waiting else None
-        deadline = time.monotonic() + self.copy_timeout
-        for i in range(len(local)):
-            if local[i] != READING:
-                continue
-            if agreed[i] == FAILED or entries is None or entries[i] is None:
-                final[i] = FAILED
-                continue
-            try:
-                state = entries[i].wait(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                state = READING
-            if state == READING:  # still in flight (or dropped before it began): fail the row everywhere
-                self.stats["copy_timeouts"] += 1
-            final[i] = FAILED if state == READING else state
-        self.stats["copy_waits"] += 1
-        out = self.group.all_reduce_max(final, f"agree of admit {seq} after the copies")
+        """The pools' ``agree``: the instance's elementwise maximum of each miss's read outcome,
+        one all-reduce on the group. A pool calls it a second time in one admit only when the
+        first answer said some copy was still in flight (every rank then does)."""
+        out = self.group.all_reduce_max(local, f"agree of admit {self.seq + 1}")
         self.stats["agrees"] += 1
         return out
-
-    def _miss_copies(self, n: int) -> list | None:
-        """The host copies of the admitting pool's misses, in its admit's order (None when they
-        cannot be told apart: the caller then fails every copy still in flight)."""
-        if self._admitting is None:
-            return None
-        pool, step = self._admitting
-        snap = pool.snapshot()  # hits hold their slots already; misses are in no slot yet
-        names: list[str] = []
-        for rid in step.rows_for(pool.spec.node).rids:
-            if rid in snap.holders:
-                continue
-            with self._cond:
-                name = self._adapter.get(rid)
-            info = None if name is None else pool.adapter_info(name)
-            if info is None or not info.targets or name in snap.entries or name in names:
-                continue
-            names.append(name)
-        if len(names) != n:
-            return None
-        return [pool.store.get(name) for name in names]
 
     # -- checks --------------------------------------------------------------------------------------
     def tables(self) -> list[dict]:
