@@ -3,8 +3,8 @@
 The main loop (:meth:`Worker.run_once`, looped by :meth:`Worker.start`) runs one chain
 (``CHAIN_LANE``): step N on the device while step N+1 is admitted, planned and launched behind
 it, never deeper, so step N is postprocessed before step N+2 reuses its buffers. Every piece of
-device work (admit, plan, copies, launches, commit, rollback) is issued by one GPU thread, one
-call at a time; the main loop only schedules, postprocesses and tears down.
+device work (admit, plan, copies in and out, launches, commit, rollback) is issued by one GPU
+thread, one call at a time; the main loop only schedules, postprocesses and tears down.
 
 Admission. A request is ingested by every resource as it arrives, then waits in one
 :class:`AdmissionQueue` over every resource that asks (the LoRA pools, the KV cache): it holds
@@ -387,7 +387,7 @@ class Worker:
                 self._maybe_remove(rid)
 
     def _postprocess_chain(self, batch: ScheduledBatch, out) -> None:
-        tokens, hidden = self.model.read(out)
+        tokens, hidden = self._on_gpu_thread(self.model.read, out)
         for i, (rid, pos, _prompt) in enumerate(batch.items):
             live = self._live.get(rid)
             if live is None or live.removing:
@@ -416,7 +416,7 @@ class Worker:
                 if live is not None:
                     self._fail(live, error)
             return
-        vecs = self.model.read_codec(out)
+        vecs = self._on_gpu_thread(self.model.read_codec, out)
         for i, win in enumerate(batch.items):
             live = self._live.get(win.rid)
             if live is None or live.removing:
@@ -425,6 +425,10 @@ class Worker:
                 raise AssertionError(f"request {win.rid!r}: window {win.index} landed after {len(live.windows)}")
             live.windows.append(vecs[i])
             self._maybe_done(live)
+
+    def _on_gpu_thread(self, fn, *args):
+        """Run ``fn`` on the GPU thread and wait: every copy off the device goes from there too."""
+        return self.gpu.submit(fn, *args).result()
 
     def _maybe_done(self, live: _Live) -> None:
         if len(live.tokens) == live.req.max_new_tokens and len(live.windows) == live.windows_total:
@@ -573,11 +577,11 @@ class Worker:
         if error is not None or rec.doomed:
             for later in self._chain:
                 later.doomed = True
-            self.gpu.submit(self._rollback, rec).result()
+            self._on_gpu_thread(self._rollback, rec)
             self._finish_rolled_back(rec, error)
             return True
         if rec.ctx is not None:
-            self.gpu.submit(self._commit, rec).result()
+            self._on_gpu_thread(self._commit, rec)
         for rid, err in rec.failed_rows.items():
             live = self._live.get(rid)
             if live is not None:
