@@ -177,7 +177,7 @@ class StepPlanner:
         self.buffers = {g: AddressingBuffers(spec, device, g) for g in groupings}
         self.slot_dtype = slot_dtype(spec.num_slots)  # what plan takes a step's row slots in
         self.current: LoraStepPlan | None = None
-        self._base_only = threading.local()
+        self._base_only: dict[int, int] = {}  # thread -> depth of base-only forwards on it (usually empty)
         self._parity = 0
         self._fences: list[Any] = [None, None]  # each parity's event after its last copy (cuda: re-recorded)
 
@@ -205,7 +205,7 @@ class StepPlanner:
         """The current plan where deltas add something: None with no step, no adapter row, or in
         a base-only forward on this thread."""
         plan = self.current
-        if plan is None or not plan.active or getattr(self._base_only, "depth", 0):
+        if plan is None or not plan.active or (self._base_only and threading.get_ident() in self._base_only):
             return None
         return plan
 
@@ -220,9 +220,12 @@ class StepPlanner:
     @contextlib.contextmanager
     def base_only(self) -> Iterator[None]:
         """Deltas add nothing on this thread inside (a forward outside any step)."""
-        tl = self._base_only
-        tl.depth = getattr(tl, "depth", 0) + 1
+        me = threading.get_ident()
+        self._base_only[me] = self._base_only.get(me, 0) + 1
         try:
             yield
         finally:
-            tl.depth -= 1
+            if self._base_only[me] == 1:
+                del self._base_only[me]
+            else:
+                self._base_only[me] -= 1

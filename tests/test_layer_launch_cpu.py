@@ -60,7 +60,7 @@ def _calls():
 
 def test_packed_launch_patches_y_x_and_flags_and_launches_in_order():
     launch = cb.PackedLaunch(_calls())
-    rec = launch._launch_kernel = _Recorder()
+    rec = launch.launch_kernel = _Recorder()
     launch.run(77, y_ptr=4096, x_ptr=8192, flags=5)
     launch.run(78, y_ptr=4096, x_ptr=8192, flags=5)  # unchanged: nothing to patch
     launch.run(79, y_ptr=1 << 33, x_ptr=8192, flags=3)

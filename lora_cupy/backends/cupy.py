@@ -516,37 +516,40 @@ class PackedArgs:
 
 
 class PackedLaunch:
-    """A call's kernels with their parameters packed: ``run`` patches y, x and the flags and
-    launches each kernel in order on one stream. What a layer keeps per capture bucket and parity."""
+    """A call's kernels with their parameters packed: :meth:`patch` writes y, x and the flags in,
+    :meth:`run` launches each kernel in order on one stream. What a layer keeps per capture
+    bucket and parity. ``launches``: per kernel, the driver's arguments but the stream."""
 
     def __init__(self, calls: list[KernelCall]):
         from cupy_backends.cuda.api import driver
 
-        self._launch_kernel = driver.launchKernel
+        self.launch_kernel = driver.launchKernel
         self.calls = calls
-        self._last: tuple = (None, None, None)  # y, x and flags as last patched in
-        self._packed = []
-        for c in calls:
-            fn_ptr = int(c.fn.kernel.ptr)  # compiles and loads the module on first use
-            self._packed.append((fn_ptr, c, PackedArgs(c.args)))
+        self.last: tuple = (None, None, None)  # y, x and flags as last patched in
+        self._args = [PackedArgs(c.args) for c in calls]
+        self.launches = [(int(c.fn.kernel.ptr), *c.grid, *c.block, c.smem, p.ptr)  # fn.kernel: loads the module
+                         for c, p in zip(calls, self._args)]
+
+    def patch(self, y_ptr: int, x_ptr: int, flags: int) -> None:
+        """Write y's and x's pointers and the access flags into every kernel's parameters."""
+        for c, p in zip(self.calls, self._args):
+            if c.y_at is not None:
+                p.set_u64(c.y_at, y_ptr)
+            if c.x_at is not None:
+                p.set_u64(c.x_at, x_ptr)
+            if c.flags_at is not None:
+                p.set_i32(c.flags_at, flags)
+        self.last = (y_ptr, x_ptr, flags)
 
     def run(self, stream: int, y_ptr: int | None = None, x_ptr: int | None = None,
             flags: int | None = None) -> None:
         """Launch every kernel on ``stream``, with y, x and the flags patched in first where given
         and changed since the last run."""
-        if y_ptr is not None and (y_ptr, x_ptr, flags) != self._last:
-            for _, c, p in self._packed:
-                if c.y_at is not None:
-                    p.set_u64(c.y_at, y_ptr)
-                if c.x_at is not None:
-                    p.set_u64(c.x_at, x_ptr)
-                if c.flags_at is not None:
-                    p.set_i32(c.flags_at, flags)
-            self._last = (y_ptr, x_ptr, flags)
-        launch = self._launch_kernel
-        for fn_ptr, c, p in self._packed:
-            (gx, gy, gz), (bx, by, bz) = c.grid, c.block
-            launch(fn_ptr, gx, gy, gz, bx, by, bz, c.smem, stream, p.ptr, 0)
+        if y_ptr is not None and (y_ptr, x_ptr, flags) != self.last:
+            self.patch(y_ptr, x_ptr, flags)
+        launch = self.launch_kernel
+        for fn, gx, gy, gz, bx, by, bz, smem, params in self.launches:
+            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
 
 
 class CupyBackend:
@@ -589,6 +592,7 @@ class CupyBackend:
         self.kernel = kernel
         self._cupy = cupy
         self._driver = driver
+        self.driver_error = driver.CUDADriverError
         self._device = cupy.cuda.Device(dev_id)
         self._fns: dict[tuple, Any] = {}
         self._torch_stream = None
@@ -775,15 +779,23 @@ class LayerLaunch:
         launch); ``rows``: how many rows of x the step addresses."""
         if type(x) is self._tensor and type(y) is self._tensor:  # the hot path: torch tensors that fit
             dims, dt, dev = self.weights.dims, self._tdtype, self._device
-            if (x.dtype is dt and y.dtype is dt and x.dim() == 2 and y.dim() == 2 and x.is_contiguous()
-                    and y.is_contiguous() and x.get_device() == dev and y.get_device() == dev):
-                xs, ys = x.shape, y.shape
-                packed = self._launches.get(views, False)
-                if xs[1] == dims[3] and ys[1] == dims[4] and xs[0] == ys[0] and xs[0] >= rows and packed is not False:
-                    if packed is not None:
-                        yp, xp = y.data_ptr(), x.data_ptr()
-                        self.backend.launch(packed, self._stream(), yp, xp, _xy_flags(self.weights.flags, xp, yp))
-                    return
+            xs, ys = x.shape, y.shape
+            packed = self._launches.get(views, False)
+            if (len(xs) == 2 and len(ys) == 2 and xs[1] == dims[3] and ys[1] == dims[4] and xs[0] == ys[0]
+                    and xs[0] >= rows and x.dtype is dt and y.dtype is dt and x.is_contiguous()
+                    and y.is_contiguous() and x.get_device() == dev and y.get_device() == dev and packed is not False):
+                if packed is not None:
+                    yp, xp = y.data_ptr(), x.data_ptr()
+                    flags = self.weights.flags if not (xp | yp) & 15 else _xy_flags(self.weights.flags, xp, yp)
+                    if (yp, xp, flags) != packed.last:
+                        packed.patch(yp, xp, flags)
+                    stream, launch = self._stream(), packed.launch_kernel
+                    try:
+                        for fn, gx, gy, gz, bx, by, bz, smem, params in packed.launches:
+                            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+                    except self.backend.driver_error:  # none or another device's context current here
+                        self.backend.launch(packed, stream)
+                return
         self._checked_call(y, x, views, rows)
 
     def _checked_call(self, y, x, views, rows: int) -> None:

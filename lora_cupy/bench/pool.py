@@ -98,8 +98,8 @@ _EMPTY = 'extern "C" __global__ void lora_bench_empty() {}'
 def measure_layer_call(device: str = "cuda:0", tokens: int = 64, adapters: int = 8, features: int = 4096,
                        rank: int = 16, calls: int = 3000, batch: int = 100) -> dict:
     """Medians (microseconds of host time) of one eager layer call with torch tensors, of CuPy
-    launching as many empty RawKernels, and of a torch ``y.add_(x)``, each call timed alone in
-    batches of ``batch`` (the device synchronized between batches, outside the timing)."""
+    launching as many empty RawKernels, and of a torch ``y.add_(x)``, each call timed alone, in
+    batches of ``batch`` that take turns (the device synchronized between batches, untimed)."""
     import cupy
     import torch
 
@@ -133,24 +133,22 @@ def measure_layer_call(device: str = "cuda:0", tokens: int = 64, adapters: int =
             for _ in range(kernels):
                 empty((1,), (1,), ())
 
-        def time_calls(fn) -> list[float]:
-            clock, out = time.perf_counter_ns, []
-            for _ in range(3):  # warm-up
-                fn()
-            for _ in range(calls // batch):
-                torch.cuda.synchronize(tdev)
-                for _ in range(batch):
-                    t0 = clock()
-                    fn()
-                    out.append(clock() - t0)
-            torch.cuda.synchronize(tdev)
-            return out
-
+        fns = {"layer": lambda: delta(y, x), "empty": empties, "add": lambda: y.add_(x)}
+        ns: dict[str, list[int]] = {k: [] for k in fns}
+        clock = time.perf_counter_ns
         with stream:
-            empty_ns = time_calls(empties)
-            layer_ns = time_calls(lambda: delta(y, x))
-            add_ns = time_calls(lambda: y.add_(x))
-            empty_ns += time_calls(empties)  # before and after, against drift
+            for fn in fns.values():
+                for _ in range(3):  # warm-up
+                    fn()
+            for _ in range(calls // batch):  # batches of each in turn, so drift reaches all alike
+                for k, fn in fns.items():
+                    torch.cuda.synchronize(tdev)
+                    for _ in range(batch):
+                        t0 = clock()
+                        fn()
+                        ns[k].append(clock() - t0)
+            torch.cuda.synchronize(tdev)
+        layer_ns, empty_ns, add_ns = ns["layer"], ns["empty"], ns["add"]
         med = lambda v: statistics.median(v) / 1e3  # noqa: E731
         return {"device": device, "tokens": tokens, "adapters": adapters, "features": features, "rank": rank,
                 "kernels_per_call": kernels, "calls": calls, "layer_call_us_median": med(layer_ns),
