@@ -271,6 +271,21 @@ def test_without_preplan_or_double_buffering_the_cpu_chain_runs_one_step_at_a_ti
     check_empty(eng)
 
 
+def test_submit_refuses_bad_requests(engine):
+    eng = engine()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.worker.submit(Request("r", None, max_new_tokens=0))
+    with pytest.raises(ValueError, match="window 17"):
+        eng.worker.submit(Request("r", None, max_new_tokens=3, window=17))
+    f = eng.worker.submit(Request("big", None, max_new_tokens=10_000))  # more than the KV cache holds
+    g = eng.worker.submit(Request("big", None, max_new_tokens=2))
+    eng.worker.drain()
+    with pytest.raises(Exception, match="KV pages"):
+        f.result()
+    assert len(g.result().tokens) == 2, "the same id, once the first was refused, is a new request"
+    check_empty(eng)
+
+
 def test_the_worker_refuses_a_resource_on_another_device():
     spec = decode_spec()
     pool = LoraAdapterPool(spec, Device("cpu"), reader=RandomAdapters({}))
