@@ -4,7 +4,6 @@ step fails only its requests."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
