@@ -51,14 +51,36 @@ struct Args {
   float* ws;
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
-      col_blocks, cpb, flags;
+      col_blocks, cpb, chunked, flags;
   __device__ int rank_blocks() const { return (max_rank + 63) / 64; }
   __device__ int tiles(int bm) const { return (bucket + bm - 1) / bm; }
-  // Work units of a launch: tiles of BM positions, or (fused) chunks of one slot each, at most
-  // BM positions: a slot's range cut from its start, so sum(ceil(len / BM)) < tiles + slots.
-  __device__ int units(int bm, bool fused) const { return fused ? min(bucket, tiles(bm) + num_slots - 1) : tiles(bm); }
+  // Work units a launch is sized for: tiles of BM positions, or (chunked) the most chunks of one
+  // slot a step can have: a slot's range cut from its start into pieces of at most BM, so
+  // sum(ceil(len / BM)) < tiles + slots - 1, and at most one per position.
+  __device__ int units(int bm) const { return chunked ? min(bucket, tiles(bm) + num_slots - 1) : tiles(bm); }
   __device__ int col_groups() const { return (col_blocks + cpb - 1) / cpb; }
 };
+
+// How a chunked launch spreads its fixed grid over the step's `chunks`: the shrink's blocks
+// (units x splits x slices x rank blocks) over chunks x slices x rank blocks, each taking `per`
+// stages of `in` (so a step of few chunks splits `in` finer), and the expand's blocks (units x
+// column groups) over chunks, each taking `cpb` column blocks.
+struct Spread {
+  int splits, per, groups, cpb;
+};
+template <typename T>
+__device__ __forceinline__ Spread spread_of(const Args<T>& g, int bm, int kc, int chunks) {
+  Spread d;
+  const int nk = max((g.in_features + kc - 1) / kc, 1), c = max(chunks, 1);
+  const int units = g.units(bm), items = c * g.n_slices * g.rank_blocks();
+  const int want = max(1, min(nk, units * g.n_slices * g.rank_blocks() * g.splits / items));
+  d.per = (nk + want - 1) / want;
+  d.splits = (nk + d.per - 1) / d.per;
+  const int groups = max(1, min(g.col_blocks, units * g.col_groups() / c));
+  d.cpb = (g.col_blocks + groups - 1) / groups;
+  d.groups = (g.col_blocks + d.cpb - 1) / d.cpb;
+  return d;
+}
 
 // Shrink task u: (tile, split q, slice j, rank block rb). Rank blocks vary slowest: the blocks of
 // every adapter's first rank block fill the first waves and those past the pool's largest
@@ -68,9 +90,9 @@ struct ShrinkTask {
   int tile, q, j, rb;
 };
 template <typename T, int BM>
-__device__ __forceinline__ ShrinkTask shrink_task_of(const Args<T>& g, int u, bool fused) {
-  const int n = g.n_slices, per = g.units(BM, fused) * g.splits * n, w = u % per;
-  return {w / (n * g.splits), (w / n) % g.splits, w % n, u / per};
+__device__ __forceinline__ ShrinkTask shrink_task_of(const Args<T>& g, int u, int units, int splits) {
+  const int n = g.n_slices, per = units * splits * n, w = u % per;
+  return {w / (n * splits), (w / n) % splits, w % n, u / per};
 }
 
 // The positions [p0, p0 + BM) of one tile: token rows, slots, and the runs of one slot >= 1.
@@ -82,7 +104,10 @@ struct TileRows {
   int run_slot[BM], run_lo[BM], run_hi[BM];
   int nrun, pend;
   int warp_count[4];
-  int p0;  // the first position of the tile or chunk
+  int p0;                // the first position of the tile or chunk
+  int chunks;            // chunks of the step (chunked launches)
+  int lane_chunks[32];   // chunks up to and including each lane's slots (inclusive scan)
+  int chunk[3];          // first position, rows and slot of this block's chunk
 };
 
 // Reads slot_indptr and the tile's token rows in one round of loads, then finds the runs.
@@ -142,38 +167,48 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
   __syncthreads();
 }
 
-// The k-th chunk of the step's addressing, as a tile of one run: slot s's range of positions
-// (s >= 1, clipped to `positions`) cut into pieces of at most BM from its start, chunks in slot
-// order. Rows [0, m) hold positions [p0, p0 + m); nrun = 0 where the step has k chunks or fewer.
-// One warp counts each slot's chunks and scans the counts (a lane per run of slots), so a
-// chunk's rows are known after two rounds of loads: slot_indptr, then its token rows.
+// The step's chunks: slot s's range of positions (s >= 1, clipped to `positions`) cut into
+// pieces of at most BM from its start, in slot order. Stages slot_indptr; one warp counts each
+// lane's run of slots and scans the counts; tr.chunks is their number (every thread, on return).
 template <int BM>
-__device__ void read_chunk(TileRows<BM>& tr, int* s_indptr, const int* __restrict__ slot_indptr,
-                           const int* __restrict__ token_order, int num_slots, int positions, int k) {
-  static_assert(BM <= 128, "a chunk has at most 128 positions");
-  __shared__ int chunk[3];  // first position, rows, slot
+__device__ void count_chunks(TileRows<BM>& tr, int* s_indptr, const int* __restrict__ slot_indptr, int num_slots,
+                             int positions) {
   const int tid = threadIdx.x;
   for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
-  if (tid == 0) chunk[1] = 0;
   __syncthreads();
   if (tid < 32) {
     const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
     int c = 0;
     for (int s = s0; s < s1; ++s) c += (max(min(s_indptr[s + 1], positions) - s_indptr[s], 0) + BM - 1) / BM;
-    int incl = c;  // inclusive scan of the lanes' counts
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (tid >= o) incl += v;
+      const int v = __shfl_up_sync(0xffffffffu, c, o);
+      if (tid >= o) c += v;
     }
-    int kk = k - (incl - c);
-    if (kk >= 0 && kk < c) {
+    tr.lane_chunks[tid] = c;
+    if (tid == 31) tr.chunks = c;
+  }
+  __syncthreads();
+}
+
+// Chunk k (< tr.chunks, after count_chunks) as a tile of one run: rows [0, m) hold positions
+// [p0, p0 + m) of one slot, so its token rows are one round of loads after the count.
+template <int BM>
+__device__ void find_chunk(TileRows<BM>& tr, const int* s_indptr, const int* __restrict__ token_order,
+                           int num_slots, int positions, int k) {
+  static_assert(BM <= 128, "a chunk has at most 128 positions");
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
+    const int before = tid ? tr.lane_chunks[tid - 1] : 0;
+    int kk = k - before;
+    if (kk >= 0 && k < tr.lane_chunks[tid]) {
       for (int s = s0; s < s1; ++s) {
         const int lo = s_indptr[s], len = max(min(s_indptr[s + 1], positions) - lo, 0), nc = (len + BM - 1) / BM;
         if (kk < nc) {
-          chunk[0] = lo + kk * BM;
-          chunk[1] = min(BM, len - kk * BM);
-          chunk[2] = s;
+          tr.chunk[0] = lo + kk * BM;
+          tr.chunk[1] = min(BM, len - kk * BM);
+          tr.chunk[2] = s;
           break;
         }
         kk -= nc;
@@ -181,17 +216,18 @@ __device__ void read_chunk(TileRows<BM>& tr, int* s_indptr, const int* __restric
     }
   }
   __syncthreads();
-  const int p0 = chunk[0], m = chunk[1];
+  const int p0 = tr.chunk[0], m = tr.chunk[1];
   if (tid < BM) {
     const bool in = tid < m;
     tr.tok[tid] = in ? token_order[p0 + tid] : -1;
-    tr.slot[tid] = in ? chunk[2] : 0;
+    tr.slot[tid] = in ? tr.chunk[2] : 0;
     tr.run_of[tid] = 0;
   }
+  __syncthreads();
   if (tid == 0) {
     tr.p0 = p0;
-    tr.nrun = m > 0;
-    tr.run_slot[0] = chunk[2];
+    tr.nrun = 1;
+    tr.run_slot[0] = tr.chunk[2];
     tr.run_lo[0] = 0;
     tr.run_hi[0] = m;
   }
@@ -256,15 +292,22 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   using M = typename C::M;
   __shared__ int row_r[BM];  // this row's rank inside the rank block (0..64)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  const ShrinkTask task = shrink_task_of<T, BM>(g, u, fused);
-  const int q = task.q, j = task.j, rb = task.rb, tile = task.tile;
-  if (fused) {
-    read_chunk<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile);
-    if (tr.nrun == 0) return;
+  int splits = g.splits, k_split = g.k_split;
+  ShrinkTask task;
+  if (g.chunked) {  // the grid spread over the step's chunks: u past them has nothing to do
+    count_chunks<BM>(tr, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+    const Spread d = spread_of(g, BM, C::KC, tr.chunks);
+    splits = d.splits;
+    k_split = d.per * C::KC;
+    if (u >= tr.chunks * splits * g.n_slices * g.rank_blocks()) return;
+    task = shrink_task_of<T, BM>(g, u, tr.chunks, splits);
+    find_chunk<BM>(tr, s_indptr, g.token_order, g.num_slots, g.positions, task.tile);
   } else {
-    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile * BM);
-    if (tile * BM >= tr.pend) return;
+    task = shrink_task_of<T, BM>(g, u, g.tiles(BM), splits);
+    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, task.tile * BM);
+    if (task.tile * BM >= tr.pend) return;
   }
+  const int q = task.q, j = task.j, rb = task.rb, tile = task.tile;
   const int p0 = tr.p0;
   if (tid < BM) {
     const int s = tr.slot[tid];
@@ -274,7 +317,7 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   const int any = __syncthreads_or(tid < BM && row_r[tid] > 0);
   const int in = g.in_features;
-  const int kbeg = q * g.k_split, kend = min(kbeg + g.k_split, in);
+  const int kbeg = q * k_split, kend = min(kbeg + k_split, in);
   const int nk = kend > kbeg ? (kend - kbeg + C::KC - 1) / C::KC : 0;
   const int F = any ? tr.nrun * nk : 0;
   const bool vec = g.flags & 1;
@@ -396,7 +439,7 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
       const int r = row_r[row];
       if (r > 0 && col < ((r + 15) & ~15)) {
         float* p = g.ws + ((size_t)(p0 + row) * g.n_slices + j) * g.rw + rb * C::RB + col;
-        if (g.splits == 1) *reinterpret_cast<float4*>(p) = quad;
+        if (splits == 1) *reinterpret_cast<float4*>(p) = quad;
         else red_add4(p, quad);
       }
     }
@@ -431,9 +474,9 @@ __device__ __forceinline__ void add_pair(T* p, float d0, float d1, bool both) {
 // (fence, then count); the last one acquires them (count, then fence) before it writes.
 template <typename T, int BM>
 __device__ void release_v(const Args<T>& g, const TileRows<BM>& tr, const int (&pr)[MAX_SLICES][BM],
-                          int& last_reader, int tile, int groups, int p0, int n, bool fused = false) {
+                          int& last_reader, int tile, int groups, int p0, int n) {
   const int tid = threadIdx.x;
-  int* readers = g.counters + 2 + g.units(BM, fused) + tile;
+  int* readers = g.counters + 2 + g.units(BM) + tile;
   __syncthreads();
   if (tid == 0) {
     __threadfence();
@@ -484,13 +527,23 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const float(&ps)[MAX_SLICES][BM] = rm.ps;
   const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  const int groups = g.col_groups(), cg = u % groups, tile = u / groups;
-  if (fused) read_chunk<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile);
-  else read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, tile * BM);
-  if (tr.nrun == 0 || (!fused && tile * BM >= tr.pend)) return;
+  int groups = g.col_groups(), cpb = g.cpb, splits = g.splits;
+  if (g.chunked) {  // the grid spread over the step's chunks: u past them has nothing to do
+    count_chunks<BM>(tr, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+    const Spread d = spread_of(g, BM, Shrink<T, BM>::KC, tr.chunks);
+    groups = d.groups;
+    cpb = d.cpb;
+    splits = d.splits;
+    if (u >= tr.chunks * groups) return;
+    find_chunk<BM>(tr, s_indptr, g.token_order, g.num_slots, g.positions, u / groups);
+  } else {
+    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, (u / groups) * BM);
+    if (tr.nrun == 0 || (u / groups) * BM >= tr.pend) return;
+  }
+  const int cg = u % groups, tile = u / groups;
   const int p0 = tr.p0;
   const int out = g.out_features, n = g.n_slices, nrun = tr.nrun;
-  const int cb0 = cg * g.cpb, cb1 = min(cb0 + g.cpb, g.col_blocks);
+  const int cb0 = cg * cpb, cb1 = min(cb0 + cpb, g.col_blocks);
   read_run_meta<T, BM>(g, tr, rm);
 
   const bool vec_y = g.flags & 4, vec_b = g.flags & 2;
@@ -615,7 +668,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   if (fused) {
     if (tid == 0) {
-      const int want = g.splits * n * g.rank_blocks();
+      const int want = splits * n * g.rank_blocks();
       const int* ready = g.counters + 2 + tile;
       while (load_acquire(ready) < want) __nanosleep(32);
     }
@@ -690,7 +743,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   cp_async_wait<0>();
 
-  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n, fused);
+  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n);
 }
 
 template <typename T, int BM, int BN>
@@ -705,7 +758,7 @@ __host__ __device__ constexpr int fused_smem() {
 template <typename T, int BM, int BN>
 __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int blocks) {
   __shared__ int ticket;
-  const int units = g.units(BM, true);
+  const int units = g.units(BM);  // a fused launch is chunked: expand tasks wait on chunks
   const int n_shrink = units * g.splits * g.n_slices * g.rank_blocks();
   if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
   __syncthreads();
@@ -735,11 +788,11 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
       const int *out_offsets, const int *token_order, const int *slot_indptr, float *ws, int *counters, \
       int num_slots, int n_slices, int max_rank, int in_features, int out_features, int bucket,        \
-      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int flags
+      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int chunked, int flags
 #define LORA_ARGS                                                                                  \
   lora::Args<T> g{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters,  \
                   num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw,  \
-                  splits, k_split, col_blocks, cpb, flags}
+                  splits, k_split, col_blocks, cpb, chunked, flags}
 
 // Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
 // Blocks per multiprocessor the v3 shrink's registers are capped for (tuning runs may set it): 4,

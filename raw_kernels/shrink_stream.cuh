@@ -78,7 +78,7 @@ __device__ void shrink_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
   __shared__ int run_r[BM];  // each run's rank inside this rank block (0..RB)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int R = g.max_rank, n = g.n_slices, in = g.in_features;
-  const ShrinkTask task = shrink_task_of<T, BM>(g, u, false);
+  const ShrinkTask task = shrink_task_of<T, BM>(g, u, g.tiles(BM), g.splits);
   const int q = task.q, j = task.j, rb = task.rb, tile = task.tile, p0 = tile * BM;
   read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend) return;

@@ -226,6 +226,18 @@ def test_fused_plans_fill_about_a_wave_whatever_the_bucket():
                 assert (p.col_blocks - 1) * p.bn < out <= p.col_blocks * p.bn
 
 
+def test_chunks_where_the_step_is_small_and_only_for_the_tiled_kernels():
+    for b in DEFAULT_CAPTURE_BUCKETS:
+        p = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
+        assert p.chunks == (p.fused or cb.default_chunks(b))
+        assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True).chunks
+        tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False, chunks=False)
+        assert not tiles.chunks and tiles.tiles == -(-b // tiles.bm)
+        for version in ("v4", "v5"):  # they read tiles: never chunks, whatever is asked
+            assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
+                                      expand=version, chunks=True).chunks
+
+
 def test_tile_and_fused_overrides():
     p = cb.plan_launch(4096, 4096, 4096, 1, 16, "float16", num_slots=33, tile=16, fused=True)
     assert (p.bm, p.bn, p.fused, p.tiles) == (16, 64, True, 256 + 32)  # chunks: tiles + slots - 1

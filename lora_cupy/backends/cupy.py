@@ -94,10 +94,12 @@ class LaunchPlan:
 
     ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per column
     block and ``cpb`` column blocks per expand block, ``splits`` blocks over ``in`` per shrink
-    tile (``k_split`` features each). ``tiles`` counts the launch's work units: tiles of ``bm``
-    positions, or in a fused launch chunks of one slot each (a slot's range cut into pieces of at
-    most ``bm`` from its start: fewer than ``ceil(bucket / bm) + num_slots - 1``, at most one per
-    position), so a step's slots run side by side rather than one after another in a tile. ``shrink`` and ``expand`` name the kernels of an unfused
+    tile (``k_split`` features each). ``tiles`` counts the work units the launch is sized for:
+    tiles of ``bm`` positions, or where ``chunks`` (always in a fused launch) chunks of one slot
+    each (a slot's range cut into pieces of at most ``bm`` from its start: fewer than
+    ``ceil(bucket / bm) + num_slots - 1``, at most one per position), so a step's slots run side
+    by side rather than one after another in a tile; a chunked launch's kernels spread its grid
+    over the chunks the step has (finer split-K and column groups when they are few). ``shrink`` and ``expand`` name the kernels of an unfused
     launch: ``"v3"`` (tiles through shared memory), ``"v4"`` (each warp streams x, or y, through
     registers: shrink rank blocks of ``STREAM_RANK_BLOCK``, expand column blocks of
     ``STREAM_BN``) or ``"v5"`` (each warp streams x, or y, through its own ring of cp.async
@@ -117,6 +119,7 @@ class LaunchPlan:
     n_slices: int
     expand: str = "v3"
     shrink: str = "v3"
+    chunks: bool = False
 
     @property
     def shrink_blocks(self) -> int:
@@ -154,6 +157,12 @@ def fused_units(bucket: int, bm: int, num_slots: int) -> int:
     return min(bucket, _ceil(bucket, bm) + num_slots - 1)
 
 
+def default_chunks(bucket: int) -> bool:
+    """Whether an unfused launch's work units are chunks of one slot (a fused one's always are):
+    where the step is small enough that a tile's runs in series would set its time."""
+    return bucket <= 64
+
+
 def default_fused(bucket: int) -> bool:
     """Whether one fused launch beats two: it saves a launch, which pays while the work is small."""
     return bucket <= 64
@@ -186,12 +195,13 @@ def rank_block(shrink: str, dtype: str) -> int:
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
-                shrink: str | None = None) -> LaunchPlan:
+                shrink: str | None = None, chunks: bool | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it).
 
-    A fused launch sizes its split-K and column groups for every chunk having work, aiming at
-    ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM`` expand blocks per multiprocessor.
+    A chunked launch (``chunks``: always when fused, else ``default_chunks``; only the v3 kernels
+    take chunks) sizes its grid at about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM``
+    expand blocks per multiprocessor, which its kernels spread over the chunks a step has.
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block, counting one rank
@@ -214,15 +224,19 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_VARIANTS}")
     if shrink not in SHRINK_VARIANTS:
         raise ValueError(f"shrink {shrink!r} is not one of {SHRINK_VARIANTS}")
-    tiles = fused_units(bucket, bm, num_slots) if fused else _ceil(bucket, bm)
+    if fused or (expand, shrink) != ("v3", "v3"):
+        chunks = fused
+    elif chunks is None:
+        chunks = default_chunks(bucket)
+    tiles = fused_units(bucket, bm, num_slots) if chunks else _ceil(bucket, bm)
     rank_blocks = _ceil(max_rank, rank_block(shrink, dtype))
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     base = tiles * n_slices  # rank blocks past an adapter's rank stop at once: they do not count
-    want = max(1, min(nchunks, _ceil((FUSED_SHRINK_PER_SM if fused else 4) * num_sms, base)))
+    want = max(1, min(nchunks, _ceil((FUSED_SHRINK_PER_SM if chunks else 4) * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
-    if fused:
+    if chunks:
         col_blocks = _ceil(out_features, bn)
         cpb = _ceil(col_blocks, max(1, (FUSED_EXPAND_PER_SM * num_sms) // tiles))
     elif expand in ("v4", "v5"):
@@ -236,7 +250,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         cpb = max(1, min(col_blocks, (tiles * col_blocks) // (4 * num_sms)))
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
                       tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
-                      n_slices=n_slices, expand=expand, shrink=shrink)
+                      n_slices=n_slices, expand=expand, shrink=shrink, chunks=chunks)
 
 
 def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
@@ -324,12 +338,13 @@ class CallLimits:
     fused: bool | None = None
     expand: str | None = None
     shrink: str | None = None
+    chunks: bool | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str, num_slots: int) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
-                           fused=self.fused, expand=self.expand, shrink=self.shrink)
+                           fused=self.fused, expand=self.expand, shrink=self.shrink, chunks=self.chunks)
 
 
 @dataclass(frozen=True)
@@ -556,7 +571,7 @@ class CupyBackend:
     """Runs the slot-grouped delta on one CUDA device with the tensor-core kernels.
 
     ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile``,
-    ``fused``, ``shrink`` and ``expand`` (``"v3"`` / ``"v4"`` / ``"v5"``) override the per-bucket choices of
+    ``fused``, ``chunks``, ``shrink`` and ``expand`` (``"v3"`` / ``"v4"`` / ``"v5"``) override the per-bucket choices of
     :func:`plan_launch` (for benchmarks and tests); ``num_sms`` defaults to the device's
     multiprocessor count.
 
@@ -569,7 +584,7 @@ class CupyBackend:
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
                  fused: bool | None = None, expand: str | None = None, shrink: str | None = None,
-                 num_sms: int | None = None):
+                 chunks: bool | None = None, num_sms: int | None = None):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -602,7 +617,8 @@ class CupyBackend:
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
-            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, shrink)
+            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, shrink,
+                                     chunks)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
 
@@ -725,7 +741,7 @@ class CupyBackend:
                                             i32(plan.bucket), i32(call.rw), i32(per)), 0, None, None)]
         args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
-                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags))
+                i32(plan.col_blocks), i32(plan.cpb), i32(plan.chunks), i32(call.flags))
         extra = 4 * (S + 1)  # slot_indptr, after the stages
         mma = lambda name, key, blocks, smem: KernelCall(  # noqa: E731
             name, self._kernel_fn(dtype, key), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,

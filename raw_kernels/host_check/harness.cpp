@@ -93,7 +93,7 @@ struct Launch {
   float* ws;
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
-      col_blocks, cpb, flags;
+      col_blocks, cpb, chunked, flags;
 };
 static Launch L;
 static std::vector<char> dsm(256 * 1024);
@@ -103,7 +103,7 @@ template <typename T> static lora::Args<T> args() {
   return lora::Args<T>{(T*)L.y, (const T*)L.x, (const T*)L.A, (const T*)L.B, L.scaling, L.ranks, L.out_offsets,
                        L.token_order, L.slot_indptr, L.ws, L.counters, L.num_slots, L.n_slices, L.max_rank,
                        L.in_features, L.out_features, L.bucket, L.positions, L.rw, L.splits, L.k_split,
-                       L.col_blocks, L.cpb, L.flags};
+                       L.col_blocks, L.cpb, L.chunked, L.flags};
 }
 template <typename T, int BM> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;
@@ -165,14 +165,16 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
-// dtype 0 bf16, 1 fp16, 2 fp32; expand 3, 4 or 5, or 0 for the fused launch; dims: S n R in out bucket positions rw splits k_split col_blocks cpb flags
+// dtype 0 bf16, 1 fp16, 2 fp32; expand 3, 4 or 5, or 0 for the fused launch;
+// dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags
 extern "C" void emu_set_shrink(int v) { g_shrink = v; }
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
                          const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,
                          const int* token_order, const int* slot_indptr, float* ws, int* counters, const int* dims) {
   L = Launch{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0], dims[1],
-             dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11], dims[12]};
+             dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11], dims[12],
+             dims[13]};
   if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
   if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
   return run_t<float>(bm, expand, shrink_blocks, expand_blocks);

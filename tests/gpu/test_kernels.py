@@ -37,6 +37,9 @@ VARIANTS.update({"mma16-s4e3": dict(kernel="mma", tile=16, fused=False, **VERSIO
                  "mma64-s3e4": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e4"]),
                  "mma32-s5e3": dict(kernel="mma", tile=32, fused=False, **VERSIONS["s5e3"]),
                  "mma64-s3e5": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e5"])})
+# an unfused launch at 64 positions or fewer runs chunks of one slot: tiles of runs asked for too
+VARIANTS.update({f"mma{t}-v3-tiles": dict(kernel="mma", tile=t, fused=False, chunks=False, **VERSIONS["v3"])
+                 for t in (16, 64)})
 VARIANTS["simt"] = dict(kernel="simt")
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -142,16 +145,17 @@ def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tile", [16, 64])
 @pytest.mark.parametrize("T,mix", [(64, "distinct"), (61, "zipf"), (16, "uniform")])
-def test_fused_chunks_of_a_step_over_many_slots(make_case, check, T, mix, tile):
-    """The fused launch's chunks of one slot each when slots outnumber tiles: a pool of 512
-    adapters, up to one per position (every work unit used), each warp lane scanning 16 slots."""
+def test_chunks_of_a_step_over_many_slots(make_case, check, T, mix, tile, fused):
+    """Chunks of one slot each when slots outnumber tiles: a pool of 512 adapters, up to one per
+    position (every work unit used), each warp lane scanning 16 slots; fused and unfused."""
     case = make_case(T=T, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), dtype="bfloat16",
                      mix=mix, num_slots=513, active=T)
-    be = backend_for(case.spec, tile=tile, fused=True)
+    be = backend_for(case.spec, tile=tile, fused=fused, chunks=True)
     plan = be.plan(T, dev_weights(case.w), "bfloat16")
-    assert plan.fused and plan.tiles == min(plan.bucket, -(-plan.bucket // tile) + 512)
+    assert plan.chunks and plan.fused == fused and plan.tiles == min(plan.bucket, -(-plan.bucket // tile) + 512)
     check(case, run_cupy(be, case), "bfloat16")
 
 
