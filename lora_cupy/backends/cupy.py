@@ -608,7 +608,7 @@ class CupyBackend:
         self._cupy = cupy
         self._driver = driver
         self.driver_error = driver.CUDADriverError
-        self._device = cupy.cuda.Device(dev_id)
+        self._device = self.device = cupy.cuda.Device(dev_id)
         self._fns: dict[tuple, Any] = {}
         self._torch_stream = None
         with self._device:
@@ -716,7 +716,9 @@ class CupyBackend:
         """Launch a checked call on the caller's stream (torch's current one for torch tensors).
         ``parts`` (an unfused plan only, for timing each kernel alone) leaves out the shrink or
         the expand; v is then not zero afterwards until the workspace is cleared."""
-        self.launch(PackedLaunch(self._kernels(call, parts)), self.stream_ptr(call.torch))
+        with self._device:  # a RawKernel loads its module on the current device
+            packed = PackedLaunch(self._kernels(call, parts))
+        self.launch(packed, self.stream_ptr(call.torch))
 
     def _kernel_fn(self, dtype: str, key: tuple):
         if not any(k[0] == dtype for k in self._fns):
@@ -840,5 +842,6 @@ class LayerLaunch:
         IP = inspect_arg("slot_indptr", views.slot_indptr)
         _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
         call = _launch_args(be.limits, self.weights, y_ptr, x_ptr, TO, IP, torch)
-        packed = self._launches[views] = None if call is None else PackedLaunch(be._kernels(call))
+        with be.device:  # a RawKernel loads its module on the current device
+            packed = self._launches[views] = None if call is None else PackedLaunch(be._kernels(call))
         return packed
