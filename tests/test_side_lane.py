@@ -87,7 +87,7 @@ def test_windows_that_arrive_while_a_step_is_in_flight_batch_into_the_next(eng):
     # the lane's steps run under its own graphs, on its own stream, keyed by their bucket of windows
     assert lane.graphs.lane_stream is lane.stream
     assert {k[0] for k in lane.graphs.launches} == {"codec"} and sum(lane.graphs.launches.values()) == 2
-    assert not any(k[0] == "codec" for k in w.graphs.launches)
+    assert not any(k[0] == "codec" for k in w.chain.graphs.launches)
     check_empty(eng)
 
 
@@ -138,7 +138,7 @@ def test_without_a_side_lane_the_chain_runs_the_windows(eng):
         lanes = {t[1] for t in w.trace if t[0] == "submit"}
         assert lanes == {CHAIN_LANE}
         assert w.stats["steps_codec"] >= 1 and w.stats["steps_llm"] >= 5
-        assert sum(n for k, n in w.graphs.launches.items() if k[0] == "codec") == w.stats["steps_codec"]
+        assert sum(n for k, n in w.chain.graphs.launches.items() if k[0] == "codec") == w.stats["steps_codec"]
         assert w.stats["steps_lane0"] == w.stats["steps_llm"] + w.stats["steps_codec"], "codec steps on the chain"
         check_empty(e)
     finally:
@@ -149,7 +149,7 @@ def test_side_lane_api(eng):
     w = eng.worker
     lane = w.side_lanes[SIDE_LANE]
     assert isinstance(lane, SideStepLane) and lane.lane == SIDE_LANE
-    assert lane.stream.stream is not w.chain_stream.stream, "the lane has a stream of its own"
+    assert lane.stream.stream is not w.chain.stream.stream, "the lane has a stream of its own"
     gpu = ThreadPoolExecutor(1)
     lane.launch(gpu)  # nothing ready: nothing queued
     lane.finish(block=True)  # nothing in flight: a no-op

@@ -230,17 +230,17 @@ def test_an_unknown_adapter_fails_its_request_only(engine):
 def test_the_runner_picks_the_graph_by_bucket_parity_and_active(engine):
     eng = engine()
     w = eng.worker
-    assert eng.pool.force_double_buffer and w.double_buffer
+    assert eng.pool.force_double_buffer and w.chain.double_buffer
     futs = [w.submit(Request(f"r{i}", "a0" if i % 2 else None, max_new_tokens=3 + i)) for i in range(6)]
     w.drain()
     for f in futs:
         f.result()
-    keys = set(w.graphs.launches)
+    keys = set(w.chain.graphs.launches)
     assert {k[1] for k in keys} == {0, 1}, "both buffer parities were used"
     assert {k[0] for k in keys} <= set(eng.pool.spec.capture_buckets)
     # one key, one set of addressing buffers; the two parities never share one
     by_parity = {}
-    for key, reads in w.graphs.reads.items():
+    for key, reads in w.chain.graphs.reads.items():
         by_parity.setdefault((key[0], key[1]), set()).add(reads)
     for (bucket, parity), reads in by_parity.items():
         assert len(reads) == 1
@@ -251,21 +251,21 @@ def test_the_runner_picks_the_graph_by_bucket_parity_and_active(engine):
     solo = w.submit(Request("base", None, max_new_tokens=2))
     w.drain()
     solo.result()
-    assert any(k[2] == (False, False) for k in w.graphs.launches)
+    assert any(k[2] == (False, False) for k in w.chain.graphs.launches)
     check_empty(eng)
 
 
 def test_without_preplan_or_double_buffering_the_cpu_chain_runs_one_step_at_a_time(engine):
     eng = engine(force_double_buffer=False, preplan=False)
     w = eng.worker
-    assert not w.preplan and not w.double_buffer and w.depth == 1
+    assert not w.chain.preplan and not w.chain.double_buffer and w.chain.depth == 1
     reqs = [Request(f"r{i}", [None, "a0", "a1"][i % 3], prompt=i, max_new_tokens=5, window=2) for i in range(6)]
     futs = [w.submit(r) for r in reqs]
     w.drain()
     for r, f in zip(reqs, futs):
         check_result(eng, r, f.result())
     by_bucket = {}
-    for key, reads in w.graphs.reads.items():
+    for key, reads in w.chain.graphs.reads.items():
         by_bucket.setdefault(key[0], set()).add(reads)
     assert all(len(v) == 1 for v in by_bucket.values()), "a pool that does not double-buffer keeps one buffer"
     check_empty(eng)

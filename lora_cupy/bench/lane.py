@@ -84,7 +84,7 @@ def run_mode(args, mode: str) -> dict:
                    "chain_steps": len(chain), "side_steps": len(side), "chain_span_s": span,
                    "chain_tokens_per_s": args.requests * args.tokens / span, "chain_busy_s": chain_busy,
                    "side_busy_s": side_busy, "side_inside_chain_s": inside, "wall_s": wall,
-                   "codec_steps": w.stats["steps_codec"] - before, "graphs_captured": len(w.graphs)}
+                   "codec_steps": w.stats["steps_codec"] - before, "graphs_captured": len(w.chain.graphs)}
         return out
     finally:
         eng.close()

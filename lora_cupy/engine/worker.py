@@ -1,10 +1,10 @@
 """The worker: one main chain of steps, one GPU thread, deferred teardown, one admission queue.
 
 The main loop (:meth:`Worker.run_once`, looped by :meth:`Worker.start`) runs one chain
-(``CHAIN_LANE``): step N on the device while step N+1 is admitted, planned and launched behind
-it, never deeper, so step N is postprocessed before step N+2 reuses its buffers. Every piece of
-device work (admit, plan, copies in and out, launches, commit, rollback) is issued by one GPU
-thread, one call at a time; the main loop only schedules, postprocesses and tears down.
+(``CHAIN_LANE``, :class:`~lora_cupy.engine.chain.ChainLane`): step N on the device while step
+N+1 is admitted, planned and launched behind it. Every piece of device work (admit, plan, copies
+in and out, launches, commit, rollback) is issued by one GPU thread, one call at a time; the main
+loop only schedules, postprocesses and tears down.
 
 Admission. A request is ingested by every resource as it arrives, then waits in one
 :class:`AdmissionQueue` over every resource that asks (the LoRA pools, the KV cache): it holds
@@ -12,18 +12,16 @@ nothing there until every one of them can take it, so a full pool makes it wait 
 pages and a full KV cache without a slot, and rows already running never lose a step to it.
 
 Lanes. Submit and postprocess are keyed by lane (:meth:`_submit_step`, :meth:`_finish_step`):
-the chain's decode steps and, where a node runs on a side lane (``side_steps.SideStepLane``),
-that lane's steps. A request's windows go to the micro-scheduler under ``(rid, codec)``; the
-side lane takes them, or, with no side lane, the chain runs them as steps of its own.
+the chain's steps and, where a node runs on a side lane (``side_steps.SideStepLane``), that
+lane's steps. A request's windows go to the micro-scheduler under ``(rid, codec)``; the side
+lane takes them, or, with no side lane, the chain runs them as steps of its own.
 
 Teardown. A request is removed (finished, failed or cancelled) only once no in-flight step on
 any lane references it; then ``remove_request`` runs on every resource (README invariant 3: a
 slot is overwritten only once no step still on the device reads it).
 
-Failures. A chain step that fails (at admit, launch or on the device) rolls back what its admit
-took, and so does every chain step behind it (they read its output); their rows run again,
-those whose first admit it was from the admission queue. A side step that fails fails its
-requests with its error, while the chain carries on.
+Failures. A failed chain step is rolled back and its rows run again (``chain.py``); a side step
+that fails fails its requests with its error, while the chain carries on.
 """
 
 from __future__ import annotations
@@ -36,13 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .admission import AdmissionQueue
-from .graphs import StepGraphs
+from .chain import ChainLane
 from .kv import KVReqConfig
-from .resource import LoraStep, StepContext
-from .scheduler import CHAIN_LANE, MicroScheduler, ScheduledBatch
-from .streams import LaneStream, Mark
+from .scheduler import MicroScheduler, ScheduledBatch
+from .streams import LaneStream
 
-CHAIN_DEPTH = 2  # step N on the device, N+1 behind it
 POLL_S = 2e-4  # how often the main loop looks at cuda marks while steps are in flight
 
 
@@ -99,24 +95,6 @@ class _Live:
         return 0 if w <= 0 else -(-self.req.max_new_tokens // w)
 
 
-@dataclass
-class ChainStep:
-    """A chain step between its submit and its finish."""
-
-    batch: ScheduledBatch
-    launched: Future | None = None  # the GPU thread's launch (admit, plan, device work)
-    ctx: StepContext | None = None
-    step: LoraStep | None = None
-    admitted: list = field(default_factory=list)
-    landed: Mark | None = None
-    start: Mark | None = None
-    out: Any = None
-    error: BaseException | None = None  # from its device work
-    failed_rows: dict = field(default_factory=dict)
-    doomed: bool = False
-    key: Any = None
-
-
 class Worker:
     """Runs ``model`` (``DecodeModel``'s interface) over ``resources`` on ``device``.
 
@@ -140,29 +118,17 @@ class Worker:
         self.scheduler = MicroScheduler(side_nodes)
         self.admission = AdmissionQueue(self.resources)
         self.gpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-gpu")
-        self.chain_stream = LaneStream(device, device.stream, name="chain")
         self.use_graphs = graphs
-        self.graphs = StepGraphs(self.chain_stream, enabled=graphs)
-        self.preplan = preplan and all(getattr(r, "supports_preplan", False) for r in self.resources)
-        self.double_buffer = self.preplan or any(r.force_double_buffer for r in self.resources)
-        # On cuda a step's kernels take the current plan's views as they launch, so plan(N+1) may
-        # follow launch(N) whatever the resources do; on the cpu the step runs later, on the host
-        # stream, and reads a plan it activates there, which only a pre-planned step has.
-        self.depth = CHAIN_DEPTH if (self.preplan or device.is_cuda) else 1
-        self.buckets = tuple(model.buckets)
-        self.max_rows = min(max_rows or self.buckets[-1], self.buckets[-1])
+        self.max_rows = min(max_rows or model.buckets[-1], model.buckets[-1])
         self.max_chain_failures = max_chain_failures
         self.side_lanes: dict[int, Any] = {}
         self._live: dict[Hashable, _Live] = {}
         self._running: dict[Hashable, _Live] = {}  # admitted to the chain, in admission order
-        self._chain: deque[ChainStep] = deque()
         self._refs: Counter = Counter()  # rid -> in-flight steps referencing it
         self._inbox: deque = deque()
         self._inbox_lock = threading.Lock()
         self._wake = threading.Event()
         self._seq = 0
-        self._parity = 0
-        self._codec_parity = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.loop_error: BaseException | None = None
@@ -170,6 +136,7 @@ class Worker:
         self.removed: deque = deque(maxlen=1 << 16)  # rids in the order their remove_request ran
         self.trace: deque = deque(maxlen=1 << 16)  # (event, lane, seq, rids) in the main loop's order
         self.marks: deque = deque(maxlen=4096)  # (lane, seq, start, landed) of recent landed steps
+        self.chain = ChainLane(self, graphs=graphs, preplan=preplan)
 
     # -- the public side (any thread) -------------------------------------------------------------
     def submit(self, req: Request) -> Future:
@@ -205,7 +172,7 @@ class Worker:
         with self._inbox_lock:
             if self._inbox:
                 return False
-        return not self._live and not self._chain and all(not s.busy for s in self.side_lanes.values())
+        return not self._live and not self.chain.busy and all(not s.busy for s in self.side_lanes.values())
 
     # -- the main loop ----------------------------------------------------------------------------
     def run_once(self, block: bool = False, timeout: float = 0.05) -> None:
@@ -217,14 +184,13 @@ class Worker:
         for lane in self.side_lanes.values():
             lane.finish(block=False)
             lane.launch(self.gpu)
-        while self._chain and self._finish_chain(block=False):
+        while self.chain.finish(block=False):
             pass
-        if len(self._chain) < self.depth:
-            self._launch_chain()
-        if len(self._chain) >= self.depth:
+        self.chain.launch(self.gpu)
+        if self.chain.full:
             # N+1 is launched: wait for N (here, or at the next pass when not blocking)
-            self._finish_chain(block=block)
-        elif block and (self._chain or any(s.busy for s in self.side_lanes.values())):
+            self.chain.finish(block=block)
+        elif block and (self.chain.busy or any(s.busy for s in self.side_lanes.values())):
             # host streams wake us as a step lands; on cuda we poll the marks (streams.py)
             self._wake.wait(POLL_S if self.device.is_cuda else timeout)
 
@@ -426,6 +392,11 @@ class Worker:
             live.windows.append(vecs[i])
             self._maybe_done(live)
 
+    def _next_seq(self) -> int:
+        """The next step's number, across lanes (the main loop's thread only)."""
+        self._seq += 1
+        return self._seq
+
     def _on_gpu_thread(self, fn, *args):
         """Run ``fn`` on the GPU thread and wait: every copy off the device goes from there too."""
         return self.gpu.submit(fn, *args).result()
@@ -433,191 +404,6 @@ class Worker:
     def _maybe_done(self, live: _Live) -> None:
         if len(live.tokens) == live.req.max_new_tokens and len(live.windows) == live.windows_total:
             self._done(live)
-
-    # -- the chain ----------------------------------------------------------------------------------
-    def _launch_chain(self) -> None:
-        """Submit the next chain step: windows waiting on the chain (no side lane), else decode
-        rows of every running request with tokens still to schedule."""
-        if any(s.doomed for s in self._chain):
-            return  # nothing new behind a step that will be rolled back: it read that step's output
-        work = self.scheduler.take(CHAIN_LANE)
-        if work:
-            items = [w for _key, ws in work for w in ws]
-            batch = ScheduledBatch(CHAIN_LANE, self._next_seq(), self.model.side_node,
-                                   tuple(w.rid for w in items), items)
-        else:
-            rows = []
-            for rid, live in self._running.items():
-                if live.scheduled < live.req.max_new_tokens and not live.removing:
-                    rows.append(live)
-                    if len(rows) == self.max_rows:
-                        break
-            if not rows:
-                return
-            seq = self._next_seq()
-            items = []
-            for live in rows:
-                items.append((live.req.rid, live.scheduled, live.req.prompt))
-                live.scheduled += 1
-                if live.first_seq is None:
-                    live.first_seq = seq
-            batch = ScheduledBatch(CHAIN_LANE, seq, self.model.chain_node, tuple(r.req.rid for r in rows), items)
-        rec = ChainStep(batch)
-        self._submit_step(CHAIN_LANE, batch)
-        rec.launched = self.gpu.submit(self._chain_launch, rec)
-        self._chain.append(rec)
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
-
-    def _chain_launch(self, rec: ChainStep) -> None:
-        """The GPU thread's part of a chain step: admit and plan on every resource, then the
-        device work on the chain's stream (a graph per key); on failure, roll back the admits."""
-        batch = rec.batch
-        if batch.node == self.model.side_node:  # windows on the chain: buffers alternate, as N+1 runs ahead
-            self._codec_parity ^= 1
-            parity, windows = self._codec_parity, [w.tokens for w in batch.items]
-            self._launch_device(rec, lambda: self.model.codec(windows, parity, self.graphs))
-            return
-        step = rec.step = LoraStep(batch.rids, node=batch.node, seq=batch.seq)
-        ctx = rec.ctx = StepContext(seq=batch.seq, preplanned=self.preplan)
-        try:
-            failed = {}
-            for r in self.resources:
-                out = r.admit(step, ctx)
-                rec.admitted.append(r)
-                failed.update(out.failed)
-            items = batch.items
-            if failed:  # those rows fail; the rest run
-                rec.failed_rows = failed
-                items = [it for it in items if it[0] not in failed]
-                if not items:
-                    return
-                step = rec.step = LoraStep([it[0] for it in items], node=batch.node, seq=batch.seq)
-            n = len(items)
-            bucket = next(b for b in self.buckets if b >= n)
-            # The runner's parity flips every decode step: its own outputs are read after step N+1
-            # is launched, so they alternate. A double-buffered resource flips with it (one flip
-            # per plan), one that is not keeps parity 0: a key's buffers are fixed either way.
-            self._parity ^= 1
-            parity = self._parity
-            plans = [r.plan(step, ctx) for r in self.resources]  # each resource's addressing (or None)
-            staged = self.model.stage(items, bucket)
-        except BaseException:
-            self._rollback(rec)
-            raise
-        bufs = self.model.buffers(bucket, parity)
-        # the graph key: what the step's launch shape and buffers depend on (graphs.py)
-        active = tuple(bool(getattr(p, "active", False)) for p in plans)
-        rec.key = (bucket, parity, active)
-        reads = tuple(_addr(getattr(p, "slot_indptr", None)) for p in plans)
-        out = self.model.output(bufs, n)
-        model, graphs, resources = self.model, self.graphs, self.resources
-
-        def device_work():  # in stream order: inputs in, the pre-planned plans made current, the step
-            model.load_inputs(bufs, staged)
-            if ctx.preplanned:
-                for r in resources:
-                    if hasattr(r, "activate"):
-                        r.activate(ctx)
-            graphs.launch(rec.key, lambda: model.forward(bufs), reads=reads)
-            return out
-
-        self._launch_device(rec, device_work)
-
-    def _launch_device(self, rec: ChainStep, work) -> None:
-        """Issue ``work`` (returns the step's ``StepOutput``) on the chain's stream between two
-        marks. On cuda it launches now, on this (the GPU) thread; on the cpu it is a job on the
-        host stream, whose exception is kept on the step (a device error, seen at finish)."""
-        stream = self.chain_stream
-        rec.start = stream.mark()
-        if stream.is_cuda:
-            with self.device.activate(), stream.stream:
-                rec.out = work()
-        else:
-            faults = getattr(self.model, "faults", None)
-
-            def job():
-                try:
-                    if faults is not None:
-                        faults.enter(CHAIN_LANE)
-                    res = work()
-                    res.landed = True  # its device work has run
-                    rec.out = res
-                except BaseException as e:
-                    rec.error = e
-            stream.run(job)
-        rec.landed = stream.mark()
-        stream.notify(self._notify)
-
-    def _finish_chain(self, block: bool) -> bool:
-        """Finish the oldest chain step if it has landed (``block``: wait for it)."""
-        rec = self._chain[0]
-        if not rec.launched.done():
-            if not block:
-                return False
-            rec.launched.exception()
-        launch_error = rec.launched.exception()
-        if launch_error is None and rec.landed is not None and not rec.landed.done:
-            if not block:
-                return False
-            rec.landed.synchronize()
-        self._chain.popleft()
-        if rec.start is not None and rec.landed is not None:
-            self.marks.append((CHAIN_LANE, rec.batch.seq, rec.start, rec.landed))
-        error = launch_error or rec.error
-        out = rec.out
-        if out is not None and self.chain_stream.is_cuda:
-            out.landed = rec.landed.done
-        batch = rec.batch
-        if batch.node == self.model.side_node:  # windows run on the chain: no resource took anything
-            self._finish_step(CHAIN_LANE, batch, out, error)
-            return True
-        if error is not None or rec.doomed:
-            for later in self._chain:
-                later.doomed = True
-            self._on_gpu_thread(self._rollback, rec)
-            self._finish_rolled_back(rec, error)
-            return True
-        if rec.ctx is not None:
-            self._on_gpu_thread(self._commit, rec)
-        for rid, err in rec.failed_rows.items():
-            live = self._live.get(rid)
-            if live is not None:
-                live.scheduled -= 1
-                self._fail(live, err)
-        if rec.failed_rows:
-            batch.items = [it for it in batch.items if it[0] not in rec.failed_rows]
-        self._finish_step(CHAIN_LANE, batch, out if batch.items else None)
-        return True
-
-    def _finish_rolled_back(self, rec: ChainStep, error) -> None:
-        batch = rec.batch
-        for rid, pos, _p in batch.items:
-            live = self._live.get(rid)
-            if live is None or live.removing:
-                continue
-            live.scheduled = min(live.scheduled, pos)
-            if error is not None:
-                live.chain_failures += 1
-                if live.chain_failures >= self.max_chain_failures:
-                    self._fail(live, error)
-                    continue
-            if live.first_seq == batch.seq:
-                self._requeue(live)
-        self.stats["chain_rollbacks"] += 1
-        self._finish_step(CHAIN_LANE, batch, None)
-
-    def _rollback(self, rec: ChainStep) -> None:
-        """Give back what the step's admit took, on every resource that admitted it."""
-        for r in reversed(rec.admitted):
-            r.rollback_admit(rec.step, rec.ctx)
-        rec.admitted = []
-
-    def _commit(self, rec: ChainStep) -> None:
-        for r in self.resources:
-            r.commit(rec.step, rec.ctx)
 
     def check_valid(self) -> None:
         """Every resource's own check, and the worker's: no removed request is referenced."""
@@ -628,13 +414,4 @@ class Worker:
         for rid, n in self._refs.items():
             assert n >= 0, f"request {rid!r}: {n} references"
             assert n == 0 or rid in self._live, f"removed request {rid!r} is still referenced"
-
-
-def _addr(arr) -> int | None:
-    if arr is None:
-        return None
-    if hasattr(arr, "data") and hasattr(arr.data, "ptr"):
-        return int(arr.data.ptr)
-    return int(arr.__array_interface__["data"][0])
-
 

@@ -72,7 +72,7 @@ def test_side_steps_run_inside_chain_steps():
             check(eng, reqs, futs)
         chain = [(s, e) for lane, _q, s, e in w.marks if lane == CHAIN_LANE]
         side = [(s, e) for lane, _q, s, e in w.marks if lane == SIDE_LANE]
-        assert side and chain and len(w.graphs) > 0
+        assert side and chain and len(w.chain.graphs) > 0
         t0 = chain[0][0]
         spans = [(s.seconds_since(t0), e.seconds_since(t0)) for s, e in chain]
         last = spans[-1][1]
@@ -109,12 +109,12 @@ def test_graph_replays_match_eager_and_the_reference():
                 check(eng, reqs, futs)
             outs[graphs] = [np.array(f.result().hidden) for f in futs]
             if graphs:
-                assert sum(w.graphs.captures.values()) > 0, "no chain step was captured"
-                assert all(n == 1 for n in w.graphs.captures.values())
+                assert sum(w.chain.graphs.captures.values()) > 0, "no chain step was captured"
+                assert all(n == 1 for n in w.chain.graphs.captures.values())
                 side = w.side_lanes[SIDE_LANE].graphs
                 assert sum(side.captures.values()) > 0, "no side step was captured on the lane's stream"
             else:
-                assert not w.graphs.captures
+                assert not w.chain.graphs.captures
         finally:
             eng.close()
     for a, b in zip(outs[True], outs[False]):
@@ -132,6 +132,6 @@ def test_torch_layers_on_the_chain_stream_through_dlpack():
             futs = [w.submit(r) for r in reqs]
             w.drain(timeout=120)
             check(eng, reqs, futs)
-        assert sum(w.graphs.captures.values()) > 0
+        assert sum(w.chain.graphs.captures.values()) > 0
     finally:
         eng.close()
