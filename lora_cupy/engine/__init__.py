@@ -2,6 +2,7 @@
 paged KV cache, and the worker that runs a main chain and a side-step lane."""
 
 from .admission import AdmissionQueue, Granted
+from .chain import ChainLane
 from .kv import KVReqConfig, PagedKVCache
 from .manager import EngineConfigError, EngineManager, NodeGroup
 from .resource import (AdmitOutcome, EngineResourceInfo, LoraStep, Resource, ResourceReqConfig,
@@ -14,5 +15,5 @@ from .worker import Request, RequestResult, Worker
 __all__ = ["AdmissionQueue", "Granted", "AdmitOutcome", "EngineResourceInfo", "LoraStep", "Resource",
            "ResourceReqConfig", "StepContext", "StepRows", "KVReqConfig", "PagedKVCache", "EngineConfigError",
            "EngineManager", "NodeGroup", "CHAIN_LANE", "SIDE_LANE", "MicroScheduler", "SideStepLane", "Request",
-           "RequestResult", "Worker"]
+           "RequestResult", "Worker", "ChainLane"]
 __all__ += ["LockstepError", "LockstepRank", "RankFailureError", "StepOrder", "StepResult", "Teardown", "TPGroup"]
