@@ -10,7 +10,7 @@ from concurrent.futures import CancelledError
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule
 
 from lora_cupy.engine.decode_model import InjectedFault
 from lora_cupy.engine.scheduler import CHAIN_LANE, SIDE_LANE
@@ -33,6 +33,11 @@ class WorkerMachine(RuleBasedStateMachine):
         self.reqs: dict[str, Request] = {}
         self.futs = {}
         self.removed: set = set()
+
+    @initialize(target=requests, adapter=st.sampled_from([None, *ADAPTERS]), n=st.integers(1, 6),
+                window=st.integers(0, 3), prompt=st.integers(0, 15))
+    def first(self, adapter, n, window, prompt):
+        return self.arrive(adapter, n, window, prompt)
 
     @rule(target=requests, adapter=st.sampled_from([None, *ADAPTERS]), n=st.integers(1, 6),
           window=st.integers(0, 3), prompt=st.integers(0, 15))
@@ -93,7 +98,7 @@ class WorkerMachine(RuleBasedStateMachine):
             self.eng.close()
 
 
-WorkerMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=30, deadline=None,
+WorkerMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
 TestWorkerMachine = WorkerMachine.TestCase
 
