@@ -30,7 +30,8 @@ def lanes(*groups, resources=(Pool(), Pages())):
 
 
 def test_the_side_stream_group_gets_the_lane():
-    assert lanes({"name": "audio", "nodes": ["codec"], "side_stream": True}, {"name": "lm", "nodes": ["llm"]}) == "codec"
+    audio = {"name": "audio", "nodes": ["codec"], "side_stream": True}
+    assert lanes(audio, {"name": "lm", "nodes": ["llm"]}) == "codec"
     assert lanes({"name": "audio", "nodes": ["codec"]}) is None
     assert lanes() is None
     assert lanes(NodeGroup("audio", ("codec",), side_stream=True)) == "codec"

@@ -8,8 +8,9 @@ keyed by lane.
 
 One step in flight at a time; windows that come ready meanwhile batch into the next one. Its
 graphs (one per bucket of windows) are captured on the lane's own stream, which is what makes
-overlapping them with the chain's safe. A step here holds no resource (``EngineManager.build`` refuses a resourced node on the lane), so
-it is admitted and planned inline, never speculated, planned ahead or lockstep.
+overlapping them with the chain's safe. A step here holds no resource (``EngineManager.build``
+refuses a resourced node on the lane), so it is admitted and planned inline, never speculated,
+planned ahead or lockstep.
 """
 
 from __future__ import annotations

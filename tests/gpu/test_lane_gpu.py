@@ -33,7 +33,8 @@ def make(side_lane=True, graphs=True, codec_layers=24, hidden=256, num_layers=4,
 
     dev = Device("cuda:0", stream=cupy.cuda.Stream(non_blocking=True))  # capture needs a stream of its own
     reader = RandomAdapters(ADAPTERS, seed=seed)
-    spec = decode_spec(hidden=hidden, num_layers=num_layers, num_slots=len(ADAPTERS) + 1, max_rank=16, buckets=(8, 16, 32, 64))
+    spec = decode_spec(hidden=hidden, num_layers=num_layers, num_slots=len(ADAPTERS) + 1, max_rank=16,
+                       buckets=(8, 16, 32, 64))
     pool = LoraAdapterPool(spec, dev, reader=reader, adapters={n: f"memory:{n}" for n in ADAPTERS})
     eng = decode_engine(pool, num_pages=32 * 4 + 1, page_size=16, side_lane=side_lane, graphs=graphs,
                         codec_width=1024, codec_layers=codec_layers, vocab=64, torch_layers=torch_layers, seed=seed)
