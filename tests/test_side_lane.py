@@ -180,3 +180,27 @@ def test_bench_lane_runs_on_the_cpu(tmp_path):
     assert res["on_chain"]["side_steps"] == 0 and res["on_chain"]["codec_steps"] >= 1, "the windows ran on the chain"
     assert res["on_chain"]["chain_steps"] >= 12 + res["on_chain"]["codec_steps"]
     assert data["command"].startswith("lora-cupy bench lane") and data["device"] == "cpu"
+
+
+def test_a_side_step_that_fails_as_it_launches_fails_its_requests(eng):
+    """An error raised on the GPU thread while issuing the step (before any device work)."""
+    w = eng.worker
+    lane = w.side_lanes[SIDE_LANE]
+    real = lane.execute
+    calls = []
+
+    def execute(batch, node_batch, plan_future):
+        calls.append(batch.seq)
+        if len(calls) == 1:
+            raise RuntimeError("no room on the lane's stream")
+        return real(batch, node_batch, plan_future)
+    lane.execute = execute
+    a = w.submit(Request("a", "a0", max_new_tokens=2, window=2))
+    w.drain()
+    b = w.submit(Request("b", "a1", max_new_tokens=3, window=2))
+    w.drain()
+    with pytest.raises(RuntimeError, match="no room"):
+        a.result()
+    check_result(eng, Request("b", "a1", max_new_tokens=3, window=2), b.result())
+    assert len(calls) >= 2  # b's two windows run in one or two steps
+    check_empty(eng)
