@@ -107,3 +107,16 @@ def test_admission_queue_over_kv_is_fifo_and_holds_nothing_while_waiting():
     q.cancel("a")
     assert [g.rid for g in q.pump()] == ["b", "c"]
     kv.check_valid()
+
+
+def test_an_admit_that_raises_midway_can_still_be_rolled_back():
+    kv = PagedKVCache(num_pages=5, page_size=2, width=4)
+    ingest(kv, "a", 2)
+    assert kv.reserve("a", "llm") == 1
+    step, ctx = LoraStep(["a", "stranger"]), StepContext()
+    with pytest.raises(ValueError, match="never ingested"):
+        kv.admit(step, ctx)
+    assert kv.pages("a")
+    kv.rollback_admit(step, ctx)
+    assert kv.pages("a") == () and kv.free_pages == 4
+    kv.check_valid()

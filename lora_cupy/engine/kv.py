@@ -119,6 +119,7 @@ class PagedKVCache:
         that reached the step without a reservation (a non-deciding rank), as many as are free."""
         rows = step.rows_for(self.node)
         taken, failed = [], {}
+        ctx.state[self] = taken  # filled as pages are handed out: a rollback gives back what was taken
         with self._lock:
             for rid in rows.rids:
                 if rid in self._pages:
@@ -134,7 +135,6 @@ class PagedKVCache:
                         continue
                 self._pages[rid] = [self._free.pop() for _ in range(need)]
                 taken.append(rid)
-        ctx.state[self] = taken
         return AdmitOutcome.fail(failed) if failed else AdmitOutcome.OK
 
     def rollback_admit(self, step: LoraStep, ctx: StepContext) -> None:
