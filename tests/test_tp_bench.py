@@ -17,6 +17,7 @@ def test_tp_bench_runs_its_rows_on_two_cpu_ranks(tmp_path, capsys):
     assert got["world"] == 2 and lead["base_ms"] > 0 and lead["lora_ms"] > 0
     assert abs(got["ratio"] - lead["lora_ms"] / lead["base_ms"]) < 1e-9
     assert lead["agree_us"] > 0 and lead["lockstep_step_us"] > 0 and lead["admit_miss_us"] > 0
-    # every agree the run made: the timed calls and their warm-up, one per miss, the LoRA step's first admit
+    # every agree of the run: the timed calls and their warm-up, one per miss, the LoRA step's first
     assert lead["stats"]["agrees"] == 2 + 1 + 2 + 1
+    assert got["command"] == "lora-cupy bench tp --tiny --reps 2 --misses 2 --batch 6 --adapters 3 --json " + str(out)
     assert "| LoRA step |" in capsys.readouterr().out

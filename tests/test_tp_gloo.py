@@ -5,10 +5,11 @@ own ``LoraAdapterPool``. The leader plays random histories: requests ingested an
 that fail or lag per rank, loads and unloads, rows admitted with a reservation and without one,
 rollbacks. Followers take the conductor's messages on a thread of their own, each after a lag
 of its own, so removes race ingests there. After every step all ranks gather their slot tables
-and failed rows, which must be identical. A follower whose copy outlives the pools' ``read_timeout`` fails
-its row on every rank; the sharded delta (column-parallel targets concatenated, row-parallel
-ones summed as the all-reduce would) equals the single-rank delta; and a rank that dies
-mid-step makes the others raise ``RankFailureError`` within the group's timeout.
+and failed rows, which must be identical. A follower whose copy outlives the pools'
+``read_timeout`` fails its row on every rank; the sharded delta (column-parallel targets
+concatenated, row-parallel ones summed as the all-reduce would) equals the single-rank delta;
+and a rank that dies mid-step, or stops answering, makes the others raise
+``RankFailureError`` within the group's timeout.
 """
 
 from __future__ import annotations

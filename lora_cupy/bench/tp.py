@@ -273,7 +273,7 @@ def _entry(rank: int, world: int, args: dict, out_dir: str) -> None:
     os._exit(0)
 
 
-def run(args) -> dict:
+def run(args, argv: list[str]) -> dict:
     world = args.world
     opts = dict(vars(args), backend="gloo" if args.tiny else "nccl")
     if not args.tiny:
@@ -304,7 +304,7 @@ def run(args) -> dict:
             raise SystemExit(f"rank {res['rank']} failed: {res['error']}")
     lead = results[0]["value"]
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "gpus": _gpus(world, args.tiny), "command": "lora-cupy bench tp " + " ".join(sys.argv[3:]),
+            "commit": _commit(), "gpus": _gpus(world, args.tiny), "command": " ".join(["lora-cupy bench tp", *argv]),
             "shape": TINY if args.tiny else SHAPE, "world": world, "batch": args.batch, "adapters": args.adapters,
             "rank": args.rank, "dtype": args.dtype, "reps": args.reps, "leader": lead,
             "ratio": lead["lora_ms"] / lead["base_ms"]}
@@ -353,10 +353,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--misses", type=int, default=20, help="steps whose one row misses")
     p.add_argument("--tiny", action="store_true", help="a small stack over gloo on the CPU (a smoke run)")
     p.add_argument("--json", help="write every number here")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.tiny and args.dtype == "bfloat16":
         args.dtype = "float32"
-    result = run(args)
+    result = run(args, argv)
     print(markdown(result))
     if args.json:
         with open(args.json, "w") as f:

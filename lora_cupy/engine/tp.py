@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import LoraError
 from .resource import AdmitOutcome, LoraStep, ResourceReqConfig, StepContext
 
+
 class RankFailureError(LoraError):
     """Another rank of the instance died or stopped answering: a collective failed or timed out."""
 
@@ -295,9 +296,9 @@ class LockstepRank:
         if not self.is_leader:
             raise LockstepError(f"rank {self.rank}: only the leader chooses batches")
         self._check_finished()
-        order = StepOrder(self.seq + 1, tuple(rids), None if num_tokens is None else tuple(int(n) for n in num_tokens),
-                          None if nodes is None else tuple(nodes), tuple(self._teardowns), self._rollback_last,
-                          payload)
+        tokens = None if num_tokens is None else tuple(int(n) for n in num_tokens)
+        order = StepOrder(self.seq + 1, tuple(rids), tokens, None if nodes is None else tuple(nodes),
+                          tuple(self._teardowns), self._rollback_last, payload)
         self._teardowns, self._rollback_last = [], False
         self.group.broadcast(order, f"broadcast of step {order.seq}")
         return self._run(order)
