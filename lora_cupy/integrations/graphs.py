@@ -90,7 +90,8 @@ class DecodeGraphs:
                 self._decode(bucket)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mempool):
+        # thread_local: the pool's reader thread may be reading an adapter meanwhile
+        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
             self._decode(bucket)
         self.captures += 1
         return graph
