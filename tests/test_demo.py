@@ -31,15 +31,18 @@ def test_demo_serves_more_adapters_than_slots_and_matches_peft(capsys, tmp_path)
     assert data["summary"]["tokens"] == sum(r["tokens"] for r in data["rows"])
 
 
-def test_demo_serves_given_adapter_directories(capsys, tmp_path):
-    """``--adapter NAME=DIR``: the user's own adapters (here written by the demo's PEFT helper)."""
+def test_demo_serves_given_model_and_adapter_directories(capsys, tmp_path):
+    """``--model DIR --adapter NAME=DIR``: the user's own model and adapters (here a 3-layer model
+    saved by Hugging Face, adapters written by the demo's PEFT helper)."""
     import numpy as np
 
     from lora_cupy.demo import demo_model, write_peft_adapters
 
-    dirs = write_peft_adapters(demo_model(2, 0), tmp_path, 2, np.random.default_rng(1))
+    model = demo_model(3, 5)
+    model.save_pretrained(tmp_path / "model")
+    dirs = write_peft_adapters(model, tmp_path, 2, np.random.default_rng(1))
     args = ["demo", "--device", "cpu", "--quiet", "--requests", "4", "--max-new-tokens", "3", "--slots", "1",
-            *[f"--adapter=mine{k}={d}" for k, d in enumerate(dirs.values())]]
+            "--model", str(tmp_path / "model"), *[f"--adapter=mine{k}={d}" for k, d in enumerate(dirs.values())]]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert int(summary_value(out, "adapters")) == 2
