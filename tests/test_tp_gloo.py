@@ -5,8 +5,10 @@ own ``LoraAdapterPool``. The leader plays random histories: requests ingested an
 that fail or lag per rank, loads and unloads, rows admitted with a reservation and without one,
 rollbacks. Followers take the conductor's messages on a thread of their own, each after a lag
 of its own, so removes race ingests there. After every step all ranks gather their slot tables
-and failed rows, which must be identical. A follower whose copy outlives the pools'
-``read_timeout`` fails its row on every rank; the sharded delta (column-parallel targets
+and failed rows, which must be identical. Directed phases pin the seed's two per-rank
+orders: a remove that races an ingest (the follower's copy is read again and still in flight
+at the admit) and a reload that reaches a follower before the teardowns it needs. A follower
+whose copy outlives the pools' ``read_timeout`` fails its row on every rank; the sharded delta (column-parallel targets
 concatenated, row-parallel ones summed as the all-reduce would) equals the single-rank delta;
 and a rank that dies mid-step, or stops answering, makes the others raise
 ``RankFailureError`` within the group's timeout.
@@ -287,6 +289,7 @@ def history_worker(rank: int, world: int, seeds, steps: int, extra_phases: bool)
             pool.close()
     if extra_phases:
         out["copy_timeout"] = copy_timeout_phase(rank, world)
+        out["races"] = race_phase(rank, world)
         out["shards"] = sharded_delta_phase(rank, world)
     return out
 
@@ -331,6 +334,91 @@ def copy_timeout_phase(rank: int, world: int) -> dict:
         else:
             assert tp.follow() is None
         return summary
+    finally:
+        pool.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# The two orders the seed explains: a remove racing an ingest, a reload before the teardowns
+# ------------------------------------------------------------------------------------------------
+def race_phase(rank: int, world: int) -> dict:
+    """(1) The leader ingests r1 and r2 on ``a0`` and removes r1 after its step: it keeps its
+    copy. A follower takes r2's ingest only after r1's teardown landed: its copy went with r1,
+    is read again, and is still in flight at r2's admit (``a0`` was evicted meanwhile, so r2
+    misses); the ranks agree twice and r2 runs.
+    (2) ``a3`` is unloaded while r3 runs on it, r3 is removed and ``a3`` reloaded: the reload
+    reaches a follower before r3's teardown does and waits for it there, then serves."""
+    reader = FlakyReader(rank, 0, slow={"a0": 0.3})
+    tp, pool = make_rank(rank, world, reader, num_slots=3, adapters={a: f"synthetic/{a}" for a in TOUCHES})
+    out = {}
+    try:
+        def step(rows):
+            res = tp.lead(rows) if tp.is_leader else tp.follow()
+            tp.check_lockstep(sorted(res.failed))
+            tp.finish()
+            return res
+
+        tp.ingest_request("r1", ResourceReqConfig("a0"))
+        if tp.is_leader:
+            tp.ingest_request("r2", ResourceReqConfig("a0"))
+            pool.store.get("a0").wait(COLLECTIVE_TIMEOUT)
+            assert pool.reserve("r1", "llm", ("llm",), False) == 1
+        else:
+            pool.store.get("a0").wait(COLLECTIVE_TIMEOUT)
+        assert not step(["r1"]).failed
+        for rid, name in (("x", "a1"), ("y", "a3")):  # they evict a0 from its unheld slot
+            tp.ingest_request(rid, ResourceReqConfig(name))
+            pool.store.get(name).wait(COLLECTIVE_TIMEOUT)
+        late = None
+        if tp.is_leader:
+            tp.remove_request("r1")
+            for rid in ("x", "y"):
+                assert pool.reserve(rid, "llm", ("llm",), False) == 1
+        else:
+            def ingest_after_teardown():
+                deadline = time.monotonic() + COLLECTIVE_TIMEOUT
+                while tp.ingested("r1") and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                tp.ingest_request("r2", ResourceReqConfig("a0"))
+
+            late = threading.Thread(target=ingest_after_teardown)
+            late.start()  # r2's ingest arrives once r1's teardown has landed here
+        assert not step(["x", "y"]).failed and "a0" not in pool.snapshot().entries
+        if tp.is_leader:
+            tp.remove_request("x"), tp.remove_request("y")
+            assert pool.store.get("a0").outcome() == 0 and pool.reserve("r2", "llm", ("llm",), False) == 1
+        agrees = tp.stats["agrees"]
+        res = step(["r2"])
+        if late is not None:
+            late.join(COLLECTIVE_TIMEOUT)
+        out["race"] = {"failed": sorted(res.failed), "agrees": tp.stats["agrees"] - agrees}
+
+        tp.ingest_request("r3", ResourceReqConfig("a3"))
+        pool.store.get("a3").wait(COLLECTIVE_TIMEOUT)
+        if tp.is_leader:
+            assert pool.reserve("r3", "llm", ("llm",), False) == 1
+        assert not step(["r3"]).failed
+        tp.unload_adapter("a3")  # r3 still runs on it: it retires
+        if tp.is_leader:
+            tp.remove_request("r3")
+            apply_message(tp, reader, ("load", "a3"))
+            step([])  # carries r3's teardown
+        else:
+            reload = threading.Thread(target=apply_message, args=(tp, reader, ("load", "a3")))
+            reload.start()  # the reload's message came first
+            step([])
+            reload.join(COLLECTIVE_TIMEOUT)
+        tp.ingest_request("r4", ResourceReqConfig("a3"))
+        pool.store.get("a3").wait(COLLECTIVE_TIMEOUT)
+        if tp.is_leader:
+            assert pool.reserve("r4", "llm", ("llm",), False) == 1
+        out["reload"] = {"failed": sorted(step(["r4"]).failed), "waits": tp.stats["reload_waits"],
+                         "served": "a3" in pool.served}
+        if tp.is_leader:
+            tp.stop()
+        else:
+            assert tp.follow() is None
+        return out
     finally:
         pool.close()
 
@@ -519,6 +607,11 @@ def test_two_ranks_random_histories_copy_timeout_and_shards(tmp_path, adapter_di
     assert all(t["agrees"] == 2 for t in timed), timed  # the first answer said in flight: a second agree
     assert "still in flight after 0.5s" in timed[1]["error"] and "another rank" in timed[0]["error"], timed
     assert all(t["later_ok"] for t in timed)
+    races = [v["races"] for v in values]
+    # the follower's copy was in flight at r2's admit: every rank agreed twice, and r2 ran
+    assert all(r["race"] == {"failed": [], "agrees": 2} for r in races), races
+    assert races[1]["reload"]["waits"] >= 1 and races[0]["reload"]["waits"] == 0, races
+    assert all(r["reload"]["failed"] == [] and r["reload"]["served"] for r in races), races
     assert all(v["shards"]["worst"] < 1e-5 for v in values)
 
 
