@@ -18,6 +18,10 @@ Rows (goals from the project's issue):
 - decode, batch 64, eager (no graphs), 8 adapters: one eager step, host work included; beside it
   PEFT's own eager mixed batch (``adapter_names``) on a 128-token ``DynamicCache``.
 
+Beside each decode row with adapters: the time the adapters add, and the step's deltas alone
+(every target at every layer on the decode bucket, one graph): what the kernels cost by
+themselves against what they add inside the step.
+
 Progress goes to stderr, the table to stdout, every number to the JSON file (with the date,
 GPU, commit and command).
 """
@@ -122,8 +126,44 @@ def fill(gen, batch: int, prompt: int, adapters: list, max_new: int) -> None:
         gen.step()
 
 
-def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int) -> float:
-    """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base)."""
+def deltas_alone_ms(gen, batch: int, reps: int) -> float:
+    """Device ms of the step's LoRA deltas alone: every target at every layer on random rows of
+    the decode bucket, under the last step's plan, captured in one CUDA graph (on the CPU: run
+    eagerly). Set beside a row's added time, it tells the kernels' own cost from what they cost
+    inside the step."""
+    import torch
+
+    from ..integrations.attach import as_backend_array
+
+    pool = gen.pool
+    bucket = pool.spec.bucket_for(batch)
+    param = next(gen.model.parameters())
+    tp = pool.spec.tp_size
+    calls = [(pool.layer_delta(t.name, layer),
+              torch.randn(bucket, t.local_in_features(tp), dtype=param.dtype, device=param.device),
+              torch.zeros(bucket, t.local_out_features(tp), dtype=param.dtype, device=param.device))
+             for t in pool.spec.targets for layer in range(t.num_layers)]
+    cuda = pool.device.is_cuda
+
+    calls = [(delta, as_backend_array(x, cuda), as_backend_array(y, cuda)) for delta, x, y in calls]
+
+    def run():
+        for delta, x, y in calls:
+            delta(y, x)
+
+    assert pool.current_plan() is not None, "the last step's plan has no adapter row"
+    run()
+    if not cuda:
+        return event_ms(run, reps)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        run()
+    return event_ms(graph.replay, reps)
+
+
+def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int) -> dict:
+    """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base) and, with
+    adapters, of the step's deltas alone."""
     import torch
 
     cuda = pool.device.is_cuda
@@ -135,17 +175,21 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int)
             gen.step()
         assert len(gen.running) == batch and all(h.decode_rows == batch for h in gen.history[-3:])
         if graphs and cuda:
-            return event_ms(gen.graphs.last.replay, reps)
-        if cuda:
-            torch.cuda.synchronize()
-        return event_ms(gen.step, min(reps, 40))
+            out = {"ms": event_ms(gen.graphs.last.replay, reps)}
+        else:
+            if cuda:
+                torch.cuda.synchronize()
+            out = {"ms": event_ms(gen.step, min(reps, 40))}
+        if any(a is not None for a in adapters):
+            out["deltas_alone_ms"] = deltas_alone_ms(gen, batch, reps)
+        return out
     finally:
         gen.close()
         for rid in list(gen.running):
             pool.remove_request(rid)
 
 
-def prefill_row(model, pool, adapters: list, reps: int) -> float:
+def prefill_row(model, pool, adapters: list, reps: int) -> dict:
     """Device ms of one eager step prefilling 8 requests of 512 tokens."""
     from ..integrations import GenerationRequest
 
@@ -163,7 +207,7 @@ def prefill_row(model, pool, adapters: list, reps: int) -> float:
 
     try:
         one_step()  # slots loaded
-        return event_ms(one_step, min(reps, 20))
+        return {"ms": event_ms(one_step, min(reps, 20))}
     finally:
         gen.close()
 
@@ -243,13 +287,18 @@ def run(args) -> dict:
                 if args.only and args.only not in case:
                     continue
                 log(f"{case}: base")
-                base = fn([None])
+                base = fn([None])["ms"]
                 log(f"{case}: adapters")
-                lora = fn(ads)
+                got = fn(ads)
+                lora = got["ms"]
                 goal = GOALS[case]
                 row = {"case": case, "base_ms": round(base, 4), "lora_ms": round(lora, 4),
                        "ratio": round(lora / base, 3), "goal": goal,
-                       "met": None if goal is None else lora / base <= goal}
+                       "met": None if goal is None else lora / base <= goal,
+                       "added_ms": round(lora - base, 4)}
+                if "deltas_alone_ms" in got:
+                    row["deltas_alone_ms"] = round(got["deltas_alone_ms"], 4)
+                    row["lora_launches"] = sum(t.num_layers for t in spec.targets)
                 if case.startswith("decode b64 eager") and not args.no_peft:
                     log(f"{case}: PEFT's eager mixed batch")
                     peft_ms = peft_eager_row(model, {n: adapters[n] for n in ads}, 64, args.reps)
@@ -270,14 +319,17 @@ def run(args) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [f"{result['date']}, {result['gpu']}, commit {result['commit']}: `{result['command']}`", "",
-             "| case | base ms | with adapters ms | ratio | goal | met | PEFT eager ms (ratio) |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | base ms | with adapters ms | ratio | goal | met | added ms | deltas alone ms "
+             "| PEFT eager ms (ratio) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         goal = "reported" if r["goal"] is None else f"<= {r['goal']:.2f}x"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
         peft = f"{r['peft_ms']:.3f} ({r['peft_ratio']:.1f}x)" if "peft_ms" in r else ""
+        alone = f"{r['deltas_alone_ms']:.3f} ({r['lora_launches']} calls)" if "deltas_alone_ms" in r else ""
+        added = f"{r['added_ms']:.3f}" if "added_ms" in r else ""
         lines.append(f"| {r['case']} | {r['base_ms']:.3f} | {r['lora_ms']:.3f} | {r['ratio']:.3f}x | {goal} | {met} "
-                     f"| {peft} |")
+                     f"| {added} | {alone} | {peft} |")
     return "\n".join(lines)
 
 
