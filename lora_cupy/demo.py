@@ -259,6 +259,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         return 0
     ok = s["matching_peft"] == s["requests"]
-    print(f"every request's tokens equal PEFT's generation with its adapter alone" if ok else
+    print("every request's tokens equal PEFT's generation with its adapter alone" if ok else
           f"MISMATCH: {s['requests'] - s['matching_peft']} of {s['requests']} requests differ from PEFT's generation")
     return 0 if ok else 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import statistics
 import subprocess
@@ -230,8 +231,6 @@ def peft_eager_row(model, adapters: dict, batch: int, reps: int) -> float:
             pm.load_adapter(str(adapters[name]), adapter_name=name)
     pm.eval()
     rows = [names[i % len(names)] for i in range(batch)]
-    import inspect
-
     kw = "cache" if "cache" in inspect.signature(model.get_decoder().forward).parameters else "past_key_values"
     ids = torch.randint(0, model.config.vocab_size, (batch, 128), device=next(model.parameters()).device)
     with torch.inference_mode():
@@ -244,10 +243,7 @@ def peft_eager_row(model, adapters: dict, batch: int, reps: int) -> float:
             cache.crop(-1)  # back to the 128 cached tokens
 
         step()
-        ms = event_ms(step, min(reps, 40))
-    del pm
-    torch.cuda.empty_cache()
-    return ms
+        return event_ms(step, min(reps, 40))
 
 
 def commit() -> str:
@@ -304,6 +300,8 @@ def run(args) -> dict:
                     peft_ms = peft_eager_row(model, {n: adapters[n] for n in ads}, 64, args.reps)
                     row["peft_ms"] = round(peft_ms, 4)
                     row["peft_ratio"] = round(peft_ms / base, 3)
+                    if device != "cpu":
+                        torch.cuda.empty_cache()  # PEFT's copy of the model is gone
                 rows.append(row)
                 log(f"  {row}")
         finally:
