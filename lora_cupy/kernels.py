@@ -46,31 +46,19 @@ _DTYPES = tuple(CUDA_TYPES.values())
 MMA_SHRINK_BM = (16, 32, 64)
 #: (tile height, column block) pairs of the tensor-core expand and of the fused kernel.
 MMA_TILES = ((16, 64), (32, 128), (64, 128))
-#: Columns of one pass of the v4 ("stream") expand, ``Stream<T>::BN`` in expand_stream.cuh.
+#: Columns of one pass of ``lora_expand_stream``, ``Stream<T>::BN`` in expand_stream.cuh.
 STREAM_BN = 32
-#: Ranks per block of the v4 ("stream") shrink per dtype, ``StreamShrink<T>::RB`` in shrink_stream.cuh.
-STREAM_RANK_BLOCK = {"float32": 16, "float16": 32, "bfloat16": 32}
-#: Elements of one row of a v5 ("pipe") stage per dtype: one 128-byte line (``Pipe<T>::COLS``); the
-#: v5 expand's column block and the v5 shrink's feature chunk.
-PIPE_COLS = {"float32": 32, "float16": 64, "bfloat16": 64}
-#: Bytes of dynamic shared memory the v5 kernels' rings take (``Pipe<T>::SMEM`` in expand_pipe.cuh:
-#: 4 warps x 5 stages x 16 rows x 144 bytes), the same for every dtype.
-PIPE_SMEM = 4 * 5 * 16 * 144
-#: The shrink / expand kernels a plan may pick: v3 (tiles through shared memory), v4 (x or y
-#: streamed through registers, one warp on its own) and v5 (x or y streamed by each warp through
-#: its own ring of cp.async stages).
-EXPAND_VARIANTS = ("v3", "v4", "v5")
-SHRINK_VARIANTS = ("v3", "v4", "v5")
+#: The expand kernels an unfused plan may pick, by their CUDA names less ``lora_``: ``expand``
+#: (tiles of y through shared memory) and ``expand_stream`` (y streamed by each warp through its
+#: registers). There is one shrink (``lora_shrink``) and one fused kernel (``lora_fused``).
+EXPAND_KERNELS = ("expand", "expand_stream")
 
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
     return (tuple(f"lora_shrink<{ctype}, {bm}>" for bm in MMA_SHRINK_BM)
             + tuple(f"lora_expand<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
             + tuple(f"lora_fused<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
-            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES)
-            + tuple(f"lora_shrink_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES)
-            + tuple(f"lora_expand_pipe<{ctype}, {bm}>" for bm, _ in MMA_TILES)
-            + tuple(f"lora_shrink_pipe<{ctype}, {bm}>" for bm, _ in MMA_TILES))
+            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES))
 
 
 def mma_family(dtype: str) -> str:

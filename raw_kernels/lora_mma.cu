@@ -4,31 +4,40 @@
 // for every position p < slot_indptr[S] of token_order, t = token_order[p], s its slot (s >= 1),
 // r = ranks[s, j]. Slot 0, rank-0 slices and positions past slot_indptr[S] are never touched.
 //
-// Positions [0, bucket) are cut into tiles of BM; a tile's rows are runs of one slot each. A block
-// streams every run of its tile through one cp.async pipeline with the rows of the other runs
-// zero-filled, so each row's accumulators only ever see its own slot's weights, and the weights of
-// a slot are read once per tile. Rank loops stop at each slot's rank (rounded up to 16): a pool's
-// rows beyond an adapter's rank cost nothing.
-//   shrink task (tile, split q, slice j, rank block rb of 64): `in` split over `splits` blocks,
+// Work units. Positions [0, bucket) are cut into tiles of BM, whose rows are runs of one slot each;
+// or (`chunked`) each slot's range is cut into chunks of at most BM positions, a tile of one run,
+// so that a step's slots run side by side in separate blocks (decode: a tile of 16 positions over
+// 8 adapters would stream 8 runs one after another). A chunked launch is sized for the most chunks
+// a step can have (units = min(bucket, tiles + S - 1)); its blocks count the step's chunks (one warp
+// scans slot_indptr) and spread the grid over them: split-K finer and more column groups when the
+// chunks are few. A block streams every run of its unit through one cp.async pipeline with the
+// rows of other runs zero-filled, so each row's accumulators only see its own slot's weights, and
+// a slot's weights are read once per unit. Rank loops stop at each slot's rank (rounded up to 16):
+// a pool's rows beyond an adapter's rank cost nothing.
+//   shrink task (unit, split q, slice j, rank block rb of 64): `in` split over `splits` blocks,
 //     each adding its partial sums into v (ws) with 16-byte red.add (a plain store with one
 //     split); v starts at zero.
-//   expand task (tile, column group of `cpb` blocks of BN): one pipeline over every (column block,
-//     slice, run, chunk of 16 ranks), y tiles prefetched into a ring in shared memory, v * scaling times B
-//     on tensor cores added in fp32 and rounded once, written back with 16-byte stores. The last
-//     expand block of a tile zeroes the tile's v again, so every launch (and graph replay) starts
-//     from a zero v and zero counters.
-// lora_shrink / lora_expand: one task per block, 128 threads, a 1-D grid sized by the bucket only.
-// lora_shrink_stream / lora_expand_stream (v4, shrink_stream.cuh / expand_stream.cuh): the same
-//   tasks and grids with x, or y, streamed through registers by each warp on its own.
-// lora_shrink_pipe / lora_expand_pipe (v5, shrink_pipe.cuh / expand_pipe.cuh): the same tasks and
-//   grids with x, or y, streamed by each warp through its own ring of cp.async stages.
-// lora_fused: both in one launch; each block takes a ticket when it starts, shrink tasks first, and
-//   an expand task (after prefetching its y and B) waits for its tile's ready count, raised only by
-//   blocks already running.
+//   expand task (unit, column group of `cpb` blocks of BN): one pipeline over every (column block,
+//     slice, run, chunk of 16 ranks), y tiles prefetched into a ring in shared memory, v * scaling
+//     times B on tensor cores added in fp32 and rounded once, written back with 16-byte stores. The
+//     last expand block of a unit zeroes the unit's v again, so every launch (and graph replay)
+//     starts from a zero v and zero counters.
+// The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
+//   lora_shrink  (one shrink task a block): every unfused launch.
+//   lora_expand  (one expand task a block): unfused launches but those of expand_stream's buckets.
+//   lora_expand_stream (expand_stream.cuh): the same expand tasks with y streamed through registers
+//     by each warp on its own; chosen for the buckets where it measured fastest (256 positions).
+//   lora_fused   (both in one launch, chunked): launches of 64 positions or fewer (decode). Each
+//     block takes a ticket when it starts, shrink tasks first, and an expand task (after
+//     prefetching its y and B) waits for its chunk's ready count, raised only by blocks already
+//     running.
+// Kernels tried and not chosen anywhere (each warp streaming x through registers; per-warp rings of
+// cp.async stages) are kept in raw_kernels/dev/, outside the wheel, with their measurements in NOTES.md.
 // Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R], scaling [S, n] f32,
 // ranks [S, n] i32, out_offsets [n + 1] i32 (null: one slice), token_order [positions] i32,
 // slot_indptr [S + 1] i32, ws = v [bucket, n, rw] f32 (rw = R rounded up to 16), counters i32:
-// [0] ticket, [1] done, [2, 2 + tiles) ready, [2 + tiles, 2 + 2 * tiles) v readers done.
+// [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 * units) v readers done.
+// chunked: 1 = work units are chunks of one slot (else tiles).
 // flags: 1 = x and A take 16-byte loads, 2 = B does, 4 = y does (else element-wise paths).
 #include "common.cuh"
 
@@ -780,9 +789,6 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 }  // namespace lora
 
 #include "expand_stream.cuh"
-#include "shrink_stream.cuh"
-#include "expand_pipe.cuh"
-#include "shrink_pipe.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -795,7 +801,7 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
                   splits, k_split, col_blocks, cpb, chunked, flags}
 
 // Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
-// Blocks per multiprocessor the v3 shrink's registers are capped for (tuning runs may set it): 4,
+// Blocks per multiprocessor the shrink's registers are capped for (tuning runs may set it): 4,
 // as its shared memory allows (on an H200 the T=4096 shrink ran 21-26% faster than uncapped at 165
 // registers and 3 blocks). The expand stays uncapped: capped for 4 blocks it ran slower, and an
 // explicit minimum of 1 block let ptxas take 186 registers (2 blocks) and slowed it by a third.
@@ -832,17 +838,8 @@ __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
                               gridDim.x);
 }
 
-// The v4 kernels (shrink_stream.cuh, expand_stream.cuh): registers capped for 4 blocks per
-// multiprocessor; dynamic shared memory holds slot_indptr alone.
-template <typename T, int BM>
-__global__ void __launch_bounds__(128, 4) lora_shrink_stream(LORA_PARAMS) {
-  extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::TileRows<BM> tr;
-  LORA_ARGS;
-  lora::require_smem(4 * (num_slots + 1));
-  lora::shrink_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
-}
-
+// lora_expand_stream (expand_stream.cuh): registers capped for 4 blocks per multiprocessor;
+// dynamic shared memory holds slot_indptr alone.
 template <typename T, int BM>
 __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
@@ -850,32 +847,4 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   LORA_ARGS;
   lora::require_smem(4 * (num_slots + 1));
   lora::expand_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
-}
-
-// The v5 kernels (shrink_pipe.cuh, expand_pipe.cuh): dynamic shared memory holds the warps' rings
-// of stages, then slot_indptr; registers capped for LORA_*_PIPE_BLOCKS blocks per multiprocessor
-// (4, as many as the rings allow: on an H200 4 blocks with v of ranks <= 32 in registers ran the
-// T=4096 expand 17% faster than 3 blocks with ranks <= 64, raw_kernels/NOTES.md).
-#ifndef LORA_EXPAND_PIPE_BLOCKS
-#define LORA_EXPAND_PIPE_BLOCKS 4
-#endif
-#ifndef LORA_SHRINK_PIPE_BLOCKS
-#define LORA_SHRINK_PIPE_BLOCKS 4
-#endif
-template <typename T, int BM>
-__global__ void __launch_bounds__(128, LORA_SHRINK_PIPE_BLOCKS) lora_shrink_pipe(LORA_PARAMS) {
-  extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::TileRows<BM> tr;
-  LORA_ARGS;
-  lora::require_smem(lora::Pipe<T>::SMEM + 4 * (num_slots + 1));
-  lora::shrink_pipe_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Pipe<T>::SMEM), tr, blockIdx.x);
-}
-
-template <typename T, int BM>
-__global__ void __launch_bounds__(128, LORA_EXPAND_PIPE_BLOCKS) lora_expand_pipe(LORA_PARAMS) {
-  extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::TileRows<BM> tr;
-  LORA_ARGS;
-  lora::require_smem(lora::Pipe<T>::SMEM + 4 * (num_slots + 1));
-  lora::expand_pipe_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Pipe<T>::SMEM), tr, blockIdx.x);
 }

@@ -33,8 +33,8 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     ct = kernels.CUDA_TYPES[dtype]
     wanted = {f"lora_shrink<{ct}, {bm}>" for bm in kernels.MMA_SHRINK_BM}
     wanted |= {f"lora_{k}<{ct}, {bm}, {bn}>" for k in ("expand", "fused") for bm, bn in kernels.MMA_TILES}
-    wanted |= {f"lora_{k}_stream<{ct}, {bm}>" for k in ("shrink", "expand") for bm, _ in kernels.MMA_TILES}
-    assert wanted <= names
+    wanted |= {f"lora_expand_stream<{ct}, {bm}>" for bm, _ in kernels.MMA_TILES}
+    assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
     # every tile the planner can pick has a shrink of the same height (fused needs both)
@@ -64,11 +64,7 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
                          f"{cb.expand_smem(dtype, bm, bn)}, \"expand {dtype} {bm}\");")
             lines.append(f"static_assert(lora::fused_smem<{ct}, {bm}, {bn}>() == "
                          f"{cb.fused_smem(dtype, bm, bn)}, \"fused {dtype} {bm}\");")
-        lines.append(f"static_assert(lora::Stream<{ct}>::BN == {kernels.STREAM_BN}, \"v4 expand {dtype}\");")
-        lines.append(f"static_assert(lora::StreamShrink<{ct}>::RB == {kernels.STREAM_RANK_BLOCK[dtype]}, "
-                     f"\"v4 shrink {dtype}\");")
-        lines.append(f"static_assert(lora::Pipe<{ct}>::SMEM == {kernels.PIPE_SMEM}, \"v5 rings {dtype}\");")
-        lines.append(f"static_assert(lora::Pipe<{ct}>::COLS == {kernels.PIPE_COLS[dtype]}, \"v5 chunk {dtype}\");")
+        lines.append(f"static_assert(lora::Stream<{ct}>::BN == {kernels.STREAM_BN}, \"expand_stream {dtype}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
@@ -109,8 +105,8 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
             for fused in (False, True):
                 assert cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=spec.num_slots, tile=t,
                                       fused=fused).counter_ints() <= ints
-        assert p.rank_blocks == -(-R // cb.rank_block(p.shrink, dtype))
-        assert p.fused or (p.shrink, p.expand) == (cb.default_shrink(b), cb.default_expand(b))
+        assert p.rank_blocks == -(-R // cb.RANK_BLOCK)
+        assert p.fused or p.expand == cb.default_expand(b)
 
 
 def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
@@ -128,9 +124,9 @@ def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     for b in DEFAULT_CAPTURE_BUCKETS:
         p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
-        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb, p16.shrink, p16.expand) == (
-            p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb, p128.shrink, p128.expand)
-        rb = cb.rank_block(p128.shrink, "bfloat16")
+        assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb, p16.expand, p16.chunks) == (
+            p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb, p128.expand, p128.chunks)
+        rb = cb.RANK_BLOCK
         assert p128.rank_blocks == 128 // rb and p128.splits * (128 // rb) >= p16.splits
 
 
@@ -144,21 +140,17 @@ def test_workspace_is_v_at_the_largest_bucket():
     assert ints == 2 + 2 * (4096 // 16 + 64)
 
 
-@pytest.mark.parametrize("version", ["v4", "v5"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("in_f,out,n,R", SHAPES)
-def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R, dtype, version):
-    """The v4 / v5 kernels: passes of STREAM_BN / PIPE_COLS columns, column groups a multiple of
-    the warps that share an m-tile, no more expand blocks than one wave of 4 per multiprocessor
-    once y is large, rank blocks of each shrink, whole chunks per split; a fused launch stays v3
-    whatever is asked."""
-    bn = kernels.STREAM_BN if version == "v4" else kernels.PIPE_COLS[dtype]
-    rb = kernels.STREAM_RANK_BLOCK[dtype] if version == "v4" else cb.RANK_BLOCK
+def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R, dtype):
+    """``expand_stream``: passes of STREAM_BN columns, column groups a multiple of the warps that
+    share an m-tile, no more expand blocks than one wave of 4 per multiprocessor once y is large,
+    rank blocks of 64, whole chunks per split; a fused launch runs lora_fused whatever is asked."""
+    bn, rb, version = kernels.STREAM_BN, cb.RANK_BLOCK, "expand_stream"
     for b in (128, 256, 512, 1024, 4096):
         for tile in kernels.MMA_SHRINK_BM:
-            p = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=False, shrink=version,
-                               expand=version)
-            assert (p.shrink, p.expand, p.bn) == (version, version, bn)
+            p = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=False, expand=version)
+            assert (p.expand, p.bn, p.chunks) == (version, bn, False)
             assert p.col_blocks * p.bn >= out > (p.col_blocks - 1) * p.bn
             share = 64 // tile
             assert p.cpb == p.col_blocks or p.cpb % share == 0
@@ -166,31 +158,30 @@ def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R
             assert p.rank_blocks == -(-R // rb)
             assert p.shrink_blocks == p.tiles * p.splits * n * p.rank_blocks
             assert p.k_split % (128 // cb._ITEMSIZE[dtype]) == 0 and p.splits * p.k_split >= in_f
-            f = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=True, shrink=version,
-                               expand=version)
-            assert (f.shrink, f.expand) == ("v3", "v3")
+            f = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=True, expand=version)
+            assert (f.expand, f.chunks) == ("expand", True)
 
 
-def test_v4_defaults_name_unfused_buckets_and_keep_a_pools_plan_whatever_its_rank():
-    """A bucket listed for v4 must launch unfused (a fused launch would ignore it), and the version
-    is the bucket's alone: a rank-128 pool runs the same kernels as a rank-16 one."""
-    for b in cb.V4_EXPAND_BUCKETS | cb.V4_SHRINK_BUCKETS:
+def test_each_shipped_kernel_is_a_default_somewhere_and_a_pools_rank_changes_none():
+    """Every expand kernel is some bucket's default (a bucket listed for expand_stream launches
+    unfused: a fused launch would ignore it), the fused kernel is, and the choice is the bucket's
+    alone: a rank-128 pool runs the same kernels as a rank-16 one."""
+    for b in cb.STREAM_EXPAND_BUCKETS:
         assert not cb.default_fused(b)
+    chosen = set()
     for b in DEFAULT_CAPTURE_BUCKETS:
         plans = [cb.plan_launch(b, 4096, out, 1, r, dt, num_slots=33) for out in (4096, 14336)
-                 for r in (8, 16, 128)
-                 for dt in DTYPES]
-        assert len({(p.shrink, p.expand) for p in plans}) == 1
+                 for r in (8, 16, 128) for dt in DTYPES]
+        assert len({(p.fused, p.expand, p.chunks) for p in plans}) == 1
         p = plans[0]
-        assert p.fused or (p.expand == "v4") == (b in cb.V4_EXPAND_BUCKETS)
-        assert p.fused or (p.shrink == "v4") == (b in cb.V4_SHRINK_BUCKETS)
+        chosen.add("fused" if p.fused else p.expand)
+        assert p.fused or (p.expand == "expand_stream") == (b in cb.STREAM_EXPAND_BUCKETS)
+    assert chosen == {"fused", *kernels.EXPAND_KERNELS}
 
 
-def test_unknown_kernel_versions_are_refused():
+def test_unknown_kernels_are_refused():
     with pytest.raises(ValueError, match="expand"):
-        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="v6")
-    with pytest.raises(ValueError, match="shrink"):
-        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", num_slots=33, shrink="v2")
+        cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="v4")
 
 
 def test_fused_units_hold_every_chunk_of_any_addressing():
@@ -233,9 +224,9 @@ def test_chunks_where_the_step_is_small_and_only_for_the_tiled_kernels():
         assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True).chunks
         tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False, chunks=False)
         assert not tiles.chunks and tiles.tiles == -(-b // tiles.bm)
-        for version in ("v4", "v5"):  # they read tiles: never chunks, whatever is asked
-            assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
-                                      expand=version, chunks=True).chunks
+        # expand_stream reads tiles: never chunks, whatever is asked
+        assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
+                                  expand="expand_stream", chunks=True).chunks
 
 
 def test_tile_and_fused_overrides():
@@ -347,30 +338,33 @@ def test_targets():
     assert not bench.targets_met(big, 36.0, 24.0, 40.0)
 
 
-def test_kernel_versions_are_timed_side_by_side_where_the_launch_is_unfused():
+def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
     for row in bench.rows():
         names = set(bench.kernel_variants(row, sweep=False))
-        unfused = (row.bucket or row.T) > 64
-        assert names >= {"default"}
-        assert (set(bench.VERSIONS) <= names) == unfused
-        assert (set(bench.V5_TILES) <= names) == (unfused and row.group == "core")
+        fused = (row.bucket or row.T) <= 64
+        assert "default" in names
+        assert (set(bench.VERSIONS) <= names) == (not fused)
+        assert (set(bench.DECODE_VERSIONS) <= names) == fused
+    assert set(bench.VERSIONS) == set(kernels.EXPAND_KERNELS)
 
 
-def test_versions_table_picks_the_fastest_correct_version():
+def test_versions_table_picks_the_fastest_correct_launch():
     row = bench.Row("core", 4096, 4096, (4096,), (16,) * 32, 16)
     k = lambda us, ok=True: {"us": us, "err": 1e-3, "ok": ok}  # noqa: E731
     res = {"row": bench.asdict(row), "label": row.label, "floor_us": 26.0, "best_baseline_us": 44.0,
-           "kernels": {"default": k(73.0), "v3": k(73.0), "v4": k(30.0, ok=False), "v5": k(60.0),
-                       "s3e5": k(36.0)},
-           "parts": {"v3.shrink": 20.0, "v3.expand": 50.0, "v5.expand": 18.5}}
+           "kernels": {"default": k(73.0), "expand": k(73.0), "expand_stream": k(30.0, ok=False)},
+           "parts": {"shrink": 20.0, "expand": 50.0}}
     lines = bench._versions_table([res]).splitlines()
     assert len(lines) == 3 and lines[2].startswith(row.label[:40])
     cells = lines[2][40:].split()
-    assert cells[2] == "ERR" and "s3e5" in cells  # v4 over tolerance never wins
-    assert cells[cells.index("|") - 1] == "yes"  # 36 us: 72% of a 26 us floor and under 44
-    assert lines[2].endswith("| 20.0 50.0 - - - 18.5")
-    fused = {**res, "kernels": {"default": k(9.0)}}
-    assert len(bench._versions_table([fused]).splitlines()) == 2  # rows without v5 are left out
+    assert cells[2] == "ERR" and cells[5] == "default"  # over tolerance never wins
+    assert cells[cells.index("|") - 1] == "no"  # 73 us: 36% of a 26 us floor
+    assert lines[2].endswith("| 20.0 50.0 -")  # shrink and expand alone; expand_stream not timed alone
+    res["kernels"]["expand_stream"] = k(36.0)
+    cells = bench._versions_table([res]).splitlines()[2][40:].split()
+    assert cells[5] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
+    alone = {**res, "kernels": {"default": k(9.0)}}
+    assert len(bench._versions_table([alone]).splitlines()) == 2  # a row timed alone is left out
 
 
 def test_bars_and_the_markdown_report_of_a_saved_run():
@@ -381,18 +375,18 @@ def test_bars_and_the_markdown_report_of_a_saved_run():
     assert bench.bars(big, 36.0, 26.0, 35.0) == {"70%": True, "baseline": False}
     k = lambda us, ok=True: {"us": us, "err": 2e-3, "ok": ok,  # noqa: E731
                              "plan": {"bm": 64, "bn": 128, "splits": 8, "k_split": 512, "fused": False, "cpb": 2,
-                                      "shrink": "v3", "expand": "v5"},
-                             "occupancy": {"shrink v3": {"blocks_per_sm": 4}, "expand v5": {"blocks_per_sm": 3}}}
+                                      "expand": "expand_stream", "chunks": False, "tiles": 64},
+                             "occupancy": {"shrink": {"blocks_per_sm": 4}, "expand_stream": {"blocks_per_sm": 3}}}
     res = {"row": bench.asdict(big), "label": big.label, "floor_us": 26.0, "best_baseline_us": 44.0, "us": 60.0,
-           "baselines": {"loop": 300.0, "gemm": 44.0}, "kernels": {"default": k(60.0), "v5": k(70.0)},
+           "baselines": {"loop": 300.0, "gemm": 44.0}, "kernels": {"default": k(60.0), "expand": k(70.0)},
            "parts": {}, "vs_pool16": 1.1}
     meta = {"device": "GPU", "torch": "2", "copy_bw": 4.2e12, "method": "diff", "flush": "write",
             "calibration_us": {"diff": {"empty_kernel": 0.9}, "dependent_round": 0.3}}
     md = bench.markdown_report({"meta": meta, "rows": [res]})
     assert "4.20 TB/s" in md and "0.30 us" in md
-    assert f"| {big.label} | 64/s8 s3e5 | 60.0 | 26.0 | 43 | 300.0 | - | 44.0 | 2.0e-03 | 4/3 | 70% no, baseline no |" in md
+    assert f"| {big.label} | 64/s8 expand_stream | 60.0 | 26.0 | 43 | 300.0 | - | 44.0 | 2.0e-03 | 4/3 | 70% no, baseline no |" in md
     assert "Bars met: 70% 0 of 1, baseline 0 of 1." in md and "T=4096: 1.10x" in md
-    assert "```" in md  # the versions table of a row that ran v5
+    assert "```" in md  # the table of launches side by side
     line = bench._table([{**res, "share_of_floor": 26 / 60, "target_ok": False}], 4.2e12).splitlines()[-1]
     assert line.startswith(big.label) and line.endswith("300.0       -    44.0  2.0e-03   4/3 NO")
 

@@ -60,8 +60,8 @@ def test_source_names_its_headers(tmp_path, monkeypatch):
 def test_environment_defines_are_parsed_and_bad_ones_refused(monkeypatch):
     from lora_cupy import kernels
 
-    monkeypatch.setenv("LORA_CUPY_KERNEL_DEFINES", "LORA_EXPAND_PIPE_KREG=2, LORA_SHRINK_PIPE_BLOCKS=4")
-    assert kernels.env_defines() == {"LORA_EXPAND_PIPE_KREG": "2", "LORA_SHRINK_PIPE_BLOCKS": "4"}
+    monkeypatch.setenv("LORA_CUPY_KERNEL_DEFINES", "LORA_SHRINK_BLOCKS=3, LORA_EXAMPLE=4")
+    assert kernels.env_defines() == {"LORA_SHRINK_BLOCKS": "3", "LORA_EXAMPLE": "4"}
     monkeypatch.setenv("LORA_CUPY_KERNEL_DEFINES", "")
     assert kernels.env_defines() == {}
     for bad in ("KREG", "1X=2", "A="):

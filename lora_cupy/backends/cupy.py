@@ -28,8 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (CUDA_TYPES, EXPAND_VARIANTS, MMA_SHRINK_BM, MMA_TILES, PIPE_COLS, PIPE_SMEM,
-                       SHRINK_VARIANTS, STREAM_BN, STREAM_RANK_BLOCK, load_module, mma_family)
+from ..kernels import CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module, mma_family
 from ..spec import LoraSpec
 from .base import LayerWeights
 
@@ -79,12 +78,7 @@ def fused_smem(dtype: str, bm: int, bn: int) -> int:
     return max(shrink_smem(dtype, bm), expand_smem(dtype, bm, bn))
 
 
-def stream_smem(variant: str) -> int:
-    """Dynamic shared memory of a v4 / v5 kernel before slot_indptr: v5's rings of stages, v4 none."""
-    return PIPE_SMEM if variant == "v5" else 0
-
-
-#: Blocks per multiprocessor the v4 kernels are built for (``__launch_bounds__(128, 4)``).
+#: Blocks per multiprocessor ``lora_expand_stream`` is built for (``__launch_bounds__(128, 4)``).
 STREAM_BLOCKS_PER_SM = 4
 
 
@@ -99,11 +93,10 @@ class LaunchPlan:
     each (a slot's range cut into pieces of at most ``bm`` from its start: fewer than
     ``ceil(bucket / bm) + num_slots - 1``, at most one per position), so a step's slots run side
     by side rather than one after another in a tile; a chunked launch's kernels spread its grid
-    over the chunks the step has (finer split-K and column groups when they are few). ``shrink`` and ``expand`` name the kernels of an unfused
-    launch: ``"v3"`` (tiles through shared memory), ``"v4"`` (each warp streams x, or y, through
-    registers: shrink rank blocks of ``STREAM_RANK_BLOCK``, expand column blocks of
-    ``STREAM_BN``) or ``"v5"`` (each warp streams x, or y, through its own ring of cp.async
-    stages: expand column blocks of ``PIPE_COLS``); a fused launch always runs v3.
+    over the chunks the step has (finer split-K and column groups when they are few). ``expand``
+    names the expand kernel of an unfused launch (``EXPAND_KERNELS``): ``"expand"`` (tiles of y
+    through shared memory) or ``"expand_stream"`` (each warp streams y through its registers, in
+    passes of ``STREAM_BN`` columns); a fused launch runs ``lora_fused``.
     """
 
     bucket: int
@@ -117,8 +110,7 @@ class LaunchPlan:
     col_blocks: int
     cpb: int
     n_slices: int
-    expand: str = "v3"
-    shrink: str = "v3"
+    expand: str = "expand"
     chunks: bool = False
 
     @property
@@ -168,47 +160,36 @@ def default_fused(bucket: int) -> bool:
     return bucket <= 64
 
 
-#: Capture buckets whose unfused launch runs the v4 expand / shrink by default: only where an H200
-#: run measured v4 correct and faster on every row of the bucket (lora_cupy/bench/results/
-#: kernels-h200.md): the v4 expand at 256 (v3 shrink), 7-23% faster. Elsewhere v3 was as fast or
-#: faster (up to 2x at 4096 tokens, rank 64): raw_kernels/NOTES.md says why.
-V4_EXPAND_BUCKETS = frozenset({256})
-V4_SHRINK_BUCKETS: frozenset[int] = frozenset()
+#: Capture buckets whose unfused launch runs ``lora_expand_stream``: only where an H200 run measured
+#: it correct and faster on every row of the bucket (lora_cupy/bench/results/kernels-h200.md): 256,
+#: 7-23% faster. Elsewhere ``lora_expand`` was as fast or faster (up to 2x at 4096 tokens, rank 64):
+#: raw_kernels/NOTES.md says why.
+STREAM_EXPAND_BUCKETS = frozenset({256})
 
 
 def default_expand(bucket: int) -> str:
-    """The expand kernel of an unfused launch: v4 (y streamed in registers) in ``V4_EXPAND_BUCKETS``."""
-    return "v4" if bucket in V4_EXPAND_BUCKETS else "v3"
-
-
-def default_shrink(bucket: int) -> str:
-    """The shrink kernel of an unfused launch: v4 (x streamed in registers) in ``V4_SHRINK_BUCKETS``."""
-    return "v4" if bucket in V4_SHRINK_BUCKETS else "v3"
-
-
-def rank_block(shrink: str, dtype: str) -> int:
-    """Ranks per shrink block: 64 for v3 and v5, ``STREAM_RANK_BLOCK[dtype]`` for v4."""
-    return STREAM_RANK_BLOCK[normalize_dtype(dtype)] if shrink == "v4" else RANK_BLOCK
+    """The expand kernel of an unfused launch: ``expand_stream`` in ``STREAM_EXPAND_BUCKETS``."""
+    return "expand_stream" if bucket in STREAM_EXPAND_BUCKETS else "expand"
 
 
 @functools.lru_cache(maxsize=4096)
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
-                shrink: str | None = None, chunks: bool | None = None) -> LaunchPlan:
+                chunks: bool | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it).
 
-    A chunked launch (``chunks``: always when fused, else ``default_chunks``; only the v3 kernels
-    take chunks) sizes its grid at about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM``
+    A chunked launch (``chunks``: always when fused, else ``default_chunks``; ``lora_expand_stream``
+    reads tiles only) sizes its grid at about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM``
     expand blocks per multiprocessor, which its kernels spread over the chunks a step has.
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block, counting one rank
     block per tile (so a rank-128 pool splits ``in`` as a rank-16 pool does); expand blocks take
     several column blocks each once there are more than about four per multiprocessor, so each
-    block's fixed start is spread over more of y. The v4 expand
-    and v5 expands take as many column blocks per block (a multiple of the warps sharing an
+    block's fixed start is spread over more of y. ``expand_stream`` takes as many column blocks
+    per block (a multiple of the warps sharing an
     m-tile, ``64 // bm``) as fit every block in one wave of ``STREAM_BLOCKS_PER_SM`` blocks per
     multiprocessor, so each warp streams a long run of y.
     """
@@ -218,18 +199,15 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if bn is None:
         raise ValueError(f"tile {bm} is not one of {[t for t, _ in MMA_TILES]}")
     fused = default_fused(bucket) if fused is None else bool(fused)
-    expand = "v3" if fused else (default_expand(bucket) if expand is None else str(expand))
-    shrink = "v3" if fused else (default_shrink(bucket) if shrink is None else str(shrink))
-    if expand not in EXPAND_VARIANTS:
-        raise ValueError(f"expand {expand!r} is not one of {EXPAND_VARIANTS}")
-    if shrink not in SHRINK_VARIANTS:
-        raise ValueError(f"shrink {shrink!r} is not one of {SHRINK_VARIANTS}")
-    if fused or (expand, shrink) != ("v3", "v3"):
+    expand = "expand" if fused else (default_expand(bucket) if expand is None else str(expand))
+    if expand not in EXPAND_KERNELS:
+        raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
+    if fused or expand != "expand":
         chunks = fused
     elif chunks is None:
         chunks = default_chunks(bucket)
     tiles = fused_units(bucket, bm, num_slots) if chunks else _ceil(bucket, bm)
-    rank_blocks = _ceil(max_rank, rank_block(shrink, dtype))
+    rank_blocks = _ceil(max_rank, RANK_BLOCK)
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     base = tiles * n_slices  # rank blocks past an adapter's rank stop at once: they do not count
@@ -239,8 +217,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if chunks:
         col_blocks = _ceil(out_features, bn)
         cpb = _ceil(col_blocks, max(1, (FUSED_EXPAND_PER_SM * num_sms) // tiles))
-    elif expand in ("v4", "v5"):
-        bn = STREAM_BN if expand == "v4" else PIPE_COLS[dtype]
+    elif expand == "expand_stream":
+        bn = STREAM_BN
         col_blocks = _ceil(out_features, bn)
         share = 64 // bm  # warps that take turns on one m-tile's column blocks
         groups = max(1, (STREAM_BLOCKS_PER_SM * num_sms) // tiles)  # column groups per tile, at most
@@ -250,7 +228,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         cpb = max(1, min(col_blocks, (tiles * col_blocks) // (4 * num_sms)))
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
                       tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
-                      n_slices=n_slices, expand=expand, shrink=shrink, chunks=chunks)
+                      n_slices=n_slices, expand=expand, chunks=chunks)
 
 
 def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
@@ -337,14 +315,13 @@ class CallLimits:
     tile: int | None = None
     fused: bool | None = None
     expand: str | None = None
-    shrink: str | None = None
     chunks: bool | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str, num_slots: int) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
-                           fused=self.fused, expand=self.expand, shrink=self.shrink, chunks=self.chunks)
+                           fused=self.fused, expand=self.expand, chunks=self.chunks)
 
 
 @dataclass(frozen=True)
@@ -571,7 +548,7 @@ class CupyBackend:
     """Runs the slot-grouped delta on one CUDA device with the tensor-core kernels.
 
     ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile``,
-    ``fused``, ``chunks``, ``shrink`` and ``expand`` (``"v3"`` / ``"v4"`` / ``"v5"``) override the per-bucket choices of
+    ``fused``, ``chunks`` and ``expand`` (one of ``EXPAND_KERNELS``) override the per-bucket choices of
     :func:`plan_launch` (for benchmarks and tests); ``num_sms`` defaults to the device's
     multiprocessor count.
 
@@ -583,17 +560,15 @@ class CupyBackend:
     name = "cupy"
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
-                 fused: bool | None = None, expand: str | None = None, shrink: str | None = None,
-                 chunks: bool | None = None, num_sms: int | None = None):
+                 fused: bool | None = None, expand: str | None = None, chunks: bool | None = None,
+                 num_sms: int | None = None):
         import cupy
         from cupy_backends.cuda.api import driver
 
         if kernel not in ("mma", "simt"):
             raise ValueError(f"kernel must be 'mma' or 'simt', got {kernel!r}")
-        if expand is not None and expand not in EXPAND_VARIANTS:
-            raise ValueError(f"expand must be one of {EXPAND_VARIANTS}, got {expand!r}")
-        if shrink is not None and shrink not in SHRINK_VARIANTS:
-            raise ValueError(f"shrink must be one of {SHRINK_VARIANTS}, got {shrink!r}")
+        if expand is not None and expand not in EXPAND_KERNELS:
+            raise ValueError(f"expand must be one of {EXPAND_KERNELS}, got {expand!r}")
         if spec.num_slots > MAX_SLOTS:
             raise ValueError(f"num_slots={spec.num_slots} above the {MAX_SLOTS} a launch takes")
         if device is None:
@@ -617,8 +592,7 @@ class CupyBackend:
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
-            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, shrink,
-                                     chunks)
+            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
 
@@ -653,13 +627,9 @@ class CupyBackend:
             fn = mod.get_function(f"lora_fused<{ct}, {bm}, {bn}>")
             fn.max_dynamic_shared_size_bytes = fused_smem(dtype, bm, bn) + extra
             self._fns[(dtype, "fused", bm)] = fn
-            for kind in ("shrink", "expand"):  # v4: dynamic shared memory holds slot_indptr alone
-                fn = mod.get_function(f"lora_{kind}_stream<{ct}, {bm}>")
-                fn.max_dynamic_shared_size_bytes = extra
-                self._fns[(dtype, f"{kind}_v4", bm)] = fn
-                fn = mod.get_function(f"lora_{kind}_pipe<{ct}, {bm}>")  # v5: the warps' rings first
-                fn.max_dynamic_shared_size_bytes = PIPE_SMEM + extra
-                self._fns[(dtype, f"{kind}_v5", bm)] = fn
+            fn = mod.get_function(f"lora_expand_stream<{ct}, {bm}>")
+            fn.max_dynamic_shared_size_bytes = extra  # slot_indptr alone
+            self._fns[(dtype, "expand_stream", bm)] = fn
 
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
@@ -749,17 +719,15 @@ class CupyBackend:
             name, self._kernel_fn(dtype, key), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
             len(args) - 1)
         if plan.fused:
-            return [mma("fused v3", ("fused", plan.bm), plan.shrink_blocks + plan.expand_blocks,
+            return [mma("fused", ("fused", plan.bm), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
         out_calls = []
         if "shrink" in parts:
-            key = ("shrink", plan.bm) if plan.shrink == "v3" else (f"shrink_{plan.shrink}", plan.bm)
-            smem = shrink_smem(dtype, plan.bm) if plan.shrink == "v3" else stream_smem(plan.shrink)
-            out_calls.append(mma(f"shrink {plan.shrink}", key, plan.shrink_blocks, smem))
+            out_calls.append(mma("shrink", ("shrink", plan.bm), plan.shrink_blocks, shrink_smem(dtype, plan.bm)))
         if "expand" in parts:
-            key = ("expand", plan.bm) if plan.expand == "v3" else (f"expand_{plan.expand}", plan.bm)
-            smem = expand_smem(dtype, plan.bm, plan.bn) if plan.expand == "v3" else stream_smem(plan.expand)
-            out_calls.append(mma(f"expand {plan.expand}", key, plan.expand_blocks, smem))
+            key = (plan.expand, plan.bm)
+            smem = expand_smem(dtype, plan.bm, plan.bn) if plan.expand == "expand" else 0
+            out_calls.append(mma(plan.expand, key, plan.expand_blocks, smem))
         return out_calls
 
     def occupancy(self, call: LaunchArgs) -> dict[str, dict[str, int]]:

@@ -487,9 +487,9 @@ def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int) -> 
 
 
 def _plan_label(plan) -> str:
-    """A launch plan in a few characters: tile, fused, splits and (unfused) the kernel versions."""
-    label = f"{plan.bm}{'f' if plan.fused else ''}/s{plan.splits}"
-    return label if plan.fused else label + f" s{plan.shrink[1]}e{plan.expand[1]}"
+    """A launch plan in a few characters: tile, fused, chunks, splits and (unfused) the expand."""
+    label = f"{plan.bm}{'f' if plan.fused else ''}{'c' if plan.chunks else ''}/s{plan.splits}"
+    return label if plan.fused else label + f" {plan.expand}"
 
 
 def layer_table(layer: list[dict]) -> str:
@@ -510,27 +510,22 @@ def layer_table(layer: list[dict]) -> str:
 # ---- the run --------------------------------------------------------------------------------------
 VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
                               for t in (16, 32, 64) for f in (False, True)}}
-#: Kernel versions timed side by side on every row whose bucket launches shrink and expand apart:
-#: s = shrink, e = expand, 3 / 4 / 5 = v3 (shared-memory tiles) / v4 (streamed through registers) /
-#: v5 (streamed through each warp's ring of cp.async stages).
-VERSIONS = {"v3": dict(shrink="v3", expand="v3"), "v4": dict(shrink="v4", expand="v4"),
-            "v5": dict(shrink="v5", expand="v5"), "s3e4": dict(shrink="v3", expand="v4"),
-            "s3e5": dict(shrink="v3", expand="v5"), "s5e3": dict(shrink="v5", expand="v3")}
-#: On the core rows, v5 at every tile as well.
-V5_TILES = {f"v5t{t}": dict(shrink="v5", expand="v5", tile=t) for t in (16, 32, 64)}
+#: Launches timed side by side with the default, by the names of what they run: on rows whose
+#: bucket launches shrink and expand apart, each expand kernel; on decode rows (a fused, chunked
+#: launch by default), the unfused pair on chunks and on tiles.
+VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream")}
+DECODE_VERSIONS = {"unfused": dict(fused=False), "unfused_tiles": dict(fused=False, chunks=False)}
 
 
 def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
-    """The backend options timed on one row: the default, then v3 / v4 / v5 (unfused buckets only)."""
+    """The backend options timed on one row: the default, then each expand kernel (unfused
+    buckets) or the unfused launches (fused buckets)."""
     from ..backends.cupy import default_fused
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
     spec = LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=row.slots + 1, max_rank=row.pool_rank)
-    if not default_fused(spec.bucket_for(row.bucket or row.T)):
-        out.update(VERSIONS)
-        if row.group == "core":
-            out.update(V5_TILES)
+    out.update(DECODE_VERSIONS if default_fused(spec.bucket_for(row.bucket or row.T)) else VERSIONS)
     return out
 
 
@@ -561,14 +556,14 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
         us = timer(lambda: be.delta(d.y, d.x, w, d.token_order, d.slot_indptr))
         kernels[name] = {"us": us, "err": err, "ok": err < TOLERANCE[row.dtype],
                          "plan": {k: getattr(plan, k) for k in ("bm", "bn", "splits", "k_split", "fused", "cpb",
-                                                                  "shrink", "expand")}}
+                                                                  "expand", "chunks", "tiles")}}
         call = check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr)
         kernels[name]["occupancy"] = be.occupancy(call)
         if row.group in ("core", "poolrank") and row.T >= 1024 and plan.bm == default_tile(plan.bucket):
             # each kernel alone
-            for part, version in (("shrink", plan.shrink), ("expand", plan.expand)):
-                if f"{version}.{part}" not in parts:
-                    parts[f"{version}.{part}"] = timer(lambda: be._run(call, (part,)))
+            for part, kernel in (("shrink", "shrink"), ("expand", plan.expand)):
+                if kernel not in parts:
+                    parts[kernel] = timer(lambda: be._run(call, (part,)))
             be.workspace.fill(0)  # the shrink alone leaves its sums in v
             be.counters.fill(0)
         del be
@@ -590,9 +585,9 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
 def _plan_and_occupancy(k: dict) -> tuple[str, str]:
     """A default launch's short plan (tile, fused, splits, versions) and blocks per SM of its kernels."""
     p = k["plan"]
-    plan = f"{p['bm']}{'f' if p['fused'] else ''}/s{p['splits']}"
+    plan = f"{p['bm']}{'f' if p['fused'] else ''}{'c' if p.get('chunks') else ''}/s{p['splits']}"
     if not p["fused"]:
-        plan += f" {p['shrink']}" if p["shrink"] == p["expand"] else f" s{p['shrink'][1]}e{p['expand'][1]}"
+        plan += f" {p['expand']}"
     occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
     return plan, occ
 
@@ -613,26 +608,29 @@ def _table(results: list[dict], bw: float) -> str:
 
 
 def _versions_table(results: list[dict]) -> str:
-    """The kernel versions on the rows that run them all: full-call times, the kernels alone where
-    timed, the best version, the best baseline, and whether the best version meets the issue's bars."""
-    names = [n for n in ("default", *VERSIONS, *V5_TILES)]
-    alone_keys = [f"{v}.{k}" for v in ("v3", "v4", "v5") for k in ("shrink", "expand")]
-    head = (f"{'row':40s} " + " ".join(f"{n:>6s}" for n in names)
-            + f" {'best':>5s} {'base':>6s} {'floor':>6s} bars | s3 e3 s4 e4 s5 e5 alone")
-    lines = ["kernel versions (us; ERR = over tolerance, '-' = not run)", head]
+    """The launches timed side by side (``VERSIONS`` / ``DECODE_VERSIONS``): full-call times, the
+    kernels alone where timed, the best launch, the best baseline, and whether the best meets the
+    issue's bars."""
+    names = ["default", *VERSIONS, *DECODE_VERSIONS]
+    alone_keys = ["shrink", *VERSIONS]
+    short = {"default": "default", "expand": "expand", "expand_stream": "stream", "unfused": "unfused",
+             "unfused_tiles": "tiles"}
+    head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
+            + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))
+    lines = ["launches side by side (us; ERR = over tolerance, '-' = not run)", head]
     for r in results:
         ks = r["kernels"]
-        if "v5" not in ks:
+        if len(ks) < 2:
             continue
         cells, best_name, best_us = [], None, math.inf
         for n in names:
             k = ks.get(n)
             if k is None:
-                cells.append(f"{'-':>6s}")
+                cells.append(f"{'-':>7s}")
             elif not k["ok"]:
-                cells.append(f"{'ERR':>6s}")
+                cells.append(f"{'ERR':>7s}")
             else:
-                cells.append(f"{k['us']:6.1f}")
+                cells.append(f"{k['us']:7.1f}")
                 if k["us"] < best_us:
                     best_name, best_us = n, k["us"]
         row = _row_of(r)
@@ -641,7 +639,7 @@ def _versions_table(results: list[dict]) -> str:
         p = r.get("parts", {})
         alone = " ".join(f"{p[k]:.1f}" if k in p else "-" for k in alone_keys)
         lines.append(f"{r['label'][:40]:40s} " + " ".join(cells)
-                     + f" {best_name or '-':>5s} {base if base is not None else math.nan:6.1f} "
+                     + f" {short.get(best_name, '-'):>7s} {base if base is not None else math.nan:6.1f} "
                        f"{r['floor_us']:6.1f} {'yes' if met else 'no':>4s} | {alone}")
     return "\n".join(lines)
 
@@ -695,7 +693,7 @@ def markdown_report(data: dict) -> str:
                          + " | " + ", ".join(f"{k} {v}" for k, v in r["plans"].items()) + " |")
     versions = _versions_table(rows).splitlines()[1:]
     if len(versions) > 1:
-        lines += ["", "Kernel versions, whole call (us), and each kernel alone where timed:", "", "```"]
+        lines += ["", "Launches side by side, whole call (us), and each kernel alone where timed:", "", "```"]
         lines += versions + ["```"]
     return "\n".join(lines)
 
@@ -777,7 +775,7 @@ def main(argv=None) -> int:
             continue
         res = run_row(row, timer, bw, args.seed + i, args.sweep)
         results.append(res)
-        vs = " ".join(f"{n} {k['us']:.1f}" for n, k in res["kernels"].items() if n in VERSIONS)
+        vs = " ".join(f"{n} {k['us']:.1f}" for n, k in res["kernels"].items() if n != "default")
         print(f"[{i + 1}/{len(todo)} {time.time() - t0:5.0f}s] {row.label}: {res['us']:.1f} us "
               f"(floor {res['floor_us']:.1f}, best baseline {res['best_baseline_us']:.1f}) {vs}", file=sys.stderr)
         if args.json:  # after every row, so a run cut short still leaves its numbers

@@ -33,12 +33,12 @@ def configs():
     return [
         ("T4096 r16 s32", core(4096, 16, 32), {}),
         ("T4096 r64 s32", core(4096, 64, 32), {}),
-        ("T4096 r16 s32 v5", core(4096, 16, 32), dict(shrink="v5", expand="v5")),
-        ("T4096 r64 s32 v5", core(4096, 64, 32), dict(shrink="v5", expand="v5")),
         ("T1024 r16 s32", core(1024, 16, 32), {}),
         ("T256 r16 s32", core(256, 16, 32), {}),
+        ("T256 r16 s32 expand", core(256, 16, 32), dict(expand="expand")),
         ("T64 r16 s32 fused", core(64, 16, 32), dict(fused=True)),
         ("T64 r16 s32 two", core(64, 16, 32), dict(fused=False)),
+        ("T64 r16 s32 two tiles", core(64, 16, 32), dict(fused=False, chunks=False)),
         ("T1 r16 fused", core(1, 16, 1), dict(fused=True)),
         ("T1 r16 two", core(1, 16, 1), dict(fused=False)),
     ]

@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--pairs", default="4x4,2x2,4x2,2x4")
     ap.add_argument("--label", default="after")
-    ap.add_argument("--unfused", action="store_true", help="also the unfused pair at tile 16")
+    ap.add_argument("--unfused", action="store_true", help="also the unfused pair (chunks where the tree has them)")
+    ap.add_argument("--layer", action="store_true", help="also the bench's layer rows under each pair")
     args = ap.parse_args(argv)
     import torch
 
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
         res = {"label": row.label, "T": T, "r": r, "s": s, "group": group, "us": {}, "err": {}, "plan": {}}
         variants = [(f"{p[0]}x{p[1]}" if p else "default", p, {}) for p in pairs]
         if args.unfused:
-            variants.append(("unfused16", None, dict(fused=False, tile=16)))
+            variants.append(("unfused", None, dict(fused=False)))
         for name, pair, kw in variants:
             if pair is not None:
                 cb.FUSED_SHRINK_PER_SM, cb.FUSED_EXPAND_PER_SM = pair
@@ -65,12 +66,30 @@ def main(argv=None) -> int:
               file=sys.stderr, flush=True)
         with open(args.json, "w") as f:
             json.dump({"label": args.label, "rows": out}, f, indent=1)
+    layer = {}
+    if args.layer and hasattr(bench, "run_layer"):
+        warm = bench.Timer(10, "diff", "none")
+        for p in pairs:
+            name = f"{p[0]}x{p[1]}" if p else "default"
+            if p is not None:
+                cb.FUSED_SHRINK_PER_SM, cb.FUSED_EXPAND_PER_SM = p
+                cb.plan_launch.cache_clear()
+            layer[name] = [bench.run_layer(T, k, warm, timer, 7) for T, k in bench.LAYER_GOALS_US]
+            print(f"[layer {name}] " + " ".join(f"{r['warm_us']:.1f}/{r['flushed_us']:.1f}" for r in layer[name]),
+                  file=sys.stderr, flush=True)
+        with open(args.json, "w") as f:
+            json.dump({"label": args.label, "rows": out, "layer": layer}, f, indent=1)
     names = list(out[0]["us"])
     print(f"{args.label}: {'row':36s} " + " ".join(f"{n:>9s}" for n in names))
     for r in out:
         bad = [n for n in names if r["err"][n] > cb.TOLERANCE["bfloat16"]]
         print(f"{args.label}: {r['label'][:36]:36s} " + " ".join(f"{r['us'][n]:9.1f}" for n in names)
               + (f"  ERR {bad}" if bad else ""))
+    for name, rows in layer.items():
+        print(f"{args.label}: layer {name}: " + "; ".join(
+            f"T{r['T']}/{r['adapters']} warm {r['warm_us']:.1f} flushed {r['flushed_us']:.1f} "
+            f"({' '.join(f'{v:.1f}' for v in r['calls_warm_us'].values())}){'' if r['ok'] else ' ERR'}"
+            for r in rows))
     return 0
 
 

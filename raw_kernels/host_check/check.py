@@ -7,8 +7,8 @@ the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poiso
 and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
-    python raw_kernels/host_check/check.py --shrink v5 --expand v5 [--sms 1] [--misalign] [--asan]
-        [--cp-async late|early]
+    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream] [--tiles-only]
+        [--sms 1] [--misalign] [--asan] [--cp-async late|early]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
@@ -100,12 +100,13 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def plan_for(case, *, shrink: str, expand: str, tile: int, sms: int, fused: bool = False) -> cb.LaunchPlan:
+def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
+             chunks: bool | None = None) -> cb.LaunchPlan:
     """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``)."""
     S, n, R, in_f = case.w.a.shape
     return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, case.y0.shape[1], n, R,
-                          case.spec.dtype, num_slots=S, tile=tile, fused=fused, shrink=None if fused else shrink,
-                          expand=None if fused else expand, num_sms=sms)
+                          case.spec.dtype, num_slots=S, tile=tile, fused=fused, expand=None if fused else expand,
+                          chunks=chunks, num_sms=sms)
 
 
 def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, int]:
@@ -132,8 +133,8 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
-    lib.emu_set_shrink(int(plan.shrink[1:]))
-    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, 0 if plan.fused else int(plan.expand[1:]), plan.shrink_blocks,
+    code = 0 if plan.fused else {"expand": 3, "expand_stream": 4}[plan.expand]
+    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, plan.shrink_blocks,
                        plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
     assert rc == 0, f"no kernel for tile {plan.bm}"
@@ -147,8 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--tiles", default="16,32,64")
-    ap.add_argument("--shrink", default="v5", choices=cb.SHRINK_VARIANTS)
-    ap.add_argument("--expand", default="v5", choices=cb.EXPAND_VARIANTS)
+    ap.add_argument("--expand", default="expand", choices=cb.EXPAND_KERNELS)
+    ap.add_argument("--tiles-only", action="store_true", help="unfused launches of tiles even where chunks are the default")
     ap.add_argument("--cp-async", default="late", choices=("late", "early"),
                     help="when an emulated cp.async lands: at the wait that retires it, or at once")
     ap.add_argument("--fused", action="store_true", help="the fused launch (chunks of one slot each)")
@@ -166,8 +167,8 @@ def main(argv=None) -> int:
             for dt in args.dtypes.split(","):
                 for tile in (int(t) for t in args.tiles.split(",")):
                     case = build_case(rng, dtype=dt, **CASES[name])
-                    plan = plan_for(case, shrink=args.shrink, expand=args.expand, tile=tile, sms=args.sms,
-                                    fused=args.fused)
+                    plan = plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
+                                    chunks=False if args.tiles_only else None)
                     t0 = time.time()
                     try:
                         y, flags = run(lib, case, plan, misalign=args.misalign)
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
                     except AssertionError as e:
                         fails += 1
                         status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
-                    kind = "fused" if plan.fused else f"{plan.shrink}/{plan.expand}"
+                    kind = "fused" if plan.fused else f"shrink/{plan.expand}" + ("/chunks" if plan.chunks else "")
                     print(f"{name:10s} {dt:9s} tile {tile:2d} {kind} units {plan.tiles:3d} splits {plan.splits:3d} "
                           f"cpb {plan.cpb:3d} {status} ({time.time() - t0:.1f}s)", flush=True)
         print(f"{fails} failed")

@@ -115,21 +115,6 @@ template <typename T, int BM, int BN> static void expand_block(int u) {
   auto g = args<T>();
   lora::expand_task<T, BM, BN>(g, dsm.data(), s_indptr, tr, u, false);
 }
-template <typename T, int BM> static void shrink4_block(int u) {
-  static lora::TileRows<BM> tr;
-  auto g = args<T>();
-  lora::shrink_stream_task<T, BM>(g, s_indptr, tr, u);
-}
-template <typename T, int BM> static void shrink5_block(int u) {
-  static lora::TileRows<BM> tr;
-  auto g = args<T>();
-  lora::shrink_pipe_task<T, BM>(g, dsm.data(), s_indptr, tr, u);
-}
-template <typename T, int BM> static void pipe_block(int u) {
-  static lora::TileRows<BM> tr;
-  auto g = args<T>();
-  lora::expand_pipe_task<T, BM>(g, dsm.data(), s_indptr, tr, u);
-}
 template <typename T, int BM> static void stream_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
@@ -143,7 +128,6 @@ template <typename T, int BM, int BN> static void fused_block(int u) {
   lora::fused_task<T, BM, BN>(g, dsm.data(), s_indptr, tr, g_blocks);
 }
 
-static int g_shrink = 3;
 // expand 0: the fused launch (its blocks run in ticket order, every shrink task before any expand)
 template <typename T, int BM, int BN> static void run(int expand, int shrink_blocks, int expand_blocks) {
   if (expand == 0) {
@@ -151,10 +135,9 @@ template <typename T, int BM, int BN> static void run(int expand, int shrink_blo
     for (int u = 0; u < g_blocks; ++u) emu::run_block(fused_block<T, BM, BN>, u);
     return;
   }
-  for (int u = 0; u < shrink_blocks; ++u)
-    emu::run_block(g_shrink == 5 ? shrink5_block<T, BM> : g_shrink == 4 ? shrink4_block<T, BM> : shrink_block<T, BM>, u);
+  for (int u = 0; u < shrink_blocks; ++u) emu::run_block(shrink_block<T, BM>, u);
   for (int u = 0; u < expand_blocks; ++u)
-    emu::run_block(expand == 5 ? pipe_block<T, BM> : expand == 4 ? stream_block<T, BM> : expand_block<T, BM, BN>, u);
+    emu::run_block(expand == 4 ? stream_block<T, BM> : expand_block<T, BM, BN>, u);
 }
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (bm == 16) run<T, 16, 64>(expand, sb, eb);
@@ -165,9 +148,8 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
-// dtype 0 bf16, 1 fp16, 2 fp32; expand 3, 4 or 5, or 0 for the fused launch;
+// dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream) or 0 (the fused launch);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags
-extern "C" void emu_set_shrink(int v) { g_shrink = v; }
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
                          const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,

@@ -1,4 +1,5 @@
-"""The CUDA backend against the float64 oracle: every kernel variant (v3, v4 and v5, fused, SIMT),
+"""The CUDA backend against the float64 oracle: every shipped kernel (shrink, expand, expand_stream,
+fused; chunks and tiles; SIMT),
 dtype, awkward size and mix, torch tensors and CuPy arrays alike, and CUDA graphs replayed under new
 addressing."""
 
@@ -24,22 +25,13 @@ def _gpu_count() -> int:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
 DTYPES = ("bfloat16", "float16", "float32")
-#: shrink / expand kernel versions of an unfused launch: v3 (shared-memory tiles), v4 (streamed
-#: through registers), v5 (streamed through each warp's ring of cp.async stages)
-VERSIONS = {"v3": dict(shrink="v3", expand="v3"), "v4": dict(shrink="v4", expand="v4"),
-            "v5": dict(shrink="v5", expand="v5"),
-            "s4e3": dict(shrink="v4", expand="v3"), "s3e4": dict(shrink="v3", expand="v4"),
-            "s5e3": dict(shrink="v5", expand="v3"), "s3e5": dict(shrink="v3", expand="v5")}
+#: the expand kernel of an unfused launch, by its name (lora_expand / lora_expand_stream)
+VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream")}
 VARIANTS = {f"mma{t}-fused": dict(kernel="mma", tile=t, fused=True) for t in (16, 32, 64)}
 VARIANTS.update({f"mma{t}-{v}": dict(kernel="mma", tile=t, fused=False, **VERSIONS[v])
-                 for t in (16, 32, 64) for v in ("v3", "v4", "v5")})
-VARIANTS.update({"mma16-s4e3": dict(kernel="mma", tile=16, fused=False, **VERSIONS["s4e3"]),
-                 "mma64-s3e4": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e4"]),
-                 "mma32-s5e3": dict(kernel="mma", tile=32, fused=False, **VERSIONS["s5e3"]),
-                 "mma64-s3e5": dict(kernel="mma", tile=64, fused=False, **VERSIONS["s3e5"])})
+                 for t in (16, 32, 64) for v in VERSIONS})
 # an unfused launch at 64 positions or fewer runs chunks of one slot: tiles of runs asked for too
-VARIANTS.update({f"mma{t}-v3-tiles": dict(kernel="mma", tile=t, fused=False, chunks=False, **VERSIONS["v3"])
-                 for t in (16, 64)})
+VARIANTS.update({f"mma{t}-expand-tiles": dict(kernel="mma", tile=t, fused=False, chunks=False) for t in (16, 64)})
 VARIANTS["simt"] = dict(kernel="simt")
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -129,15 +121,15 @@ def test_delta_matches_oracle(make_case, check, name, dtype, variant):
 
 
 @pytest.mark.parametrize("mix", ["distinct", "uniform", "zipf", "identical", "skewed"])
-@pytest.mark.parametrize("T,version", [(16, None), (64, None), (300, "v3"), (300, "v4"), (300, "v5"),
-                                       (4096, "v3"), (4096, "v4"), (4096, "v5")])
+@pytest.mark.parametrize("T,version", [(16, None), (64, None), (300, "expand"), (300, "expand_stream"),
+                                       (4096, "expand"), (4096, "expand_stream")])
 def test_popularity_mixes(make_case, check, mix, T, version):
     case = make_case(T=T, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), dtype="bfloat16",
                      mix=mix, num_slots=33, active=min(32, T))
     check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
-@pytest.mark.parametrize("T,version", [(64, None), (300, "v3"), (300, "v4"), (300, "v5"), (4096, "v5")])
+@pytest.mark.parametrize("T,version", [(64, None), (300, "expand"), (300, "expand_stream"), (4096, "expand")])
 def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     """Rank-16 adapters in a pool of max rank 128, the rest of every slot poisoned with NaN."""
     case = make_case(T=T, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
@@ -169,13 +161,13 @@ def dev_misaligned(h: np.ndarray):
 
 
 @pytest.mark.parametrize("misaligned", [False, True])
-@pytest.mark.parametrize("version", ["v3", "v4", "v5"])
+@pytest.mark.parametrize("version", list(VERSIONS))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_streams_awkward_slices_and_misaligned_rows(make_case, check, dtype, version, misaligned):
     """One multiprocessor planned for: one split of ``in`` per shrink (a plain store of v where one
-    warp writes it) and many column blocks per expand block (the v4 expand keeps y of the next
+    warp writes it) and many column blocks per expand block (expand_stream keeps y of the next
     passes in registers), over slices that end inside a column block, ranks below, at and above
-    the 64 the v4 expand keeps in registers, several runs per warp. Misaligned: x and y one element
+    the 64 expand_stream keeps in registers, several runs per warp. Misaligned: x and y one element
     off 16-byte alignment take the element-wise loads and stores."""
     case = make_case(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                      dtype=dtype, mix="zipf", num_slots=17, active=12)
@@ -222,8 +214,8 @@ def _new_addressing(make_case, spec_case, T, mix):
                      pad_to=bucket if T < bucket else None)
 
 
-LAUNCHES = {"v3": dict(fused=False, **VERSIONS["v3"]), "v4": dict(fused=False, **VERSIONS["v4"]),
-            "v5": dict(fused=False, **VERSIONS["v5"]), "fused": dict(fused=True)}
+LAUNCHES = {"expand": dict(fused=False, **VERSIONS["expand"]), "expand_tiles": dict(fused=False, chunks=False),
+            "expand_stream": dict(fused=False, **VERSIONS["expand_stream"]), "fused": dict(fused=True)}
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
@@ -320,13 +312,13 @@ def test_bad_arguments_refused_before_launch(make_case):
     np.testing.assert_array_equal(host(y, "float32"), case.y0)
 
 
-@pytest.mark.parametrize("T,version,kernels", [(16, None, ["fused v3"]), (300, "v3", ["shrink v3", "expand v3"]),
-                                               (300, "v5", ["shrink v5", "expand v5"])])
+@pytest.mark.parametrize("T,version,kernels", [(16, None, ["fused"]), (300, "expand", ["shrink", "expand"]),
+                                               (300, "expand_stream", ["shrink", "expand_stream"])])
 def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
     from lora_cupy.backends.cupy import check_call
 
     case = make_case(T=T, in_f=256, slices=(512,), max_rank=64, ranks=(16, 64), dtype="bfloat16", mix="uniform")
-    kw = dict(shrink=version, expand=version) if version else {}
+    kw = dict(expand=version) if version else {}
     be = backend_for(case.spec, **kw)
     call = check_call(be.limits, dev(case.y0), dev(case.x), dev_weights(case.w), dev(case.token_order),
                       dev(case.slot_indptr))
