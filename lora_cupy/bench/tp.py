@@ -1,7 +1,11 @@
 """``lora-cupy bench tp [--json FILE]``: a tensor-parallel LoRA decode step against the same
 step on the base model, and what the lockstep costs, on ``--world`` GPUs of one host (NCCL).
 
-Each rank is a process holding its shard of a stack of Llama-shaped layers made of
+Two models, each rank a process holding its shard. A Hugging Face Llama (random weights, 4
+layers of hidden 4096 by default) sharded as the integration serves it: q/k/v and gate/up
+column-parallel, o and down row-parallel with an NCCL all-reduce after them, every projection's
+delta added by :func:`~lora_cupy.integrations.attach` before the all-reduce; its rows time a
+decode step with ``CACHED`` tokens cached per request. And a stack of Llama-shaped layers made of
 column-parallel and row-parallel linears: ``qkv_proj`` (q, k, v slices) and ``gate_up_proj``
 (gate, up slices) split by output, ``o_proj`` and ``down_proj`` split by input, an NCCL
 all-reduce after each of those two. Attention is left out (q, k and v meet elementwise), so the
@@ -9,7 +13,7 @@ adapters' share of the step is larger than in a whole model. Every rank's pool s
 ``--adapters`` random rank ``--rank`` adapters (in memory), one delta launch per target per
 layer; the ranks run in lockstep (``LockstepRank``).
 
-Rows, medians over ``--reps``:
+Rows, medians over ``--reps`` (the Llama's: its base and LoRA decode steps, as below):
 
 - ``base``: a decode step (``--batch`` rows of one token) with every row on the base model: the
   pool plans no adapter row, so no delta launches. Device time between CUDA events on rank 0.
@@ -21,8 +25,8 @@ Rows, medians over ``--reps``:
 - ``admit with a miss``: the leader's step whose one row misses: broadcast, the agreement,
   the victim's weights queued to the device, plan.
 
-``--tiny`` runs the same code on a small stack over gloo on the CPU (a smoke run; its times
-mean nothing). The table goes to stdout, every number to the JSON file with the date, the
+``--tiny`` runs the same code on small models over gloo on the CPU (a smoke run; its times
+mean nothing); ``--model`` picks the Llama's rows, the stack's, or both (the default). The table goes to stdout, every number to the JSON file with the date, the
 GPUs, the commit and the command.
 """
 
@@ -47,6 +51,13 @@ import numpy as np
 
 SHAPE = dict(hidden=4096, kv=1024, intermediate=14336, layers=4)
 TINY = dict(hidden=128, kv=32, intermediate=256, layers=2)
+#: The Llama rows' model (random weights, built from a config), and ``--tiny``'s.
+LLAMA = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+             num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
+LLAMA_TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, vocab_size=256, max_position_embeddings=1024)
+SHARDING = {"qkv_proj": "column", "gate_up_proj": "column", "o_proj": "row", "down_proj": "row"}
+CACHED = 128  # tokens each request of the Llama rows has in its cache when a decode step runs
 TIMEOUT = 300.0  # seconds any collective may take, and (times 3) the whole run
 
 
@@ -133,6 +144,100 @@ class ParallelStack:
         return h
 
 
+def shard_llama(model, rank: int, world: int):
+    """``model`` (a Hugging Face Llama, changed in place) as tensor-parallel rank ``rank`` holds
+    it: q/k/v and gate/up keep their rows ``rank``/``world`` (column-parallel), o and down their
+    columns (row-parallel); an all-reduce follows o and down, as a hook after the pool's."""
+    import torch
+    import torch.distributed as dist
+
+    def keep(lin, dim: int) -> None:
+        n = lin.weight.shape[dim] // world
+        w = lin.weight.data.narrow(dim, rank * n, n).clone()
+        lin.weight = torch.nn.Parameter(w, requires_grad=False)
+        lin.out_features, lin.in_features = w.shape
+
+    def all_reduce(_mod, _args, out):
+        dist.all_reduce(out)
+        return out
+
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj):
+            keep(lin, 0)
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            keep(lin, 1)
+    return lambda: [m.register_forward_hook(all_reduce) for layer in model.model.layers
+                    for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+
+
+def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool) -> dict:
+    """A sharded Llama's decode step (``CACHED`` tokens cached per request) with every row on
+    the base model, then spread over the adapters, the deltas added by ``attach``."""
+    import torch
+    import transformers
+
+    from ..engine.resource import ResourceReqConfig
+    from ..engine.tp import LockstepRank
+    from ..integrations import attach
+    from ..pool import LoraAdapterPool
+    from ..spec import LoraSpec
+
+    B, n_ad, reps = args["batch"], args["adapters"], args["reps"]
+    tp = LockstepRank(group, ingest_timeout=TIMEOUT)
+    cfg = transformers.LlamaConfig(**(LLAMA_TINY if args["tiny"] else LLAMA))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, args["dtype"])).eval()
+    spec = LoraSpec.from_model(model, num_slots=n_ad + 1, max_rank=args["rank"], dtype=args["dtype"], fuse=True,
+                               sharding=SHARDING, capture_buckets=(B, B * CACHED), tp_rank=rank, tp_size=world)
+    hooks = shard_llama(model, rank, world)
+    names = [f"l{i}" for i in range(n_ad)]
+    pool = LoraAdapterPool(spec, device, reader=memory_reader(args["rank"]),
+                           adapters={n: f"memory://{n}" for n in names}, **tp.pool_kwargs(read_timeout=TIMEOUT))
+    tp.add_pool(pool)
+    attach(model, pool)
+    hooks()
+    out = {}
+    try:
+        ids = torch.from_numpy(np.random.default_rng(3).integers(0, cfg.vocab_size, (B, CACHED + 1))).to(device)
+        for kind in ("base", "lora"):
+            rids = [f"{kind}{i}" for i in range(B)]
+            for i, rid in enumerate(rids):
+                tp.ingest_request(rid, ResourceReqConfig(None if kind == "base" else names[i % n_ad]))
+            for n in (names[:B] if kind == "lora" else ()):
+                pool.store.get(n).wait(TIMEOUT)
+            if tp.is_leader:
+                for rid in rids:
+                    pool.reserve(rid, "llm", ("llm",), False)
+            cache = transformers.DynamicCache(config=model.config)
+            with torch.inference_mode():
+                for tokens, x in ((CACHED, ids[:, :CACHED]), (1, ids[:, CACHED:])):
+                    res = tp.lead(rids, [tokens] * B) if tp.is_leader else tp.follow()
+                    if res.failed:
+                        raise RuntimeError(f"rank {rank}: rows failed at admit: {res.failed}")
+                    if tokens == 1:  # the decode step, timed; its cache goes back after each
+                        def decode():
+                            model(input_ids=x, past_key_values=cache, use_cache=True)
+                            cache.crop(-1)  # back to the CACHED tokens
+
+                        decode()
+                        out[f"llama_{kind}_ms"] = device_ms(decode, reps, cuda)
+                    else:
+                        model(input_ids=x, past_key_values=cache, use_cache=True)
+                    tp.finish()
+            for rid in rids:
+                if tp.is_leader:
+                    tp.remove_request(rid)
+        if tp.is_leader:
+            tp.stop()
+        else:
+            assert tp.follow() is None
+        return out
+    finally:
+        pool.close()
+
+
 def device_ms(fn, reps: int, cuda: bool) -> float:
     """Median over ``reps`` of ``fn``'s time between two CUDA events (wall time on the CPU)."""
     import torch
@@ -164,17 +269,30 @@ def host_us(fn, reps: int) -> float:
 
 def rank_main(rank: int, world: int, args: dict) -> dict:
     """One rank's part of the benchmark (every rank runs the same collectives in order)."""
+    from ..engine.tp import TPGroup
+
+    cuda = args["backend"] == "nccl"
+    device = f"cuda:{rank}" if cuda else "cpu"
+    group = TPGroup(timeout=TIMEOUT)
+    out = {}
+    if args["model"] in ("stack", "both"):
+        out.update(stack_rows(rank, world, args, group, device, cuda))
+    if args["model"] in ("llama", "both"):
+        out.update(llama_rows(rank, world, args, group, device, cuda))
+    return out
+
+
+def stack_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool) -> dict:
+    """The stack's base and LoRA steps, the lockstep's cost per step, agree, misses."""
     import torch
 
     from ..engine.resource import ResourceReqConfig
     from ..engine.tp import LockstepRank, TPGroup
     from ..pool import LoraAdapterPool
 
-    cuda = args["backend"] == "nccl"
-    device = f"cuda:{rank}" if cuda else "cpu"
     shape = TINY if args["tiny"] else SHAPE
     B, n_ad, reps = args["batch"], args["adapters"], args["reps"]
-    tp = LockstepRank(TPGroup(timeout=TIMEOUT), ingest_timeout=TIMEOUT)
+    tp = LockstepRank(group, ingest_timeout=TIMEOUT)
     spec = make_spec(shape, rank, world, n_ad, args["rank"], args["dtype"], B)
     names = [f"a{i}" for i in range(n_ad)]
     pool = LoraAdapterPool(spec, device, reader=memory_reader(args["rank"]),
@@ -303,11 +421,16 @@ def run(args, argv: list[str]) -> dict:
         if "error" in res:
             raise SystemExit(f"rank {res['rank']} failed: {res['error']}")
     lead = results[0]["value"]
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": _commit(), "gpus": _gpus(world, args.tiny), "command": " ".join(["lora-cupy bench tp", *argv]),
-            "shape": TINY if args.tiny else SHAPE, "world": world, "batch": args.batch, "adapters": args.adapters,
-            "rank": args.rank, "dtype": args.dtype, "reps": args.reps, "leader": lead,
-            "ratio": lead["lora_ms"] / lead["base_ms"]}
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": _commit(), "gpus": _gpus(world, args.tiny), "command": " ".join(["lora-cupy bench tp", *argv]),
+           "shape": TINY if args.tiny else SHAPE, "llama": LLAMA_TINY if args.tiny else LLAMA, "world": world,
+           "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "dtype": args.dtype,
+           "reps": args.reps, "leader": lead}
+    if "lora_ms" in lead:
+        out["ratio"] = lead["lora_ms"] / lead["base_ms"]
+    if "llama_lora_ms" in lead:
+        out["llama_ratio"] = lead["llama_lora_ms"] / lead["llama_base_ms"]
+    return out
 
 
 def _commit() -> str:
@@ -327,14 +450,20 @@ def _gpus(world: int, tiny: bool) -> list[str]:
 
 
 def markdown(r: dict) -> str:
-    lead = r["leader"]
-    lines = [f"TP={r['world']} decode step, batch {r['batch']}, {r['adapters']} adapters of rank {r['rank']}, "
-             f"{r['dtype']}, {r['shape']['layers']} layers (hidden {r['shape']['hidden']}, intermediate "
-             f"{r['shape']['intermediate']}); {', '.join(r['gpus']) or 'CPU (gloo, --tiny)'}; commit {r['commit']}",
-             "", "| row | time |", "|---|---|",
-             f"| base step | {lead['base_ms']:.3f} ms |",
-             f"| LoRA step | {lead['lora_ms']:.3f} ms ({r['ratio']:.2f}x base) |",
-             f"| lockstep per step (host: broadcast, admit, plan, finish) | {lead['lockstep_step_us']:.0f} us |"]
+    lead, sh, ll = r["leader"], r["shape"], r["llama"]
+    lines = [f"TP={r['world']} decode steps, batch {r['batch']}, {r['adapters']} adapters of rank {r['rank']}, "
+             f"{r['dtype']}; {', '.join(r['gpus']) or 'CPU (gloo, --tiny)'}; commit {r['commit']}",
+             "", "| row | time |", "|---|---|"]
+    if "llama_base_ms" in lead:
+        what = (f"Llama {ll['num_hidden_layers']} layers (hidden {ll['hidden_size']}), {CACHED} cached tokens "
+                "per request")
+        lines += [f"| {what}: base step | {lead['llama_base_ms']:.3f} ms |",
+                  f"| {what}: LoRA step | {lead['llama_lora_ms']:.3f} ms ({r['llama_ratio']:.2f}x base) |"]
+    if "base_ms" in lead:
+        what = f"stack {sh['layers']} layers (hidden {sh['hidden']}, intermediate {sh['intermediate']}, no attention)"
+        lines += [f"| {what}: base step | {lead['base_ms']:.3f} ms |",
+                  f"| {what}: LoRA step | {lead['lora_ms']:.3f} ms ({r['ratio']:.2f}x base) |",
+                  f"| lockstep per step (host: broadcast, admit, plan, finish) | {lead['lockstep_step_us']:.0f} us |"]
     for key, label in (("agree_nccl_us", "one agree (NCCL all-reduce MAX)"), ("agree_gloo_us", "one agree (gloo)"),
                        ("agree_us", "one agree (gloo)"), ("admit_miss_us", "a step whose row misses (leader host)")):
         if key in lead:
@@ -351,7 +480,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--misses", type=int, default=20, help="steps whose one row misses")
-    p.add_argument("--tiny", action="store_true", help="a small stack over gloo on the CPU (a smoke run)")
+    p.add_argument("--model", choices=["stack", "llama", "both"], default="both",
+                   help="the column/row-parallel stack's rows, the sharded Llama's, or both")
+    p.add_argument("--tiny", action="store_true", help="small models over gloo on the CPU (a smoke run)")
     p.add_argument("--json", help="write every number here")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
