@@ -16,7 +16,7 @@ planned ahead or lockstep.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .scheduler import SIDE_LANE, ScheduledBatch
@@ -45,8 +45,7 @@ class SideRun:
 @dataclass
 class _InFlight:
     batch: Any
-    future: Future
-    runs: list = field(default_factory=list)
+    future: Future  # the GPU thread's execute: a SideRun
 
 
 class SideStepLane:
@@ -59,7 +58,6 @@ class SideStepLane:
         self.stream = worker.new_stream(f"side{lane}")
         self.graphs = StepGraphs(self.stream, enabled=worker.use_graphs)  # captured on the lane's own stream
         self._inflight: _InFlight | None = None
-
 
     @property
     def busy(self) -> bool:
