@@ -315,3 +315,46 @@ def test_the_main_loop_on_its_own_thread(engine):
         time.sleep(0.01)
     w.stop()
     check_empty(eng)
+
+
+def test_submits_and_removes_from_many_threads_while_the_loop_runs(engine):
+    import threading
+    from concurrent.futures import CancelledError
+
+    eng = engine(num_slots=3, num_pages=9)
+    w = eng.worker
+    w.start()
+    reqs, futs, removed = {}, {}, set()
+    lock = threading.Lock()
+
+    def client(k):
+        rng = np.random.default_rng(k)
+        for i in range(6):
+            r = Request(f"c{k}-{i}", [None, *ADAPTERS][int(rng.integers(5))], prompt=int(rng.integers(16)),
+                        max_new_tokens=int(rng.integers(1, 6)), window=int(rng.integers(0, 3)))
+            f = w.submit(r)
+            with lock:
+                reqs[r.rid], futs[r.rid] = r, f
+            if rng.random() < 0.3:
+                time.sleep(float(rng.uniform(0, 0.003)))
+                w.remove(r.rid)
+                with lock:
+                    removed.add(r.rid)
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for rid, f in futs.items():
+        err = f.exception(timeout=30)
+        if err is None:
+            check_result(eng, reqs[rid], f.result())
+        else:
+            assert isinstance(err, CancelledError) and rid in removed
+    end = time.monotonic() + 10
+    while not w.idle():
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    w.stop()
+    assert sorted(w.removed) == sorted(futs)
+    check_empty(eng)
