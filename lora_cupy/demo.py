@@ -199,7 +199,9 @@ def run(args) -> dict:
                    "tokens": len(rec.tokens), "waited_steps": rec.admitted - rec.submitted,
                    "slot_hit": rec.hit}
             if reference is not None:
-                row["matches_peft"] = reference.generate(r.prompt, r.adapter, r.max_new_tokens, eos) == rec.tokens
+                c = reference.compare(r.prompt, r.adapter, rec.tokens, r.max_new_tokens, eos)
+                row["matches_peft"], row["peft_near_tie"] = c.equal, c.near_tie
+                row["parts_at"], row["peft_margin"] = c.index, c.margin
             rows.append(row)
     finally:
         tmp.cleanup()
@@ -207,6 +209,7 @@ def run(args) -> dict:
         "device": device, "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "requests": len(rows), "adapters": len(names), "slots": args.slots,
         "matching_peft": sum(r.get("matches_peft", False) for r in rows) if args.check else None,
+        "near_ties": sum(r.get("peft_near_tie", False) for r in rows) if args.check else None,
         "tokens": stats["tokens"], "seconds": round(wall, 2),
         "tokens_per_second": round(stats["tokens"] / wall, 1), "steps": stats["steps"],
         "slot_loads": stats["slot_loads"], "slot_hit_rate": stats["slot_hit_rate"],
@@ -247,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-len must be at least 20 + --max-new-tokens ({20 + args.max_new_tokens})")
     out = run(args)
     for r in out["rows"]:
-        match = "" if "matches_peft" not in r else ("  tokens = PEFT's" if r["matches_peft"] else "  MISMATCH")
+        match = ""
+        if "matches_peft" in r:
+            where = f" at token {r['parts_at']}" + ("" if r["peft_margin"] is None else
+                                                    f" (PEFT's margin there {r['peft_margin']:.1e})")
+            match = ("  tokens = PEFT's" if r["matches_peft"] else
+                     f"  tokens = PEFT's up to a near-tie{where}" if r["peft_near_tie"] else f"  MISMATCH{where}")
         print(f"{r['request']}  adapter {r['adapter']:<10} prompt {r['prompt']:>2}  tokens {r['tokens']:>2}  "
               f"waited {r['waited_steps']:>2} steps{match}")
     s = out["summary"]
@@ -258,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=2))
     if not args.check:
         return 0
-    ok = s["matching_peft"] == s["requests"]
-    print("every request's tokens equal PEFT's generation with its adapter alone" if ok else
-          f"MISMATCH: {s['requests'] - s['matching_peft']} of {s['requests']} requests differ from PEFT's generation")
-    return 0 if ok else 1
+    bad = s["requests"] - s["matching_peft"] - s["near_ties"]
+    ties = f" ({s['near_ties']} up to a near-tie of PEFT's own logits)" if s["near_ties"] else ""
+    print(f"every request's tokens equal PEFT's generation with its adapter alone{ties}" if not bad else
+          f"MISMATCH: {bad} of {s['requests']} requests differ from PEFT's generation")
+    return 0 if not bad else 1
