@@ -115,10 +115,13 @@ def test_graph_decode_generation_against_peft_and_eager(adapters, dtype):
         prefix = np.mean([_common_prefix(out[True][r.rid], other[r.rid]) / max(len(other[r.rid]), 1) for r in reqs])
         print(f"{dtype}: graph decode against {what}: {same}/{len(reqs)} requests equal token for token, "
               f"{prefix:.0%} of tokens before the first difference")
-        if dtype == torch.float32:
-            assert same == len(reqs)
+        if dtype == torch.float32:  # a near-tie of the logits may part one request
+            assert same >= len(reqs) - 1
         else:  # bf16: rounding may flip a near-tie, and the sequence diverges after it
             assert prefix >= 0.5
+    if dtype == torch.float32:
+        got = [ref.compare(r.prompt, r.adapter, out[True][r.rid], r.max_new_tokens, eos) for r in reqs]
+        assert all(c.ok for c in got), [c for c in got if not c.ok]
 
 
 def _common_prefix(a: list, b: list) -> int:
