@@ -10,6 +10,7 @@ orders: a remove that races an ingest (the follower's copy is read again and sti
 at the admit) and a reload that reaches a follower before the teardowns it needs. A follower
 whose copy outlives the pools' ``read_timeout`` fails its row on every rank; the sharded delta (column-parallel targets
 concatenated, row-parallel ones summed as the all-reduce would) equals the single-rank delta;
+two pools per rank (an encoder's, then the LLM's) admit and agree in one order everywhere;
 and a rank that dies mid-step, or stops answering, makes the others raise
 ``RankFailureError`` within the group's timeout.
 """
@@ -290,6 +291,7 @@ def history_worker(rank: int, world: int, seeds, steps: int, extra_phases: bool)
     if extra_phases:
         out["copy_timeout"] = copy_timeout_phase(rank, world)
         out["races"] = race_phase(rank, world)
+        out["two_nodes"] = two_node_phase(rank, world)
         out["shards"] = sharded_delta_phase(rank, world)
     return out
 
@@ -421,6 +423,62 @@ def race_phase(rank: int, world: int) -> dict:
         return out
     finally:
         pool.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Two pools per rank: a vision encoder's and the LLM's
+# ------------------------------------------------------------------------------------------------
+def two_node_phase(rank: int, world: int) -> dict:
+    """Each rank holds an encoder's pool and an LLM's; a request runs on the encoder, then on
+    the LLM. Each pool admits its node's rows and agrees in the same order on every rank
+    (the encoder's first), with one failed read on a follower failing its row everywhere."""
+    from lora_cupy.engine.tp import LockstepRank, TPGroup
+    from lora_cupy.pool import LoraAdapterPool
+
+    reader = FlakyReader(rank, 0)
+    tp = LockstepRank(TPGroup(timeout=COLLECTIVE_TIMEOUT), ingest_timeout=COLLECTIVE_TIMEOUT)
+    adapters = {a: f"synthetic/{a}" for a in TOUCHES}
+    reader.loading.update(adapters)
+    pools = {node: LoraAdapterPool(small_spec(num_slots=3, node=node), "cpu", reader=reader, adapters=adapters,
+                                   **tp.pool_kwargs(read_timeout=10.0)) for node in ("encoder", "llm")}
+    reader.loading.clear()
+    for p in pools.values():
+        tp.add_pool(p)
+    failed = []
+    try:
+        names = ["a0", "a1", "a3", "a0", "a4", "a1", "a3"]
+        for k, name in enumerate(names):
+            rid = f"q{k}"
+            if rank == 1 and k == 4:  # this follower's read of a4 fails (the leader's does not)
+                reader.fail_p = 1.0
+            tp.ingest_request(rid, ResourceReqConfig(name))
+            for p in pools.values():
+                p.store.get(name).wait(COLLECTIVE_TIMEOUT)
+            reader.fail_p = 0.0
+            for node in ("encoder", "llm"):  # the request's walk: the encoder, then the LLM
+                rows = [] if rid in failed else [rid]
+                if tp.is_leader:
+                    for r in rows:
+                        assert pools[node].reserve(r, node, ("encoder", "llm"), False) in (1, None)
+                    res = tp.lead(rows, nodes=[node] * len(rows))
+                else:
+                    res = tp.follow()
+                tp.check_lockstep(sorted(res.failed))
+                tp.finish()
+                failed += list(res.failed)
+                if tp.is_leader:
+                    for r in res.failed:
+                        tp.remove_request(r)
+            if tp.is_leader and k and f"q{k - 1}" not in failed:
+                tp.remove_request(f"q{k - 1}")
+        if tp.is_leader:
+            tp.stop()
+        else:
+            assert tp.follow() is None
+        return {"failed": sorted(failed), "agrees": tp.stats["agrees"]}
+    finally:
+        for p in pools.values():
+            p.close()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -612,6 +670,8 @@ def test_two_ranks_random_histories_copy_timeout_and_shards(tmp_path, adapter_di
     assert all(r["race"] == {"failed": [], "agrees": 2} for r in races), races
     assert races[1]["reload"]["waits"] >= 1 and races[0]["reload"]["waits"] == 0, races
     assert all(r["reload"]["failed"] == [] and r["reload"]["served"] for r in races), races
+    nodes = [v["two_nodes"] for v in values]
+    assert nodes[0] == nodes[1] and nodes[0]["failed"] == ["q4"], nodes  # rank 1's failed read, everywhere
     assert all(v["shards"]["worst"] < 1e-5 for v in values)
 
 
