@@ -120,3 +120,16 @@ def test_an_admit_that_raises_midway_can_still_be_rolled_back():
     kv.rollback_admit(step, ctx)
     assert kv.pages("a") == () and kv.free_pages == 4
     kv.check_valid()
+
+
+def test_slots_of_matches_slot_of():
+    kv = PagedKVCache(num_pages=9, page_size=3, width=4)
+    for rid, tokens in (("a", 7), ("b", 5)):
+        ingest(kv, rid, tokens)
+        assert kv.reserve(rid, "llm") == 1
+    admit(kv, ["b", "a"])
+    rids, pos = ["a", "b", "a", "b", "a"], [0, 4, 6, -1, 3]
+    want = [kv.slot_of(r, p) if p >= 0 else 0 for r, p in zip(rids, pos)]
+    assert kv.slots_of(rids, pos).tolist() == want
+    with pytest.raises(IndexError):
+        kv.slots_of(["b"], [6])

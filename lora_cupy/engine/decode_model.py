@@ -167,22 +167,22 @@ class DecodeModel:
         return StepOutput(bufs, rows)
 
     def stage(self, rows, bucket: int):
-        """Host inputs of a step: ``rows`` = [(rid, position, prompt)], from the KV page tables."""
-        H = self.hidden
-        n = len(rows)
+        """Host inputs of a step: ``rows`` = [(rid, position, prompt)], from the KV page tables.
+        Padding rows read and write the null page's first row."""
+        H, n = self.hidden, len(rows)
+        rids = [r[0] for r in rows]
+        pos = np.fromiter((r[1] for r in rows), np.int64, n)
+        prompts = np.fromiter((r[2] for r in rows), np.int64, n)
+        cols = np.arange(H, dtype=np.int64)
         rd = np.zeros((bucket, H), np.int64)
         wr = np.zeros((bucket, H), np.int64)
         keep = np.zeros((bucket, 1), np.float32)
         x0 = np.zeros((bucket, H), np.float32)
-        cols = np.arange(H, dtype=np.int64)
-        for i, (rid, pos, prompt) in enumerate(rows):
-            wr[i] = self.kv.slot_of(rid, pos) * H + cols
-            if pos == 0:
-                x0[i] = self.host_embed[prompt % self.vocab]
-            else:
-                rd[i] = self.kv.slot_of(rid, pos - 1) * H + cols
-                keep[i] = 1.0
-        # padding rows read and write the null page's first row
+        wr[:n] = self.kv.slots_of(rids, pos)[:, None] * H + cols
+        rd[:n] = self.kv.slots_of(rids, pos - 1)[:, None] * H + cols  # a first token reads the null row
+        first = pos == 0
+        keep[:n, 0] = ~first
+        x0[:n][first] = self.host_embed[prompts[first] % self.vocab]
         return {"rd": rd.reshape(-1), "wr": wr.reshape(-1), "keep": keep, "x0": x0, "n": n}
 
     def load_inputs(self, bufs: dict, staged: dict, keys=("rd", "wr", "keep", "x0")) -> None:

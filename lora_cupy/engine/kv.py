@@ -163,6 +163,24 @@ class PagedKVCache:
             raise IndexError(f"request {rid!r}: token {position} is past its {len(pages)} pages")
         return pages[page] * self.page_size + position % self.page_size
 
+    def slots_of(self, rids, positions) -> np.ndarray:
+        """``[rows]`` int64: the flat row of ``kv`` holding token ``positions[i]`` of ``rids[i]``,
+        0 (the null page's first row) where a position is negative."""
+        positions = np.asarray(positions, np.int64)
+        out = np.zeros(len(positions), np.int64)
+        ps = self.page_size
+        with self._lock:
+            for i, (rid, p) in enumerate(zip(rids, positions.tolist())):
+                if p < 0:
+                    continue
+                pages = self._pages.get(rid)
+                if pages is None:
+                    raise ValueError(f"request {rid!r} holds no KV pages")
+                if p // ps >= len(pages):
+                    raise IndexError(f"request {rid!r}: token {p} is past its {len(pages)} pages")
+                out[i] = pages[p // ps] * ps + p % ps
+        return out
+
     def pages(self, rid: Hashable) -> tuple[int, ...]:
         with self._lock:
             return tuple(self._pages.get(rid, ()))
