@@ -181,7 +181,20 @@ class LockstepRank:
     Build each pool with :meth:`pool_kwargs` (this rank's ``agree``, ``decides``, rank, world
     size and read timeout), then :meth:`add_pool` it. The leader calls :meth:`lead` per step and
     :meth:`remove_request` for teardowns; a follower loops on :meth:`follow` until it
-    returns None. Every rank calls :meth:`finish` once the step ran (or never will).
+    returns None. Every rank calls :meth:`finish` once the step ran (or never will). In each
+    rank's process, once ``torch.distributed`` is initialized (``torchrun`` or ``mp.spawn``)::
+
+        tp = LockstepRank(TPGroup())
+        tp.add_pool(LoraAdapterPool(spec, f"cuda:{tp.rank}", adapters=served, **tp.pool_kwargs()))
+        # the conductor, on any thread: tp.ingest_request(rid, ResourceReqConfig(name)), ...
+        if tp.is_leader:
+            res = tp.lead(rids, num_tokens)  # run the model on res.running, then:
+            tp.finish()
+            tp.remove_request(rid)  # a request that ended
+        else:
+            while (res := tp.follow()) is not None:
+                ...  # run the model on res.running
+                tp.finish()
     """
 
     def __init__(self, group: TPGroup, *, ingest_timeout: float = 30.0):
