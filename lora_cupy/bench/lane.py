@@ -6,11 +6,12 @@ layers add each request's LoRA delta through the pool, its state in a paged KV c
 request decoding ``--tokens`` tokens; every ``--window`` tokens a request's window goes to the
 codec node. Chain throughput is the chain's decode tokens over the span from its first step's
 start to its last step's landing (CUDA events on cuda, host time on the cpu), so codec work that
-runs after the chain is done does not count, and codec steps run on the chain do. Each mode runs
-twice; the second run is reported (the first compiles kernels and captures graphs).
+runs after the chain is done does not count, and codec steps run on the chain do. Each mode is
+warmed up once (kernels compile, graphs are captured), then the modes run interleaved,
+``--repeats`` times; the run of median throughput is reported per mode.
 
-The issue's target: with windows on the side lane the chain keeps at least 95% of its
-throughput alone, while the same windows on the chain cost it their full time.
+The target: with windows on the side lane the chain keeps at least 95% of its throughput alone,
+while the same windows on the chain cost it their full time.
 """
 
 from __future__ import annotations
@@ -49,45 +50,59 @@ def _engine(args, side_lane: bool):
     return eng
 
 
-def run_mode(args, mode: str) -> dict:
-    """One mode, run twice on one engine; the second run's figures."""
+def run_once(args, eng, mode: str, tag: str) -> dict:
+    """One run of a mode on its engine: every request decodes ``args.tokens`` tokens."""
     from ..engine.scheduler import CHAIN_LANE, SIDE_LANE
     from ..engine.worker import Request
 
-    eng = _engine(args, side_lane=(mode == "side"))
     w = eng.worker
     window = 0 if mode == "alone" else args.window
+    w.marks.clear()
+    before = w.stats["steps_codec"]
+    names = [None] + [f"a{i}" for i in range(args.adapters)]
+    futs = [w.submit(Request(f"{tag}-{i}", names[i % len(names)], prompt=i, max_new_tokens=args.tokens,
+                             window=window)) for i in range(args.requests)]
+    t0 = time.perf_counter()
+    w.drain(timeout=args.timeout)
+    wall = time.perf_counter() - t0
+    for f in futs:
+        f.result()
+    chain = [(s, e) for lane, _seq, s, e in w.marks if lane == CHAIN_LANE]
+    side = [(s, e) for lane, _seq, s, e in w.marks if lane == SIDE_LANE]
+    t_first = chain[0][0]
+    span = chain[-1][1].seconds_since(t_first)
+    inside = 0.0  # side-step time that falls inside the chain's span
+    for s, e in side:
+        inside += max(0.0, min(span, e.seconds_since(t_first)) - max(0.0, s.seconds_since(t_first)))
+    return {"mode": mode, "requests": args.requests, "tokens": args.tokens, "window": window,
+            "chain_steps": len(chain), "side_steps": len(side), "codec_steps": w.stats["steps_codec"] - before,
+            "chain_span_s": span, "chain_tokens_per_s": args.requests * args.tokens / span,
+            "chain_busy_s": sum(e.seconds_since(s) for s, e in chain),
+            "side_busy_s": sum(e.seconds_since(s) for s, e in side), "side_inside_chain_s": inside,
+            "wall_s": wall, "graphs_captured": len(w.chain.graphs)}
+
+
+def run_modes(args) -> dict:
+    """Every mode on an engine of its own: one warm-up run each (kernels compile, graphs are
+    captured), then ``args.repeats`` rounds, the modes interleaved in each so that drift in the
+    machine's speed falls on all of them; per mode, the run of median chain throughput, and
+    every run's figures."""
+    engines = {m: _engine(args, side_lane=(m == "side")) for m in MODES}
     try:
-        out = None
-        for rep in range(2):
-            w.marks.clear()
-            before = w.stats["steps_codec"]
-            names = [None] + [f"a{i}" for i in range(args.adapters)]
-            futs = [w.submit(Request(f"{rep}-{i}", names[i % len(names)], prompt=i, max_new_tokens=args.tokens,
-                                     window=window)) for i in range(args.requests)]
-            t0 = time.perf_counter()
-            w.drain(timeout=args.timeout)
-            wall = time.perf_counter() - t0
-            for f in futs:
-                f.result()
-            chain = [(s, e) for lane, _seq, s, e in w.marks if lane == CHAIN_LANE]
-            side = [(s, e) for lane, _seq, s, e in w.marks if lane == SIDE_LANE]
-            span = chain[-1][1].seconds_since(chain[0][0])
-            chain_busy = sum(e.seconds_since(s) for s, e in chain)
-            side_busy = sum(e.seconds_since(s) for s, e in side)
-            inside = 0.0  # side-step time that falls inside the chain's span
-            for s, e in side:
-                lo = max(0.0, s.seconds_since(chain[0][0]))
-                hi = min(span, e.seconds_since(chain[0][0]))
-                inside += max(0.0, hi - lo)
-            out = {"mode": mode, "requests": args.requests, "tokens": args.tokens, "window": window,
-                   "chain_steps": len(chain), "side_steps": len(side), "chain_span_s": span,
-                   "chain_tokens_per_s": args.requests * args.tokens / span, "chain_busy_s": chain_busy,
-                   "side_busy_s": side_busy, "side_inside_chain_s": inside, "wall_s": wall,
-                   "codec_steps": w.stats["steps_codec"] - before, "graphs_captured": len(w.chain.graphs)}
+        for m in MODES:
+            run_once(args, engines[m], m, "warm")
+        runs = {m: [] for m in MODES}
+        for rep in range(args.repeats):
+            for m in MODES:
+                runs[m].append(run_once(args, engines[m], m, f"r{rep}"))
+        out = {}
+        for m in MODES:
+            ranked = sorted(runs[m], key=lambda r: r["chain_tokens_per_s"])
+            out[m] = {**ranked[len(ranked) // 2], "runs": [r["chain_tokens_per_s"] for r in runs[m]]}
         return out
     finally:
-        eng.close()
+        for eng in engines.values():
+            eng.close()
 
 
 def _meta(argv) -> dict:
@@ -117,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec-width", type=int, default=2048)
     p.add_argument("--codec-layers", type=int, default=96, help="codec work per window batch (default 96 layers)")
     p.add_argument("--no-graphs", action="store_true", help="run the chain's steps eagerly")
+    p.add_argument("--repeats", type=int, default=5, help="measured rounds after a warm-up (default 5)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
@@ -126,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
         idx = int(args.device.split(":")[1]) if ":" in args.device else 0
         meta["device"] = cupy.cuda.runtime.getDeviceProperties(idx)["name"].decode()
-    results = {m: run_mode(args, m) for m in MODES}
+    results = run_modes(args)
     alone = results["alone"]["chain_tokens_per_s"]
     summary = {"side_vs_alone": results["side"]["chain_tokens_per_s"] / alone,
                "on_chain_vs_alone": results["on_chain"]["chain_tokens_per_s"] / alone,
