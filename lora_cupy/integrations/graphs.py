@@ -60,7 +60,6 @@ class DecodeGraphs:
         self.out = torch.zeros(self.rows, dtype=torch.long, device=dev)
         self._graphs: dict[tuple, object] = {}
         self.capture = capture
-        self._mempool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0
         self.replays = 0
         self.last = None  # the graph replayed last (the e2e benchmark times its replays)
@@ -91,7 +90,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the pool's reader thread may be reading an adapter meanwhile
-        with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._decode(bucket)
         self.captures += 1
         return graph
