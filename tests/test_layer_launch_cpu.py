@@ -4,6 +4,7 @@ capture bucket's views, and x / y refused before anything launches."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
 import numpy as np
@@ -76,6 +77,7 @@ class _FakeBackend:
 
     def __init__(self, limits):
         self.limits = limits
+        self.device = contextlib.nullcontext()  # the context packing runs in
         self.prepared, self.launched = [], []
 
     def _kernels(self, call):
