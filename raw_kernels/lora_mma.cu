@@ -27,17 +27,17 @@
 //   lora_expand  (one expand task a block): unfused launches but those of expand_stream's buckets.
 //   lora_expand_stream (expand_stream.cuh): the same expand tasks with y streamed through registers
 //     by each warp on its own; chosen for the buckets where it measured fastest (256 positions).
-//   lora_fused   (both in one launch, chunked): launches of 64 positions or fewer (decode). Each
-//     block takes a ticket when it starts, shrink tasks first, and an expand task (after
-//     prefetching its y and B) waits for its chunk's ready count, raised only by blocks already
-//     running.
+//   lora_fused<..., CHUNKED> (both in one launch): launches of 64 positions or fewer (decode), on
+//     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
+//     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink
+//     tasks first, and an expand task (after prefetching its y and B) waits for its unit's ready
+//     count, raised only by blocks already running.
 // Kernels tried and not chosen anywhere (each warp streaming x through registers; per-warp rings of
 // cp.async stages) are kept in raw_kernels/dev/, outside the wheel, with their measurements in NOTES.md.
 // Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R], scaling [S, n] f32,
 // ranks [S, n] i32, out_offsets [n + 1] i32 (null: one slice), token_order [positions] i32,
 // slot_indptr [S + 1] i32, ws = v [bucket, n, rw] f32 (rw = R rounded up to 16), counters i32:
 // [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 * units) v readers done.
-// chunked: 1 = work units are chunks of one slot (else tiles).
 // flags: 1 = x and A take 16-byte loads, 2 = B does, 4 = y does (else element-wise paths).
 #include "common.cuh"
 
@@ -60,7 +60,8 @@ struct Args {
   float* ws;
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
-      col_blocks, cpb, chunked, flags;
+      col_blocks, cpb, flags;
+  int chunked = 0;  // work units are chunks of one slot (lora_fused<..., true>), else tiles
   __device__ int rank_blocks() const { return (max_rank + 63) / 64; }
   __device__ int tiles(int bm) const { return (bucket + bm - 1) / bm; }
   // Work units a launch is sized for: tiles of BM positions, or (chunked) the most chunks of one
@@ -294,7 +295,7 @@ struct Shrink {
   static constexpr int SMEM = STAGES * STAGE * (int)sizeof(T);
 };
 
-template <typename T, int BM>
+template <typename T, int BM, bool CHUNKED>
 __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u,
                             bool fused) {
   using C = Shrink<T, BM>;
@@ -303,7 +304,7 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   int splits = g.splits, k_split = g.k_split;
   ShrinkTask task;
-  if (g.chunked) {  // the grid spread over the step's chunks: u past them has nothing to do
+  if constexpr (CHUNKED) {  // the grid spread over the step's chunks: u past them has nothing to do
     count_chunks<BM>(tr, s_indptr, g.slot_indptr, g.num_slots, g.positions);
     const Spread d = spread_of(g, BM, C::KC, tr.chunks);
     splits = d.splits;
@@ -526,7 +527,7 @@ struct ExpandWalk {
   bool first, done;                 // first: the first step of its column block
 };
 
-template <typename T, int BM, int BN>
+template <typename T, int BM, int BN, bool CHUNKED>
 __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u,
                             bool fused) {
   using C = Expand<T, BM, BN>;
@@ -537,7 +538,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   int groups = g.col_groups(), cpb = g.cpb, splits = g.splits;
-  if (g.chunked) {  // the grid spread over the step's chunks: u past them has nothing to do
+  if constexpr (CHUNKED) {  // the grid spread over the step's chunks: u past them has nothing to do
     count_chunks<BM>(tr, s_indptr, g.slot_indptr, g.num_slots, g.positions);
     const Spread d = spread_of(g, BM, Shrink<T, BM>::KC, tr.chunks);
     groups = d.groups;
@@ -764,16 +765,16 @@ __host__ __device__ constexpr int fused_smem() {
 // tasks first (every chunk's, split and rank block), then expand tasks, so an expand task only
 // ever waits for shrink tasks of blocks already running. The last block to finish resets the
 // ticket, done and ready counts for the next launch.
-template <typename T, int BM, int BN>
+template <typename T, int BM, int BN, bool CHUNKED>
 __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int blocks) {
   __shared__ int ticket;
-  const int units = g.units(BM);  // a fused launch is chunked: expand tasks wait on chunks
+  const int units = g.units(BM);
   const int n_shrink = units * g.splits * g.n_slices * g.rank_blocks();
   if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
   __syncthreads();
   const int u = ticket;
-  if (u < n_shrink) shrink_task<T, BM>(g, dsmem, s_indptr, tr, u, true);
-  else expand_task<T, BM, BN>(g, dsmem, s_indptr, tr, u - n_shrink, true);
+  if (u < n_shrink) shrink_task<T, BM, CHUNKED>(g, dsmem, s_indptr, tr, u, true);
+  else expand_task<T, BM, BN, CHUNKED>(g, dsmem, s_indptr, tr, u - n_shrink, true);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -794,11 +795,11 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
       const int *out_offsets, const int *token_order, const int *slot_indptr, float *ws, int *counters, \
       int num_slots, int n_slices, int max_rank, int in_features, int out_features, int bucket,        \
-      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int chunked, int flags
+      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int flags
 #define LORA_ARGS                                                                                  \
   lora::Args<T> g{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters,  \
                   num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw,  \
-                  splits, k_split, col_blocks, cpb, chunked, flags}
+                  splits, k_split, col_blocks, cpb, flags}
 
 // Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
 // Blocks per multiprocessor the shrink's registers are capped for (tuning runs may set it): 4,
@@ -814,8 +815,8 @@ __global__ void __launch_bounds__(128, LORA_SHRINK_BLOCKS) lora_shrink(LORA_PARA
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
   lora::require_smem(lora::Shrink<T, BM>::SMEM + 4 * (num_slots + 1));
-  lora::shrink_task<T, BM>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Shrink<T, BM>::SMEM), tr,
-                           blockIdx.x, false);
+  lora::shrink_task<T, BM, false>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Shrink<T, BM>::SMEM), tr,
+                                  blockIdx.x, false);
 }
 
 template <typename T, int BM, int BN>
@@ -824,18 +825,20 @@ __global__ void __launch_bounds__(128) lora_expand(LORA_PARAMS) {
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
   lora::require_smem(lora::Expand<T, BM, BN>::SMEM + 4 * (num_slots + 1));
-  lora::expand_task<T, BM, BN>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Expand<T, BM, BN>::SMEM), tr,
-                               blockIdx.x, false);
+  lora::expand_task<T, BM, BN, false>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Expand<T, BM, BN>::SMEM),
+                                      tr, blockIdx.x, false);
 }
 
-template <typename T, int BM, int BN>
+// CHUNKED: work units are chunks of one slot (buckets of 2 to 32 positions), else tiles.
+template <typename T, int BM, int BN, bool CHUNKED>
 __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
+  g.chunked = CHUNKED;
   lora::require_smem(lora::fused_smem<T, BM, BN>() + 4 * (num_slots + 1));
-  lora::fused_task<T, BM, BN>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::fused_smem<T, BM, BN>()), tr,
-                              gridDim.x);
+  lora::fused_task<T, BM, BN, CHUNKED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::fused_smem<T, BM, BN>()),
+                                       tr, gridDim.x);
 }
 
 // lora_expand_stream (expand_stream.cuh): registers capped for 4 blocks per multiprocessor;

@@ -32,7 +32,8 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     names = set(kernels.FAMILIES[kernels.mma_family(dtype)].name_expressions)
     ct = kernels.CUDA_TYPES[dtype]
     wanted = {f"lora_shrink<{ct}, {bm}>" for bm in kernels.MMA_SHRINK_BM}
-    wanted |= {f"lora_{k}<{ct}, {bm}, {bn}>" for k in ("expand", "fused") for bm, bn in kernels.MMA_TILES}
+    wanted |= {f"lora_expand<{ct}, {bm}, {bn}>" for bm, bn in kernels.MMA_TILES}
+    wanted |= {f"lora_fused<{ct}, {bm}, {bn}, {c}>" for bm, bn in kernels.MMA_TILES for c in ("false", "true")}
     wanted |= {f"lora_expand_stream<{ct}, {bm}>" for bm, _ in kernels.MMA_TILES}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
@@ -159,7 +160,7 @@ def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R
             assert p.shrink_blocks == p.tiles * p.splits * n * p.rank_blocks
             assert p.k_split % (128 // cb._ITEMSIZE[dtype]) == 0 and p.splits * p.k_split >= in_f
             f = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=True, expand=version)
-            assert (f.expand, f.chunks) == ("expand", True)
+            assert (f.expand, f.chunks) == ("expand", cb.default_chunks(b))
 
 
 def test_each_shipped_kernel_is_a_default_somewhere_and_a_pools_rank_changes_none():
@@ -206,32 +207,36 @@ def test_fused_units_hold_every_chunk_of_any_addressing():
                     assert units == bucket
 
 
-def test_fused_plans_fill_about_a_wave_whatever_the_bucket():
+def test_chunked_plans_fill_about_a_wave_whatever_the_bucket():
     for b in (1, 16, 64):
         for S in (2, 9, 33):
             for out in (4096, 28672):
-                p = cb.plan_launch(b, 4096, out, 1, 16, "bfloat16", num_slots=S)
-                assert p.fused and p.tiles == cb.fused_units(b, p.bm, S)
+                p = cb.plan_launch(b, 4096, out, 1, 16, "bfloat16", num_slots=S, chunks=True)
+                assert p.fused and p.chunks and p.tiles == cb.fused_units(b, p.bm, S)
                 assert p.tiles * p.splits < cb.FUSED_SHRINK_PER_SM * cb.DEFAULT_SMS + p.tiles
                 assert p.expand_blocks <= max(p.tiles, cb.FUSED_EXPAND_PER_SM * cb.DEFAULT_SMS)
                 assert (p.col_blocks - 1) * p.bn < out <= p.col_blocks * p.bn
 
 
-def test_chunks_where_the_step_is_small_and_only_for_the_tiled_kernels():
+def test_chunks_where_the_step_is_small_and_only_for_the_fused_kernel():
+    assert [b for b in DEFAULT_CAPTURE_BUCKETS if cb.default_chunks(b)] == [2, 4, 8, 16, 32]
     for b in DEFAULT_CAPTURE_BUCKETS:
         p = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
-        assert p.chunks == (p.fused or cb.default_chunks(b))
-        assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True).chunks
-        tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False, chunks=False)
+        assert p.chunks == cb.default_chunks(b)
+        assert p.tiles == (cb.fused_units(b, p.bm, 33) if p.chunks else -(-b // p.bm))
+        assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=True).chunks
+        tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=False)
         assert not tiles.chunks and tiles.tiles == -(-b // tiles.bm)
-        # expand_stream reads tiles: never chunks, whatever is asked
-        assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
-                                  expand="expand_stream", chunks=True).chunks
+        for expand in kernels.EXPAND_KERNELS:  # lora_shrink and the expands run tiles, whatever is asked
+            assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
+                                      expand=expand, chunks=True).chunks
 
 
 def test_tile_and_fused_overrides():
     p = cb.plan_launch(4096, 4096, 4096, 1, 16, "float16", num_slots=33, tile=16, fused=True)
-    assert (p.bm, p.bn, p.fused, p.tiles) == (16, 64, True, 256 + 32)  # chunks: tiles + slots - 1
+    assert (p.bm, p.bn, p.fused, p.tiles) == (16, 64, True, 256)
+    c = cb.plan_launch(4096, 4096, 4096, 1, 16, "float16", num_slots=33, tile=16, fused=True, chunks=True)
+    assert (c.fused, c.chunks, c.tiles) == (True, True, 256 + 32)  # chunks: tiles + slots - 1
     with pytest.raises(ValueError, match="tile"):
         cb.plan_launch(64, 4096, 4096, 1, 16, "float16", num_slots=33, tile=48)
 
@@ -357,12 +362,12 @@ def test_versions_table_picks_the_fastest_correct_launch():
     lines = bench._versions_table([res]).splitlines()
     assert len(lines) == 3 and lines[2].startswith(row.label[:40])
     cells = lines[2][40:].split()
-    assert cells[2] == "ERR" and cells[5] == "default"  # over tolerance never wins
+    assert cells[2] == "ERR" and cells[6] == "default"  # over tolerance never wins
     assert cells[cells.index("|") - 1] == "no"  # 73 us: 36% of a 26 us floor
     assert lines[2].endswith("| 20.0 50.0 -")  # shrink and expand alone; expand_stream not timed alone
     res["kernels"]["expand_stream"] = k(36.0)
     cells = bench._versions_table([res]).splitlines()[2][40:].split()
-    assert cells[5] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
+    assert cells[6] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
     alone = {**res, "kernels": {"default": k(9.0)}}
     assert len(bench._versions_table([alone]).splitlines()) == 2  # a row timed alone is left out
 

@@ -72,15 +72,18 @@ def test_environment_defines_are_parsed_and_bad_ones_refused(monkeypatch):
 
 def test_code_sizes_count_every_kernel_of_a_family():
     """Instruction counts from the CUBIN NVRTC builds: one per name expression, the SIMT kernels
-    far smaller than the tensor-core ones, and the fused kernel (shrink and expand in one) larger
-    than its shrink alone."""
+    far smaller than the tensor-core ones, the fused kernel (shrink and expand in one) larger than
+    its shrink alone, and its chunked instantiation larger than the one on tiles."""
     simt = kernels.code_sizes("lora_delta")
     assert set(simt) == set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert all(50 < n < 2000 for n in simt.values())
     mma = kernels.code_sizes(kernels.mma_family("bfloat16"))
     assert set(mma) == set(kernels.FAMILIES[kernels.mma_family("bfloat16")].name_expressions)
     assert min(mma.values()) > max(simt.values())
-    assert mma["lora_fused<__nv_bfloat16, 16, 64>"] > mma["lora_shrink<__nv_bfloat16, 16>"]
+    for chunks in ("false", "true"):
+        assert mma[f"lora_fused<__nv_bfloat16, 16, 64, {chunks}>"] > mma["lora_shrink<__nv_bfloat16, 16>"]
+    # the chunk count and spread are in the chunked instantiation only
+    assert mma["lora_fused<__nv_bfloat16, 16, 64, true>"] > mma["lora_fused<__nv_bfloat16, 16, 64, false>"]
 
 
 def test_elf_section_reader_refuses_what_is_not_a_cubin():

@@ -89,8 +89,8 @@ class LaunchPlan:
     ``bm`` positions per tile (shared by shrink and expand), ``bn`` output columns per column
     block and ``cpb`` column blocks per expand block, ``splits`` blocks over ``in`` per shrink
     tile (``k_split`` features each). ``tiles`` counts the work units the launch is sized for:
-    tiles of ``bm`` positions, or where ``chunks`` (always in a fused launch) chunks of one slot
-    each (a slot's range cut into pieces of at most ``bm`` from its start: fewer than
+    tiles of ``bm`` positions, or where ``chunks`` (a fused launch only, ``default_chunks``) chunks
+    of one slot each (a slot's range cut into pieces of at most ``bm`` from its start: fewer than
     ``ceil(bucket / bm) + num_slots - 1``, at most one per position), so a step's slots run side
     by side rather than one after another in a tile; a chunked launch's kernels spread its grid
     over the chunks the step has (finer split-K and column groups when they are few). ``expand``
@@ -150,9 +150,12 @@ def fused_units(bucket: int, bm: int, num_slots: int) -> int:
 
 
 def default_chunks(bucket: int) -> bool:
-    """Whether an unfused launch's work units are chunks of one slot (a fused one's always are):
-    where the step is small enough that a tile's runs in series would set its time."""
-    return bucket <= 64
+    """Whether a fused launch's work units are chunks of one slot rather than tiles: from 2 to 32
+    positions. Measured on an H200 (raw_kernels/NOTES.md, "Decode without runs in series"): at 16
+    positions chunks take 8 adapters from 19.3 to 14.1 us (rank 64: 34.5 to 20.7); one position is
+    one run either way and tiles were 1-2 us faster (the chunk count is a round of loads more), and
+    at 64 positions tiles were as fast or faster on all but one row."""
+    return 1 < bucket <= 32
 
 
 def default_fused(bucket: int) -> bool:
@@ -180,9 +183,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it).
 
-    A chunked launch (``chunks``: always when fused, else ``default_chunks``; ``lora_expand_stream``
-    reads tiles only) sizes its grid at about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM``
-    expand blocks per multiprocessor, which its kernels spread over the chunks a step has.
+    A chunked launch (fused only: ``chunks``, by default ``default_chunks``) sizes its grid at
+    about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM`` expand blocks per
+    multiprocessor, which its kernel spreads over the chunks a step has.
 
     Split-K aims at about four shrink blocks per multiprocessor (each split adds its partial v
     with 16-byte reductions at L2), never below one stage of ``in`` per block, counting one rank
@@ -202,8 +205,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     expand = "expand" if fused else (default_expand(bucket) if expand is None else str(expand))
     if expand not in EXPAND_KERNELS:
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
-    if fused or expand != "expand":
-        chunks = fused
+    if not fused:
+        chunks = False  # lora_shrink and lora_expand run tiles only
     elif chunks is None:
         chunks = default_chunks(bucket)
     tiles = fused_units(bucket, bm, num_slots) if chunks else _ceil(bucket, bm)
@@ -624,9 +627,10 @@ class CupyBackend:
             fn = mod.get_function(f"lora_expand<{ct}, {bm}, {bn}>")
             fn.max_dynamic_shared_size_bytes = expand_smem(dtype, bm, bn) + extra
             self._fns[(dtype, "expand", bm)] = fn
-            fn = mod.get_function(f"lora_fused<{ct}, {bm}, {bn}>")
-            fn.max_dynamic_shared_size_bytes = fused_smem(dtype, bm, bn) + extra
-            self._fns[(dtype, "fused", bm)] = fn
+            for chunks in (False, True):
+                fn = mod.get_function(f"lora_fused<{ct}, {bm}, {bn}, {str(chunks).lower()}>")
+                fn.max_dynamic_shared_size_bytes = fused_smem(dtype, bm, bn) + extra
+                self._fns[(dtype, "fused", bm, chunks)] = fn
             fn = mod.get_function(f"lora_expand_stream<{ct}, {bm}>")
             fn.max_dynamic_shared_size_bytes = extra  # slot_indptr alone
             self._fns[(dtype, "expand_stream", bm)] = fn
@@ -713,13 +717,13 @@ class CupyBackend:
                                             i32(plan.bucket), i32(call.rw), i32(per)), 0, None, None)]
         args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
-                i32(plan.col_blocks), i32(plan.cpb), i32(plan.chunks), i32(call.flags))
+                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags))
         extra = 4 * (S + 1)  # slot_indptr, after the stages
         mma = lambda name, key, blocks, smem: KernelCall(  # noqa: E731
             name, self._kernel_fn(dtype, key), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
             len(args) - 1)
         if plan.fused:
-            return [mma("fused", ("fused", plan.bm), plan.shrink_blocks + plan.expand_blocks,
+            return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
         out_calls = []
         if "shrink" in parts:

@@ -511,10 +511,11 @@ def layer_table(layer: list[dict]) -> str:
 VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
                               for t in (16, 32, 64) for f in (False, True)}}
 #: Launches timed side by side with the default, by the names of what they run: on rows whose
-#: bucket launches shrink and expand apart, each expand kernel; on decode rows (a fused, chunked
-#: launch by default), the unfused pair on chunks and on tiles.
+#: bucket launches shrink and expand apart, each expand kernel; on decode rows (a fused launch by
+#: default), the fused kernel on chunks and on tiles, and the unfused pair.
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream")}
-DECODE_VERSIONS = {"unfused": dict(fused=False), "unfused_tiles": dict(fused=False, chunks=False)}
+DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
+                   "unfused": dict(fused=False)}
 
 
 def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
@@ -613,8 +614,8 @@ def _versions_table(results: list[dict]) -> str:
     issue's bars."""
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
     alone_keys = ["shrink", *VERSIONS]
-    short = {"default": "default", "expand": "expand", "expand_stream": "stream", "unfused": "unfused",
-             "unfused_tiles": "tiles"}
+    short = {"default": "default", "expand": "expand", "expand_stream": "stream", "fused_chunks": "chunks",
+             "fused_tiles": "tiles", "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))
     lines = ["launches side by side (us; ERR = over tolerance, '-' = not run)", head]

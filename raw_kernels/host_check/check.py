@@ -7,7 +7,7 @@ the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poiso
 and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
-    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream] [--tiles-only]
+    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream] [--tiles-only | --chunks]
         [--sms 1] [--misalign] [--asan] [--cp-async late|early]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
@@ -133,7 +133,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
-    code = 0 if plan.fused else {"expand": 3, "expand_stream": 4}[plan.expand]
+    code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4}[plan.expand]
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, plan.shrink_blocks,
                        plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--tiles", default="16,32,64")
     ap.add_argument("--expand", default="expand", choices=cb.EXPAND_KERNELS)
-    ap.add_argument("--tiles-only", action="store_true", help="unfused launches of tiles even where chunks are the default")
+    ap.add_argument("--tiles-only", action="store_true", help="tiles even where chunks are the default")
+    ap.add_argument("--chunks", action="store_true", help="(fused) chunks of one slot even where tiles are the default")
     ap.add_argument("--cp-async", default="late", choices=("late", "early"),
                     help="when an emulated cp.async lands: at the wait that retires it, or at once")
     ap.add_argument("--fused", action="store_true", help="the fused launch (chunks of one slot each)")
@@ -168,7 +169,7 @@ def main(argv=None) -> int:
                 for tile in (int(t) for t in args.tiles.split(",")):
                     case = build_case(rng, dtype=dt, **CASES[name])
                     plan = plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
-                                    chunks=False if args.tiles_only else None)
+                                    chunks=False if args.tiles_only else True if args.chunks else None)
                     t0 = time.time()
                     try:
                         y, flags = run(lib, case, plan, misalign=args.misalign)
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
                     except AssertionError as e:
                         fails += 1
                         status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
-                    kind = "fused" if plan.fused else f"shrink/{plan.expand}" + ("/chunks" if plan.chunks else "")
+                    kind = ("fused" if plan.fused else f"shrink/{plan.expand}") + ("/chunks" if plan.chunks else "")
                     print(f"{name:10s} {dt:9s} tile {tile:2d} {kind} units {plan.tiles:3d} splits {plan.splits:3d} "
                           f"cpb {plan.cpb:3d} {status} ({time.time() - t0:.1f}s)", flush=True)
         print(f"{fails} failed")

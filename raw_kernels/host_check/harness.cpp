@@ -103,17 +103,17 @@ template <typename T> static lora::Args<T> args() {
   return lora::Args<T>{(T*)L.y, (const T*)L.x, (const T*)L.A, (const T*)L.B, L.scaling, L.ranks, L.out_offsets,
                        L.token_order, L.slot_indptr, L.ws, L.counters, L.num_slots, L.n_slices, L.max_rank,
                        L.in_features, L.out_features, L.bucket, L.positions, L.rw, L.splits, L.k_split,
-                       L.col_blocks, L.cpb, L.chunked, L.flags};
+                       L.col_blocks, L.cpb, L.flags, L.chunked};
 }
 template <typename T, int BM> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::shrink_task<T, BM>(g, dsm.data(), s_indptr, tr, u, false);
+  lora::shrink_task<T, BM, false>(g, dsm.data(), s_indptr, tr, u, false);
 }
 template <typename T, int BM, int BN> static void expand_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::expand_task<T, BM, BN>(g, dsm.data(), s_indptr, tr, u, false);
+  lora::expand_task<T, BM, BN, false>(g, dsm.data(), s_indptr, tr, u, false);
 }
 template <typename T, int BM> static void stream_block(int u) {
   static lora::TileRows<BM> tr;
@@ -122,17 +122,19 @@ template <typename T, int BM> static void stream_block(int u) {
 }
 
 static int g_blocks = 0;
-template <typename T, int BM, int BN> static void fused_block(int u) {
+template <typename T, int BM, int BN, bool CHUNKED> static void fused_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::fused_task<T, BM, BN>(g, dsm.data(), s_indptr, tr, g_blocks);
+  lora::fused_task<T, BM, BN, CHUNKED>(g, dsm.data(), s_indptr, tr, g_blocks);
 }
 
-// expand 0: the fused launch (its blocks run in ticket order, every shrink task before any expand)
+// expand 0 / 1: the fused launch on tiles / chunks (its blocks run in ticket order, every shrink
+// task before any expand)
 template <typename T, int BM, int BN> static void run(int expand, int shrink_blocks, int expand_blocks) {
-  if (expand == 0) {
+  if (expand <= 1) {
     g_blocks = shrink_blocks + expand_blocks;
-    for (int u = 0; u < g_blocks; ++u) emu::run_block(fused_block<T, BM, BN>, u);
+    for (int u = 0; u < g_blocks; ++u)
+      emu::run_block(expand ? fused_block<T, BM, BN, true> : fused_block<T, BM, BN, false>, u);
     return;
   }
   for (int u = 0; u < shrink_blocks; ++u) emu::run_block(shrink_block<T, BM>, u);
@@ -148,7 +150,8 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
-// dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream) or 0 (the fused launch);
+// dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 0 / 1 (the fused
+// launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,

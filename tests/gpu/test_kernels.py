@@ -28,10 +28,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 #: the expand kernel of an unfused launch, by its name (lora_expand / lora_expand_stream)
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream")}
 VARIANTS = {f"mma{t}-fused": dict(kernel="mma", tile=t, fused=True) for t in (16, 32, 64)}
+VARIANTS.update({f"mma{t}-fused-{c}": dict(kernel="mma", tile=t, fused=True, chunks=c == "chunks")
+                 for t in (16, 64) for c in ("chunks", "tiles")})
 VARIANTS.update({f"mma{t}-{v}": dict(kernel="mma", tile=t, fused=False, **VERSIONS[v])
                  for t in (16, 32, 64) for v in VERSIONS})
-# an unfused launch at 64 positions or fewer runs chunks of one slot: tiles of runs asked for too
-VARIANTS.update({f"mma{t}-expand-tiles": dict(kernel="mma", tile=t, fused=False, chunks=False) for t in (16, 64)})
 VARIANTS["simt"] = dict(kernel="simt")
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -137,17 +137,16 @@ def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("tile", [16, 64])
 @pytest.mark.parametrize("T,mix", [(64, "distinct"), (61, "zipf"), (16, "uniform")])
-def test_chunks_of_a_step_over_many_slots(make_case, check, T, mix, tile, fused):
-    """Chunks of one slot each when slots outnumber tiles: a pool of 512 adapters, up to one per
-    position (every work unit used), each warp lane scanning 16 slots; fused and unfused."""
+def test_chunks_of_a_step_over_many_slots(make_case, check, T, mix, tile):
+    """The fused launch's chunks of one slot each when slots outnumber tiles: a pool of 512
+    adapters, up to one per position (every work unit used), each warp lane scanning 16 slots."""
     case = make_case(T=T, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), dtype="bfloat16",
                      mix=mix, num_slots=513, active=T)
-    be = backend_for(case.spec, tile=tile, fused=fused, chunks=True)
+    be = backend_for(case.spec, tile=tile, fused=True, chunks=True)
     plan = be.plan(T, dev_weights(case.w), "bfloat16")
-    assert plan.chunks and plan.fused == fused and plan.tiles == min(plan.bucket, -(-plan.bucket // tile) + 512)
+    assert plan.chunks and plan.fused and plan.tiles == min(plan.bucket, -(-plan.bucket // tile) + 512)
     check(case, run_cupy(be, case), "bfloat16")
 
 
@@ -214,8 +213,8 @@ def _new_addressing(make_case, spec_case, T, mix):
                      pad_to=bucket if T < bucket else None)
 
 
-LAUNCHES = {"expand": dict(fused=False, **VERSIONS["expand"]), "expand_tiles": dict(fused=False, chunks=False),
-            "expand_stream": dict(fused=False, **VERSIONS["expand_stream"]), "fused": dict(fused=True)}
+LAUNCHES = {"expand": dict(fused=False, **VERSIONS["expand"]), "expand_stream": dict(fused=False, **VERSIONS["expand_stream"]),
+            "fused_tiles": dict(fused=True, chunks=False), "fused_chunks": dict(fused=True, chunks=True)}
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
