@@ -172,9 +172,14 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int)
                     cuda_graphs=graphs and cuda, static_decode=graphs and not cuda)
     try:
         fill(gen, batch, 128, adapters, max_new=60)
-        for _ in range(3):  # both parities' graphs captured, slots loaded
-            gen.step()
-        assert len(gen.running) == batch and all(h.decode_rows == batch for h in gen.history[-3:])
+        for _ in range(3 + batch):  # until 3 steps in a row decode the whole batch: both parities'
+            gen.step()              # graphs captured, slots loaded, every prompt prefilled
+            if len(gen.running) == batch and len(gen.history) >= 3 and \
+                    all(h.decode_rows == batch for h in gen.history[-3:]):
+                break
+        else:
+            raise RuntimeError(f"{batch} requests did not come to decode together: {len(gen.running)} running, "
+                               f"last steps decoded {[h.decode_rows for h in gen.history[-3:]]}")
         if graphs and cuda:
             out = {"ms": event_ms(gen.graphs.last.replay, reps)}
         else:

@@ -115,11 +115,13 @@ class DecodeModel:
         self._bufs: dict[tuple[int, int], dict] = {}
         self.faults = Faults()
         self.early_reads = 0
-        # torch_layers: the base matmuls run in torch on the lane's stream, on views of the same
-        # buffers (DLPack on cuda, shared memory on the cpu); the deltas stay the pool's
-        self.torch_layers = torch_layers
+        # torch_layers: the matmuls (chain and codec) run in torch on the lane's stream, on views
+        # of the same buffers (DLPack on cuda, shared memory on the cpu); the deltas stay the
+        # pool's. Always so on cuda: CuPy refuses cuBLAS calls inside a stream capture.
+        self.torch_layers = torch_layers or self.device.is_cuda
         self._torch_streams: dict[int, object] = {}
-        self.wt_torch = [self._as_torch(w) for w in self.wt] if torch_layers else None
+        self.wt_torch = [self._as_torch(w) for w in self.wt] if self.torch_layers else None
+        self.wc_torch = [self._as_torch(w) for w in self.wc] if self.torch_layers else None
 
     def _dev(self, a: np.ndarray):
         return a.copy() if not self.device.is_cuda else self.device.xp.asarray(a)
@@ -130,20 +132,20 @@ class DecodeModel:
 
         return torch.from_dlpack(a) if self.device.is_cuda else torch.from_numpy(a)
 
-    def _torch_matmul(self, bufs: dict, layer: int) -> None:
-        """``y = x @ Wt[layer]`` in torch, on the current CuPy stream (an ExternalStream on cuda)."""
+    def _torch_matmul(self, x, w, y) -> None:
+        """``y = x @ w`` in torch (views of device buffers), on the current CuPy stream (an
+        ExternalStream on cuda)."""
         import torch
 
-        x, y = bufs["torch"]
         if not self.device.is_cuda:
-            torch.matmul(x, self.wt_torch[layer], out=y)
+            torch.matmul(x, w, out=y)
             return
         ptr = self.xp.cuda.get_current_stream().ptr
         ext = self._torch_streams.get(ptr)
         if ext is None:
             ext = self._torch_streams[ptr] = torch.cuda.ExternalStream(ptr, device=x.device)
         with torch.cuda.stream(ext):
-            torch.matmul(x, self.wt_torch[layer], out=y)
+            torch.matmul(x, w, out=y)
 
     # -- the chain -------------------------------------------------------------------------------
     def buffers(self, bucket: int, parity: int) -> dict:
@@ -203,7 +205,7 @@ class DecodeModel:
         xp.add(x, bufs["x0"], out=x)
         for layer in range(self.num_layers):
             if self.torch_layers:
-                self._torch_matmul(bufs, layer)
+                self._torch_matmul(*bufs["torch"][:1], self.wt_torch[layer], bufs["torch"][1])
             else:
                 xp.matmul(x, self.wt[layer], out=y)
             self.deltas[layer](y, x)
@@ -230,6 +232,8 @@ class DecodeModel:
             b = self._bufs[key] = {"ids": z(bucket * K, np.int64), "mask": z((bucket, K, 1), np.float32),
                                    "emb": z((bucket * K, C), np.float32), "v": z((bucket, C), np.float32),
                                    "t": z((bucket, C), np.float32)}
+            if self.torch_layers:
+                b["torch"] = (self._as_torch(b["v"]), self._as_torch(b["t"]))
         return b
 
     def codec_stage(self, windows, bucket: int) -> dict:
@@ -254,7 +258,10 @@ class DecodeModel:
         xp.multiply(e3, bufs["mask"], out=e3)
         xp.sum(e3, axis=1, out=v)
         for layer in range(self.codec_layers):
-            xp.matmul(v, self.wc[layer], out=t)
+            if self.torch_layers:
+                self._torch_matmul(bufs["torch"][0], self.wc_torch[layer], bufs["torch"][1])
+            else:
+                xp.matmul(v, self.wc[layer], out=t)
             xp.tanh(t, out=v)
 
     def codec(self, windows, parity: int = 0, graphs=None) -> StepOutput:

@@ -1,10 +1,11 @@
 """A Hugging Face model served through the pool on a CUDA device: the kernels inside the model's
 forward against PEFT, generation with CUDA-graph decode against PEFT and against eager steps.
 
-Tolerances: bfloat16 logits of each row within ``BF16_LOGITS_RTOL`` (relative norm) of PEFT's
-bf16 logits for that row's adapter alone, both against the float32 PEFT logits as the common
-reference; token agreement of bf16 greedy generation is reported (printed), float32 generation
-must agree token for token.
+Tolerances: each row's bfloat16 logits, against PEFT's float32 logits for that row's adapter
+alone (relative norm), err at most ``BF16_ERROR_FACTOR`` times as much as PEFT's own bfloat16
+logits do (its rounding is the yardstick: the delta here rounds v and the sum differently, once
+each); token agreement of bf16 greedy generation is reported (printed), float32 generation must
+agree token for token. Measured on an H200: 1.0x on the base row, 1.35-1.52x on adapter rows.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def _cuda_devices() -> int:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_cuda_devices() == 0, reason="needs a CUDA device")]
 
-#: ||ours - peft32|| / ||peft32||, per row, may exceed PEFT's own bf16 error by at most this much.
-BF16_LOGITS_RTOL = 2e-2
+#: ||ours - peft32|| / ||peft32|| per row, at most this many times PEFT's own bf16 error.
+BF16_ERROR_FACTOR = 2.0
 VOCAB = 64
 
 
@@ -80,7 +81,7 @@ def test_bf16_logits_within_tolerance_of_peft(adapters):
         ours = float((got[i] - want32).norm() / want32.norm())
         theirs = float((want16 - want32).norm() / want32.norm())
         print(f"row {i} ({adapter}): ours {ours:.2e}, PEFT bf16 {theirs:.2e} against PEFT fp32")
-        assert ours <= theirs + BF16_LOGITS_RTOL
+        assert ours <= BF16_ERROR_FACTOR * theirs + 1e-4
         agree += int((got[i].argmax(-1) == want16.argmax(-1)).sum())
     print(f"greedy agreement with PEFT bf16: {agree}/{ids.numel()} positions")
 
