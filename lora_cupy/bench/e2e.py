@@ -33,13 +33,14 @@ import datetime
 import inspect
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from . import commit
 
 MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
@@ -249,14 +250,6 @@ def peft_eager_row(model, adapters: dict, batch: int, reps: int) -> float:
 
         step()
         return event_ms(step, min(reps, 40))
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def run(args) -> dict:

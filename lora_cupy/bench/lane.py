@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import subprocess
 import sys
 import time
+
+from . import commit
 
 MODES = ("alone", "side", "on_chain")
 
@@ -108,11 +109,7 @@ def run_modes(args) -> dict:
 def _meta(argv) -> dict:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "lora-cupy bench lane " + " ".join(argv)}
-    try:
-        meta["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        check=True).stdout.strip()
-    except Exception:
-        meta["commit"] = None
+    meta["commit"] = commit()
     meta["device"] = "cpu"
     return meta
 

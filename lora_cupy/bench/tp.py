@@ -39,7 +39,6 @@ import multiprocessing
 import os
 import pickle
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +47,8 @@ import zlib
 from datetime import timedelta
 
 import numpy as np
+
+from . import commit
 
 SHAPE = dict(hidden=4096, kv=1024, intermediate=14336, layers=4)
 TINY = dict(hidden=128, kv=32, intermediate=256, layers=2)
@@ -422,7 +423,7 @@ def run(args, argv: list[str]) -> dict:
             raise SystemExit(f"rank {res['rank']} failed: {res['error']}")
     lead = results[0]["value"]
     out = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "gpus": _gpus(world, args.tiny), "command": " ".join(["lora-cupy bench tp", *argv]),
+           "commit": commit(), "gpus": _gpus(world, args.tiny), "command": " ".join(["lora-cupy bench tp", *argv]),
            "shape": TINY if args.tiny else SHAPE, "llama": LLAMA_TINY if args.tiny else LLAMA, "world": world,
            "batch": args.batch, "adapters": args.adapters, "rank": args.rank, "dtype": args.dtype,
            "reps": args.reps, "leader": lead}
@@ -431,14 +432,6 @@ def run(args, argv: list[str]) -> dict:
     if "llama_lora_ms" in lead:
         out["llama_ratio"] = lead["llama_lora_ms"] / lead["llama_base_ms"]
     return out
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(__file__), timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def _gpus(world: int, tiny: bool) -> list[str]:
