@@ -114,10 +114,14 @@ struct TileRows {
   int run_slot[BM], run_lo[BM], run_hi[BM];
   int nrun, pend;
   int warp_count[4];
-  int p0;                // the first position of the tile or chunk
-  int chunks;            // chunks of the step (chunked launches)
-  int lane_chunks[32];   // chunks up to and including each lane's slots (inclusive scan)
-  int chunk[3];          // first position, rows and slot of this block's chunk
+};
+
+// A chunked block's view of the step's chunks (shared memory of the chunked kernel only: the
+// tile kernels' shared memory stays as it was, which their blocks per multiprocessor depend on).
+struct ChunkScan {
+  int chunks;           // chunks of the step
+  int lane_chunks[32];  // chunks up to and including each lane's slots (inclusive scan)
+  int chunk[3];         // first position, rows and slot of this block's chunk
 };
 
 // Reads slot_indptr and the tile's token rows in one round of loads, then finds the runs.
@@ -138,10 +142,7 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
     tr.tok[tid] = s > 0 ? t : -1;
     tr.slot[tid] = s;
   }
-  if (tid == 0) {
-    tr.pend = pend;
-    tr.p0 = p0;
-  }
+  if (tid == 0) tr.pend = pend;
   __syncthreads();
   constexpr int NW = (BM + 31) / 32;
   const int lane = tid & 31, w = tid >> 5;
@@ -179,9 +180,9 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
 
 // The step's chunks: slot s's range of positions (s >= 1, clipped to `positions`) cut into
 // pieces of at most BM from its start, in slot order. Stages slot_indptr; one warp counts each
-// lane's run of slots and scans the counts; tr.chunks is their number (every thread, on return).
+// lane's run of slots and scans the counts; cs.chunks is their number (every thread, on return).
 template <int BM>
-__device__ void count_chunks(TileRows<BM>& tr, int* s_indptr, const int* __restrict__ slot_indptr, int num_slots,
+__device__ void count_chunks(ChunkScan& cs, int* s_indptr, const int* __restrict__ slot_indptr, int num_slots,
                              int positions) {
   const int tid = threadIdx.x;
   for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
@@ -195,30 +196,30 @@ __device__ void count_chunks(TileRows<BM>& tr, int* s_indptr, const int* __restr
       const int v = __shfl_up_sync(0xffffffffu, c, o);
       if (tid >= o) c += v;
     }
-    tr.lane_chunks[tid] = c;
-    if (tid == 31) tr.chunks = c;
+    cs.lane_chunks[tid] = c;
+    if (tid == 31) cs.chunks = c;
   }
   __syncthreads();
 }
 
-// Chunk k (< tr.chunks, after count_chunks) as a tile of one run: rows [0, m) hold positions
-// [p0, p0 + m) of one slot, so its token rows are one round of loads after the count.
+// Chunk k (< cs.chunks, after count_chunks) as a tile of one run: rows [0, m) hold positions
+// [p0, p0 + m) of one slot (p0 = cs.chunk[0]), so its token rows are one round of loads after the count.
 template <int BM>
-__device__ void find_chunk(TileRows<BM>& tr, const int* s_indptr, const int* __restrict__ token_order,
+__device__ void find_chunk(TileRows<BM>& tr, ChunkScan& cs, const int* s_indptr, const int* __restrict__ token_order,
                            int num_slots, int positions, int k) {
   static_assert(BM <= 128, "a chunk has at most 128 positions");
   const int tid = threadIdx.x;
   if (tid < 32) {
     const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
-    const int before = tid ? tr.lane_chunks[tid - 1] : 0;
+    const int before = tid ? cs.lane_chunks[tid - 1] : 0;
     int kk = k - before;
-    if (kk >= 0 && k < tr.lane_chunks[tid]) {
+    if (kk >= 0 && k < cs.lane_chunks[tid]) {
       for (int s = s0; s < s1; ++s) {
         const int lo = s_indptr[s], len = max(min(s_indptr[s + 1], positions) - lo, 0), nc = (len + BM - 1) / BM;
         if (kk < nc) {
-          tr.chunk[0] = lo + kk * BM;
-          tr.chunk[1] = min(BM, len - kk * BM);
-          tr.chunk[2] = s;
+          cs.chunk[0] = lo + kk * BM;
+          cs.chunk[1] = min(BM, len - kk * BM);
+          cs.chunk[2] = s;
           break;
         }
         kk -= nc;
@@ -226,18 +227,17 @@ __device__ void find_chunk(TileRows<BM>& tr, const int* s_indptr, const int* __r
     }
   }
   __syncthreads();
-  const int p0 = tr.chunk[0], m = tr.chunk[1];
+  const int p0 = cs.chunk[0], m = cs.chunk[1];
   if (tid < BM) {
     const bool in = tid < m;
     tr.tok[tid] = in ? token_order[p0 + tid] : -1;
-    tr.slot[tid] = in ? tr.chunk[2] : 0;
+    tr.slot[tid] = in ? cs.chunk[2] : 0;
     tr.run_of[tid] = 0;
   }
   __syncthreads();
   if (tid == 0) {
-    tr.p0 = p0;
     tr.nrun = 1;
-    tr.run_slot[0] = tr.chunk[2];
+    tr.run_slot[0] = cs.chunk[2];
     tr.run_lo[0] = 0;
     tr.run_hi[0] = m;
   }
@@ -302,23 +302,25 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   using M = typename C::M;
   __shared__ int row_r[BM];  // this row's rank inside the rank block (0..64)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  int splits = g.splits, k_split = g.k_split;
+  int splits = g.splits, k_split = g.k_split, p0;
   ShrinkTask task;
   if constexpr (CHUNKED) {  // the grid spread over the step's chunks: u past them has nothing to do
-    count_chunks<BM>(tr, s_indptr, g.slot_indptr, g.num_slots, g.positions);
-    const Spread d = spread_of(g, BM, C::KC, tr.chunks);
+    __shared__ ChunkScan cs;
+    count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+    const Spread d = spread_of(g, BM, C::KC, cs.chunks);
     splits = d.splits;
     k_split = d.per * C::KC;
-    if (u >= tr.chunks * splits * g.n_slices * g.rank_blocks()) return;
-    task = shrink_task_of<T, BM>(g, u, tr.chunks, splits);
-    find_chunk<BM>(tr, s_indptr, g.token_order, g.num_slots, g.positions, task.tile);
+    if (u >= cs.chunks * splits * g.n_slices * g.rank_blocks()) return;
+    task = shrink_task_of<T, BM>(g, u, cs.chunks, splits);
+    find_chunk<BM>(tr, cs, s_indptr, g.token_order, g.num_slots, g.positions, task.tile);
+    p0 = cs.chunk[0];
   } else {
     task = shrink_task_of<T, BM>(g, u, g.tiles(BM), splits);
-    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, task.tile * BM);
-    if (task.tile * BM >= tr.pend) return;
+    p0 = task.tile * BM;
+    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
+    if (p0 >= tr.pend) return;
   }
   const int q = task.q, j = task.j, rb = task.rb, tile = task.tile;
-  const int p0 = tr.p0;
   if (tid < BM) {
     const int s = tr.slot[tid];
     int r = 0;
@@ -537,21 +539,23 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const float(&ps)[MAX_SLICES][BM] = rm.ps;
   const int* s_off = rm.s_off;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  int groups = g.col_groups(), cpb = g.cpb, splits = g.splits;
+  int groups = g.col_groups(), cpb = g.cpb, splits = g.splits, p0;
   if constexpr (CHUNKED) {  // the grid spread over the step's chunks: u past them has nothing to do
-    count_chunks<BM>(tr, s_indptr, g.slot_indptr, g.num_slots, g.positions);
-    const Spread d = spread_of(g, BM, Shrink<T, BM>::KC, tr.chunks);
+    __shared__ ChunkScan cs;
+    count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+    const Spread d = spread_of(g, BM, Shrink<T, BM>::KC, cs.chunks);
     groups = d.groups;
     cpb = d.cpb;
     splits = d.splits;
-    if (u >= tr.chunks * groups) return;
-    find_chunk<BM>(tr, s_indptr, g.token_order, g.num_slots, g.positions, u / groups);
+    if (u >= cs.chunks * groups) return;
+    find_chunk<BM>(tr, cs, s_indptr, g.token_order, g.num_slots, g.positions, u / groups);
+    p0 = cs.chunk[0];
   } else {
-    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, (u / groups) * BM);
-    if (tr.nrun == 0 || (u / groups) * BM >= tr.pend) return;
+    p0 = (u / groups) * BM;
+    read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
+    if (tr.nrun == 0 || p0 >= tr.pend) return;
   }
   const int cg = u % groups, tile = u / groups;
-  const int p0 = tr.p0;
   const int out = g.out_features, n = g.n_slices, nrun = tr.nrun;
   const int cb0 = cg * cpb, cb1 = min(cb0 + cpb, g.col_blocks);
   read_run_meta<T, BM>(g, tr, rm);

@@ -36,6 +36,8 @@ def configs():
         ("T1024 r16 s32", core(1024, 16, 32), {}),
         ("T256 r16 s32", core(256, 16, 32), {}),
         ("T256 r16 s32 expand", core(256, 16, 32), dict(expand="expand")),
+        ("T16 r16 s8 fused chunks", core(16, 16, 8), {}),
+        ("T16 r16 s8 fused tiles", core(16, 16, 8), dict(chunks=False)),
         ("T64 r16 s32 fused", core(64, 16, 32), dict(fused=True)),
         ("T64 r16 s32 two", core(64, 16, 32), dict(fused=False)),
         ("T64 r16 s32 two tiles", core(64, 16, 32), dict(fused=False, chunks=False)),

@@ -1,8 +1,9 @@
 """Decode-size rows (T <= 64, where the fused launch runs) timed under several fused launch sizes.
 
 An experiment kept outside the wheel: it sets the planner's ``FUSED_SHRINK_PER_SM`` /
-``FUSED_EXPAND_PER_SM`` (blocks per multiprocessor a fused launch gives its shrink and its expand
-tasks) to each pair asked for, and also times the unfused pair at tile 16, on the bench's rows,
+``FUSED_EXPAND_PER_SM`` (blocks per multiprocessor a chunked fused launch gives its shrink and its
+expand tasks) to each pair asked for, and with ``--unfused`` times the unfused pair too (its
+kernels run tiles), on the bench's rows,
 with the bench's timer (difference of graphs, 256 MB write flush), each row checked against the
 float64 oracle first. On a tree whose planner has no such knobs it times the default alone (a
 "before" run of an older checkout).
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--pairs", default="4x4,2x2,4x2,2x4")
     ap.add_argument("--label", default="after")
-    ap.add_argument("--unfused", action="store_true", help="also the unfused pair (chunks where the tree has them)")
+    ap.add_argument("--unfused", action="store_true", help="also the unfused pair")
     ap.add_argument("--layer", action="store_true", help="also the bench's layer rows under each pair")
     args = ap.parse_args(argv)
     import torch
