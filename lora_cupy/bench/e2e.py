@@ -124,6 +124,10 @@ def fill(gen, batch: int, prompt: int, adapters: list, max_new: int) -> None:
     for i in range(batch):
         gen.submit(GenerationRequest(f"r{base + i}", rng.integers(0, vocab, prompt).tolist(),
                                      adapters[i % len(adapters)], max_new_tokens=max_new))
+    for name in {a for a in adapters if a is not None}:  # every host copy in first: no request finishes
+        copy = gen.pool.store.get(name)                   # while a later one waits for its adapter's read
+        if copy is not None:
+            copy.wait(300)
     while len(gen.queue) or any(gen.records[r].admitted is None for r in gen.records):
         gen.step()
 
