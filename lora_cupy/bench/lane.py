@@ -22,6 +22,7 @@ import json
 import sys
 import time
 
+from ..engine.streams import CHAIN_PRIORITY
 from . import commit
 
 MODES = ("alone", "side", "on_chain")
@@ -40,7 +41,7 @@ def _engine(args, side_lane: bool):
         import cupy
 
         with cupy.cuda.Device(int(args.device.partition(":")[2] or 0)):
-            stream = cupy.cuda.Stream(non_blocking=True)  # graphs capture on a stream of their own
+            stream = cupy.cuda.Stream(non_blocking=True, priority=CHAIN_PRIORITY)  # its own, for capture; first
     pool = LoraAdapterPool(spec, Device(args.device, stream=stream), reader=RandomAdapters(adapters),
                            adapters={n: f"memory:{n}" for n in adapters})
     pages_each = -(-args.tokens // args.page_size)

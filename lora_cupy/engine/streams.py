@@ -15,6 +15,12 @@ from typing import Any, Callable
 
 from ..device import Device, HostStream
 
+#: CUDA stream priorities (lower is higher). A side lane's stream takes the lowest, so where the
+#: chain's stream has the highest, the device schedules the chain's blocks first and the side
+#: lane's fill the rest. CUDA clamps a priority to the device's range.
+CHAIN_PRIORITY = -5
+SIDE_PRIORITY = 0
+
 
 class Mark:
     """An event on a lane's stream, with the time its work finished."""
@@ -46,7 +52,7 @@ class Mark:
 
 class LaneStream:
     """One lane's stream on ``device``; ``stream``: an existing one (the chain takes the
-    device's own, where the pools queue their copies), else a new one."""
+    device's own, where the pools queue their copies), else a new one at ``SIDE_PRIORITY``."""
 
     def __init__(self, device: Device, stream=None, name: str = "lane"):
         self.device = device
@@ -55,7 +61,8 @@ class LaneStream:
             import cupy
 
             with device.activate():
-                self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True)
+                self.stream = stream if stream is not None else cupy.cuda.Stream(non_blocking=True,
+                                                                                 priority=SIDE_PRIORITY)
         else:
             self.stream = stream if stream is not None else HostStream(name=f"lora-{name}-stream")
 

@@ -10,6 +10,7 @@ import pytest
 from lora_cupy.device import Device
 from lora_cupy.engine.decode_model import RandomAdapters, decode_engine, decode_spec
 from lora_cupy.engine.scheduler import CHAIN_LANE, SIDE_LANE
+from lora_cupy.engine.streams import CHAIN_PRIORITY
 from lora_cupy.engine.worker import Request
 from lora_cupy.pool import LoraAdapterPool
 
@@ -31,7 +32,7 @@ ADAPTERS = {"a0": 16, "a1": 8, "a2": 3, "a3": 12}
 def make(side_lane=True, graphs=True, codec_layers=24, hidden=256, num_layers=4, torch_layers=False, seed=0):
     import cupy
 
-    dev = Device("cuda:0", stream=cupy.cuda.Stream(non_blocking=True))  # capture needs a stream of its own
+    dev = Device("cuda:0", stream=cupy.cuda.Stream(non_blocking=True, priority=CHAIN_PRIORITY))  # its own, for capture
     reader = RandomAdapters(ADAPTERS, seed=seed)
     spec = decode_spec(hidden=hidden, num_layers=num_layers, num_slots=len(ADAPTERS) + 1, max_rank=16,
                        buckets=(8, 16, 32, 64))
