@@ -20,59 +20,18 @@ import warnings
 import numpy as np
 import pytest
 
+from lora_cupy.integrations.tensor_parallel import LLAMA_SHARDING, all_reduce_after, shard_llama
 from tests.test_tp_gloo import COLLECTIVE_TIMEOUT, assert_all_ok, launch
 
 NUM_LAYERS = 2
-SHARDING = {"qkv_proj": "column", "gate_up_proj": "column", "o_proj": "row", "down_proj": "row"}
 ROWS = (("r0", "p0"), ("r1", None), ("r2", "p1"), ("r3", "p0"), ("r4", "p2"), ("r5", None))
 PROMPT, DECODE = 5, 6
-
-
-def _shard_rows(lin, rank: int, world: int) -> None:
-    import torch
-
-    n = lin.out_features // world
-    lin.weight = torch.nn.Parameter(lin.weight.data[rank * n:(rank + 1) * n].clone(), requires_grad=False)
-    lin.out_features = n
-
-
-def _shard_cols(lin, rank: int, world: int) -> None:
-    import torch
-
-    n = lin.in_features // world
-    lin.weight = torch.nn.Parameter(lin.weight.data[:, rank * n:(rank + 1) * n].clone(), requires_grad=False)
-    lin.in_features = n
-
-
-def shard_llama(model, rank: int, world: int):
-    """``model`` (a Llama, changed in place) as tensor-parallel rank ``rank`` of ``world`` holds
-    it: column-parallel q/k/v, gate/up; row-parallel o, down (their all-reduce: :func:`all_reduce_after`)."""
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                    layer.mlp.gate_proj, layer.mlp.up_proj):
-            _shard_rows(lin, rank, world)
-        _shard_cols(layer.self_attn.o_proj, rank, world)
-        _shard_cols(layer.mlp.down_proj, rank, world)
-    return model
-
-
-def all_reduce_after(model) -> list:
-    """The row-parallel linears' all-reduce, as forward hooks registered after the pool's (so
-    each rank's delta is in its partial sum); returns the hook handles."""
-    import torch.distributed as dist
-
-    def hook(_mod, _args, out):
-        dist.all_reduce(out)
-        return out
-
-    return [m.register_forward_hook(hook) for layer in model.model.layers
-            for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
 
 
 def model_spec(model, rank: int = 0, world: int = 1):
     from lora_cupy.spec import LoraSpec
 
-    return LoraSpec.from_model(model, num_slots=5, max_rank=16, dtype="float32", fuse=True, sharding=SHARDING,
+    return LoraSpec.from_model(model, num_slots=5, max_rank=16, dtype="float32", fuse=True, sharding=LLAMA_SHARDING,
                                capture_buckets=(8, 32), tp_rank=rank, tp_size=world)
 
 

@@ -57,7 +57,6 @@ LLAMA = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, 
              num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
 LLAMA_TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   num_hidden_layers=2, vocab_size=256, max_position_embeddings=1024)
-SHARDING = {"qkv_proj": "column", "gate_up_proj": "column", "o_proj": "row", "down_proj": "row"}
 CACHED = 128  # tokens each request of the Llama rows has in its cache when a decode step runs
 TIMEOUT = 300.0  # seconds any collective may take, and (times 3) the whole run
 
@@ -145,33 +144,6 @@ class ParallelStack:
         return h
 
 
-def shard_llama(model, rank: int, world: int):
-    """``model`` (a Hugging Face Llama, changed in place) as tensor-parallel rank ``rank`` holds
-    it: q/k/v and gate/up keep their rows ``rank``/``world`` (column-parallel), o and down their
-    columns (row-parallel); an all-reduce follows o and down, as a hook after the pool's."""
-    import torch
-    import torch.distributed as dist
-
-    def keep(lin, dim: int) -> None:
-        n = lin.weight.shape[dim] // world
-        w = lin.weight.data.narrow(dim, rank * n, n).clone()
-        lin.weight = torch.nn.Parameter(w, requires_grad=False)
-        lin.out_features, lin.in_features = w.shape
-
-    def all_reduce(_mod, _args, out):
-        dist.all_reduce(out)
-        return out
-
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                    layer.mlp.gate_proj, layer.mlp.up_proj):
-            keep(lin, 0)
-        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            keep(lin, 1)
-    return lambda: [m.register_forward_hook(all_reduce) for layer in model.model.layers
-                    for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-
-
 def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool) -> dict:
     """A sharded Llama's decode step (``CACHED`` tokens cached per request) with every row on
     the base model, then spread over the adapters, the deltas added by ``attach``."""
@@ -181,6 +153,7 @@ def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
     from ..engine.resource import ResourceReqConfig
     from ..engine.tp import LockstepRank
     from ..integrations import attach
+    from ..integrations.tensor_parallel import LLAMA_SHARDING, all_reduce_after, shard_llama
     from ..pool import LoraAdapterPool
     from ..spec import LoraSpec
 
@@ -191,14 +164,14 @@ def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, args["dtype"])).eval()
     spec = LoraSpec.from_model(model, num_slots=n_ad + 1, max_rank=args["rank"], dtype=args["dtype"], fuse=True,
-                               sharding=SHARDING, capture_buckets=(B, B * CACHED), tp_rank=rank, tp_size=world)
-    hooks = shard_llama(model, rank, world)
+                               sharding=LLAMA_SHARDING, capture_buckets=(B, B * CACHED), tp_rank=rank, tp_size=world)
+    shard_llama(model, rank, world)
     names = [f"l{i}" for i in range(n_ad)]
     pool = LoraAdapterPool(spec, device, reader=memory_reader(args["rank"]),
                            adapters={n: f"memory://{n}" for n in names}, **tp.pool_kwargs(read_timeout=TIMEOUT))
     tp.add_pool(pool)
     attach(model, pool)
-    hooks()
+    all_reduce_after(model)
     out = {}
     try:
         ids = torch.from_numpy(np.random.default_rng(3).integers(0, cfg.vocab_size, (B, CACHED + 1))).to(device)
