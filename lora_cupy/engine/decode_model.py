@@ -317,11 +317,13 @@ class DecodeModel:
 
 class RandomAdapters:
     """A reader of in-memory adapters for the decode chain: ``ranks[name]`` per adapter, weights
-    random and seeded by name (no files; the pool's ``reader=``). Unknown names fail to read."""
+    random and seeded by name (no files; the pool's ``reader=``), ``B`` scaled by ``scale``.
+    Unknown names fail to read."""
 
-    def __init__(self, ranks: dict, seed: int = 0):
+    def __init__(self, ranks: dict, seed: int = 0, scale: float = 1.0):
         self.ranks = dict(ranks)
         self.seed = seed
+        self.scale = scale
 
     def __call__(self, path, spec: LoraSpec, name=None):
         from ..adapter import AdapterWeights, TargetWeights
@@ -333,7 +335,7 @@ class RandomAdapters:
         rng = np.random.default_rng([self.seed, *map(ord, str(name))])
         L, H = t.num_layers, t.in_features
         tw = TargetWeights(a=(rng.standard_normal((L, 1, r, H)) / np.sqrt(H)).astype(np.float32),
-                           b=(rng.standard_normal((L, H, r)) / np.sqrt(r)).astype(np.float32),
+                           b=(self.scale * rng.standard_normal((L, H, r)) / np.sqrt(r)).astype(np.float32),
                            ranks=np.full((L, 1), r, np.int32),
                            scaling=rng.uniform(0.5, 2.0, (L, 1)).astype(np.float32))
         return AdapterWeights(name, str(path), f"random-{name}", {TARGET: tw})

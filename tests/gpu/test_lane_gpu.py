@@ -33,13 +33,13 @@ def make(side_lane=True, graphs=True, codec_layers=24, hidden=256, num_layers=4,
     import cupy
 
     dev = Device("cuda:0", stream=cupy.cuda.Stream(non_blocking=True, priority=CHAIN_PRIORITY))  # its own, for capture
-    reader = RandomAdapters(ADAPTERS, seed=seed)
+    reader = RandomAdapters(ADAPTERS, seed=seed, scale=0.2)  # with gain 0.5 below: each layer contracts
     spec = decode_spec(hidden=hidden, num_layers=num_layers, num_slots=len(ADAPTERS) + 1, max_rank=16,
                        buckets=(8, 16, 32, 64))
     pool = LoraAdapterPool(spec, dev, reader=reader, adapters={n: f"memory:{n}" for n in ADAPTERS})
     eng = decode_engine(pool, num_pages=32 * 4 + 1, page_size=16, side_lane=side_lane, graphs=graphs,
                         codec_width=1024, codec_layers=codec_layers, vocab=64, torch_layers=torch_layers, seed=seed,
-                        gain=0.5)  # contracting layers: the float32 kernels' rounding does not grow over 48 tokens
+                        gain=0.5)  # contracting layers: float32 kernels' rounding does not grow over 48 tokens
     eng.reader = reader
     return eng
 
