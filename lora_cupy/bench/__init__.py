@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
+import time
 from pathlib import Path
 
 
@@ -17,3 +19,26 @@ def commit() -> str:
                               cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001 - no git, no repository: the run still reports
         return "unknown"
+
+
+def event_ms(fn, reps: int, cuda: bool | None = None) -> float:
+    """Median over ``reps`` of ``fn``'s device time in ms between two CUDA events on torch's
+    current stream (``cuda``: default, whether torch sees a GPU); wall time on the CPU."""
+    import torch
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)

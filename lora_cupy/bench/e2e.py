@@ -35,12 +35,11 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from . import commit
+from . import commit, event_ms
 
 MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
@@ -85,27 +84,6 @@ def write_adapters(model, root: Path, count: int, rank: int) -> dict[str, Path]:
         out[f"a{k:02d}"] = root / f"a{k:02d}"
         write_adapter(out[f"a{k:02d}"], spec, rng, rank, 2.0 * rank, MODULES)
     return out
-
-
-def event_ms(fn, reps: int) -> float:
-    """Median over ``reps`` of ``fn``'s device time between two CUDA events (wall time on the CPU)."""
-    import torch
-
-    times = []
-    if not torch.cuda.is_available():
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def generator(model, pool, **kw):

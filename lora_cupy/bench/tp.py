@@ -48,7 +48,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from . import commit
+from . import commit, event_ms
 
 SHAPE = dict(hidden=4096, kv=1024, intermediate=14336, layers=4)
 TINY = dict(hidden=128, kv=32, intermediate=256, layers=2)
@@ -196,7 +196,7 @@ def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
                             cache.crop(-1)  # back to the CACHED tokens
 
                         decode()
-                        out[f"llama_{kind}_ms"] = device_ms(decode, reps, cuda)
+                        out[f"llama_{kind}_ms"] = event_ms(decode, reps, cuda)
                     else:
                         model(input_ids=x, past_key_values=cache, use_cache=True)
                     tp.finish()
@@ -210,26 +210,6 @@ def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
         return out
     finally:
         pool.close()
-
-
-def device_ms(fn, reps: int, cuda: bool) -> float:
-    """Median over ``reps`` of ``fn``'s time between two CUDA events (wall time on the CPU)."""
-    import torch
-
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def host_us(fn, reps: int) -> float:
@@ -298,7 +278,7 @@ def stack_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
             step(rows)
             with torch.inference_mode():
                 stack.forward(x)  # warm-up
-                ms = device_ms(lambda: stack.forward(x), reps, cuda)
+                ms = event_ms(lambda: stack.forward(x), reps, cuda)
             tp.finish()
             return ms
 
