@@ -144,6 +144,16 @@ def reserve_all(pool, rids, node: str | None = None) -> dict:
     return out
 
 
+def planned_step(pool, rows: list[tuple[str, str | None]], q: int, seq: int = 1):
+    """Ingest, admit and plan one step of ``rows`` (rid, adapter), ``q`` tokens each."""
+    for rid, adapter in rows:
+        pool.ingest_request(rid, ResourceReqConfig(adapter))
+    step, ctx = LoraStep([r for r, _ in rows], [q] * len(rows), seq=seq), StepContext(seq=seq)
+    assert pool.admit(step, ctx).ok
+    pool.plan(step, ctx)
+    return step, ctx
+
+
 def run_step(pool, rids, num_tokens=None, seq: int = 0):
     """admit, plan and commit one step; returns (admit outcome, plan addressing, ctx)."""
     step = LoraStep(rids, num_tokens, node=pool.spec.node, seq=seq)

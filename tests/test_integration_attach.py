@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from lora_cupy.delta import LoraLayerDelta
-from lora_cupy.engine import LoraStep, ResourceReqConfig, StepContext
 from lora_cupy.errors import ShapeMismatchError, TargetMismatchError
 from lora_cupy.integrations import attach, spec_for_adapters
 from lora_cupy.integrations.peft_reference import PeftReference
 from lora_cupy.pool import LoraAdapterPool
 from lora_cupy.spec import LoraSpec
 from tests.peft_helpers import make_peft_adapter, tiny_llama
+from tests.pool_helpers import planned_step
 
 VOCAB = 64
 
@@ -66,16 +66,6 @@ def family(request, tmp_path_factory):
             dirs[f"ad{k}"], _ = make_peft_adapter(root / f"ad{k}", r=r, lora_alpha=alpha, target_modules=targets,
                                                   model=copy.deepcopy(base), seed=10 * k)
     return kind, base, dirs
-
-
-def planned_step(pool, rows: list[tuple[str, str | None]], q: int, seq: int = 1):
-    """Ingest, admit and plan one step of ``rows`` (rid, adapter), ``q`` tokens each."""
-    for rid, adapter in rows:
-        pool.ingest_request(rid, ResourceReqConfig(adapter))
-    step, ctx = LoraStep([r for r, _ in rows], [q] * len(rows), seq=seq), StepContext(seq=seq)
-    assert pool.admit(step, ctx).ok
-    pool.plan(step, ctx)
-    return step, ctx
 
 
 def test_mixed_batch_logits_equal_peft_per_row(family):
@@ -164,4 +154,10 @@ def test_attach_refuses_a_model_that_does_not_fit(family):
     bare = torch.nn.Sequential(torch.nn.Linear(4, 4))
     with LoraAdapterPool(nothing, "cpu") as pool, pytest.raises(TargetMismatchError, match="o_proj"):
         attach(bare, pool)
-    assert all(not m._forward_hooks for m in base.modules())  # a refusal hooks nothing
+    with LoraAdapterPool(spec, "cpu") as pool:
+        with pytest.raises(ValueError, match="second CUDA stream; the pool is on cpu"):
+            attach(base, pool, overlap=True)
+        with attach(base, pool) as att:
+            assert not att.overlap and att.side is None  # in-line on the CPU by default
+            assert not any(m._forward_pre_hooks for m in base.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())  # a refusal hooks nothing

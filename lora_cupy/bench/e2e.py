@@ -18,7 +18,10 @@ Rows (goals from the project's issue):
 - decode, batch 64, eager (no graphs), 8 adapters: one eager step, host work included; beside it
   PEFT's own eager mixed batch (``adapter_names``) on a 128-token ``DynamicCache``.
 
-Beside each decode row with adapters: the time the adapters add, and the step's deltas alone
+Each row with adapters runs the deltas beside their linears on a side stream (``overlap``, the
+default on CUDA: the ratio against the goal) and, in the same run, in line on the main stream
+(the "in line" column); the base step is timed again after them ("base again"), so a base
+figure that moved over the row shows. Beside each decode row with adapters: the time the adapters add, and the step's deltas alone
 (every target at every layer on the decode bucket, one graph): what the kernels cost by
 themselves against what they add inside the step.
 
@@ -145,14 +148,15 @@ def deltas_alone_ms(gen, batch: int, reps: int) -> float:
     return event_ms(graph.replay, reps)
 
 
-def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int) -> dict:
+def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int, overlap: bool = True) -> dict:
     """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base) and, with
-    adapters, of the step's deltas alone."""
+    adapters, of the step's deltas alone. ``overlap``: the deltas beside their linears on a side
+    stream (CUDA), else in line."""
     import torch
 
     cuda = pool.device.is_cuda
     gen = generator(model, pool, max_batch=max(batch, 1), max_len=192, max_prefill=8,
-                    cuda_graphs=graphs and cuda, static_decode=graphs and not cuda)
+                    cuda_graphs=graphs and cuda, static_decode=graphs and not cuda, overlap=overlap and cuda)
     try:
         fill(gen, batch, 128, adapters, max_new=60)
         for _ in range(3 + batch):  # until 3 steps in a row decode the whole batch: both parities'
@@ -178,11 +182,12 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int)
             pool.remove_request(rid)
 
 
-def prefill_row(model, pool, adapters: list, reps: int) -> dict:
+def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True) -> dict:
     """Device ms of one eager step prefilling 8 requests of 512 tokens."""
     from ..integrations import GenerationRequest
 
-    gen = generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False)
+    gen = generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False,
+                    overlap=overlap and pool.device.is_cuda)
     rng = np.random.default_rng(2)
     vocab = model.config.vocab_size
     n = [0]
@@ -265,25 +270,34 @@ def run(args) -> dict:
         names = sorted(adapters)
         try:
             cases = [
-                ("decode b64 graphs 8 adapters", lambda a: decode_row(model, pool, 64, a, True, args.reps), names[:8]),
-                ("decode b64 graphs 32 adapters", lambda a: decode_row(model, pool, 64, a, True, args.reps), names),
-                ("decode b1 graphs 1 adapter", lambda a: decode_row(model, pool, 1, a, True, args.reps), names[:1]),
-                ("prefill 8x512 8 adapters", lambda a: prefill_row(model, pool, a, args.reps), names[:8]),
-                ("decode b64 eager 8 adapters", lambda a: decode_row(model, pool, 64, a, False, args.reps), names[:8]),
+                ("decode b64 graphs 8 adapters", lambda a, o: decode_row(model, pool, 64, a, True, args.reps, o),
+                 names[:8]),
+                ("decode b64 graphs 32 adapters", lambda a, o: decode_row(model, pool, 64, a, True, args.reps, o),
+                 names),
+                ("decode b1 graphs 1 adapter", lambda a, o: decode_row(model, pool, 1, a, True, args.reps, o),
+                 names[:1]),
+                ("prefill 8x512 8 adapters", lambda a, o: prefill_row(model, pool, a, args.reps, o), names[:8]),
+                ("decode b64 eager 8 adapters", lambda a, o: decode_row(model, pool, 64, a, False, args.reps, o),
+                 names[:8]),
             ]
             for case, fn, ads in cases:
                 if args.only and args.only not in case:
                     continue
                 log(f"{case}: base")
-                base = fn([None])["ms"]
-                log(f"{case}: adapters")
-                got = fn(ads)
+                base = fn([None], True)["ms"]
+                log(f"{case}: adapters, deltas beside their linears (overlap)")
+                got = fn(ads, True)
                 lora = got["ms"]
+                log(f"{case}: adapters, deltas in line")
+                serial = fn(ads, False)["ms"]
+                log(f"{case}: base again")
+                base2 = fn([None], True)["ms"]
                 goal = GOALS[case]
                 row = {"case": case, "base_ms": round(base, 4), "lora_ms": round(lora, 4),
                        "ratio": round(lora / base, 3), "goal": goal,
                        "met": None if goal is None else lora / base <= goal,
-                       "added_ms": round(lora - base, 4)}
+                       "added_ms": round(lora - base, 4), "inline_ms": round(serial, 4),
+                       "inline_ratio": round(serial / base, 3), "base_again_ms": round(base2, 4)}
                 if "deltas_alone_ms" in got:
                     row["deltas_alone_ms"] = round(got["deltas_alone_ms"], 4)
                     row["lora_launches"] = sum(t.num_layers for t in spec.targets)
@@ -310,16 +324,18 @@ def run(args) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"{result['date']}, {result['gpu']}, commit {result['commit']}: `{result['command']}`", "",
              "| case | base ms | with adapters ms | ratio | goal | met | added ms | deltas alone ms "
-             "| PEFT eager ms (ratio) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| in line ms (ratio) | base again ms | PEFT eager ms (ratio) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         goal = "reported" if r["goal"] is None else f"<= {r['goal']:.2f}x"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
         peft = f"{r['peft_ms']:.3f} ({r['peft_ratio']:.1f}x)" if "peft_ms" in r else ""
         alone = f"{r['deltas_alone_ms']:.3f} ({r['lora_launches']} calls)" if "deltas_alone_ms" in r else ""
         added = f"{r['added_ms']:.3f}" if "added_ms" in r else ""
+        inline = f"{r['inline_ms']:.3f} ({r['inline_ratio']:.3f}x)" if "inline_ms" in r else ""
+        again = f"{r['base_again_ms']:.3f}" if "base_again_ms" in r else ""
         lines.append(f"| {r['case']} | {r['base_ms']:.3f} | {r['lora_ms']:.3f} | {r['ratio']:.3f}x | {goal} | {met} "
-                     f"| {added} | {alone} | {peft} |")
+                     f"| {added} | {alone} | {inline} | {again} | {peft} |")
     return "\n".join(lines)
 
 

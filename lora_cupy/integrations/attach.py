@@ -15,6 +15,17 @@ launch: the first member called computes the whole target's delta on the shared 
 scratch ``[T, out]`` and every member adds its column range. A model that fuses them itself
 (Phi-3's ``qkv_proj``) is one linear, one hook.
 
+Overlap (CUDA, ``overlap=True``, the default there): a delta need not wait for the linear it
+adds to, only for its input. A pre-hook forks a side stream off torch's current stream as the
+linear is called; on it the delta (a fused group's whole delta) runs into a zeroed scratch while
+the base GEMM runs on the main stream; the forward hook joins the side stream back and adds the
+scratch into the output. What stays on the main stream per linear is one element-wise add; the
+delta kernels run beside the GEMM (the side stream takes the highest priority, so their blocks
+go first where the GEMM leaves a multiprocessor room). Inside a CUDA graph capture the fork and
+the join are edges of the graph. The scratch is allocated on the main stream before the fork and
+dropped after the join, so the caching allocator never hands it out while the side stream can
+still write it.
+
 Rows: a ``[B, q, in]`` input is ``B * q`` token rows in batch order; the step's addressing
 (``LoraStep`` rows in the same order, ``q`` tokens each) says which slot each row reads. On
 the CPU the delta runs on NumPy views of the torch tensors (no copy); on CUDA torch tensors
@@ -63,12 +74,37 @@ class _Site:
     col1: int
 
 
+class _SideStream:
+    """The stream an attachment's deltas run on beside their linears (``overlap``)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device, priority=-100)  # clamped to the highest
+        self.forks = 0
+
+    def fork(self, fn) -> None:
+        """Run ``fn()`` on the side stream, after everything queued so far on the current one."""
+        torch = self.torch
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            fn()
+        self.forks += 1
+
+    def join(self) -> None:
+        """The current stream waits for everything forked so far."""
+        self.torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
 class _FusedGroup:
     """Separate linears reading one input, served by one fused-slice launch per forward.
 
     The first member called with a new input computes the whole target's delta into a scratch
-    ``[T, out]``; each member adds its columns. The scratch and the input are dropped once
-    every member has taken its part.
+    ``[T, out]`` (:meth:`part`; with ``overlap``, :meth:`fork` starts it on the side stream from
+    the member's pre-hook and :meth:`take` joins it in the member's forward hook); each member
+    adds its columns. The scratch and the input are dropped once every member has taken its part.
     """
 
     def __init__(self, attachment: "Attachment", target: str, layer: int, members: int):
@@ -78,16 +114,45 @@ class _FusedGroup:
         self._x = None
         self._d = None
         self._served = 0
+        self._joined = False
+
+    def _scratch(self, x2d):
+        import torch
+
+        return torch.empty((x2d.shape[0], self.delta.out_features), dtype=x2d.dtype, device=x2d.device)
 
     def part(self, x, x2d):
         """The whole target's delta for input ``x`` (``x2d``: its ``[T, in]`` rows)."""
         if self._x is not x:
-            import torch
-
-            d = torch.zeros((x2d.shape[0], self.delta.out_features), dtype=x2d.dtype, device=x2d.device)
+            d = self._scratch(x2d).zero_()
             cuda = self.attachment.pool.device.is_cuda
             self.delta(as_backend_array(d, cuda), as_backend_array(x2d, cuda))
             self._x, self._d, self._served = x, d, 0
+        return self._served_one()
+
+    def fork(self, x, x2d) -> None:
+        """Start the whole target's delta for input ``x`` on the side stream (once per input)."""
+        if self._x is x:
+            return
+        d = self._scratch(x2d)  # on the main stream: see the module docstring
+
+        def run():
+            d.zero_()
+            self.delta(d, x2d)
+
+        self.attachment.side.fork(run)
+        self._x, self._d, self._served, self._joined = x, d, 0, False
+
+    def take(self):
+        """The forked delta, joined into the current stream (None: nothing was forked)."""
+        if self._d is None:
+            return None
+        if not self._joined:
+            self.attachment.side.join()
+            self._joined = True
+        return self._served_one()
+
+    def _served_one(self):
         d = self._d
         self._served += 1
         if self._served >= self.members:
@@ -101,9 +166,17 @@ class Attachment:
     ``sites`` lists every hooked linear. Use as a context manager to detach on exit.
     """
 
-    def __init__(self, model, pool):
+    def __init__(self, model, pool, overlap: bool | None = None):
+        if overlap is None:
+            overlap = pool.device.is_cuda
+        if overlap and not pool.device.is_cuda:
+            raise ValueError(f"overlap runs the deltas on a second CUDA stream; the pool is on {pool.device.name}")
         self.model = model
         self.pool = pool
+        self.overlap = bool(overlap)
+        self.side = None
+        if self.overlap:
+            self.side = _SideStream(next(model.parameters()).device)
         self.sites: list[_Site] = []
         self._handles = []
         self._modules = []
@@ -121,11 +194,13 @@ class Attachment:
         try:
             for path, mod, t, layer, c0, c1, g in plan:
                 if g is None:
-                    hook = self._direct_hook(pool.layer_delta(t.name, layer))
+                    pre, hook = self._direct_hooks(pool.layer_delta(t.name, layer))
                 else:
                     if g not in groups:
                         groups[g] = _FusedGroup(self, t.name, layer, members[g])
-                    hook = self._fused_hook(groups[g], c0, c1)
+                    pre, hook = self._fused_hooks(groups[g], c0, c1)
+                if pre is not None:
+                    self._handles.append(mod.register_forward_pre_hook(pre))
                 self._handles.append(mod.register_forward_hook(hook))
                 _ATTACHED.add(mod)
                 self._modules.append(mod)
@@ -135,44 +210,94 @@ class Attachment:
             raise
         self._num_groups = len(groups)
 
-    def _direct_hook(self, delta):
-        pool, cuda = self.pool, self.pool.device.is_cuda
+    def _active(self) -> bool:
+        return self.enabled and self.pool.current_plan() is not None
+
+    def _rows(self, args, in_f: int):
+        x2d = args[0].reshape(-1, in_f)
+        return x2d if x2d.is_contiguous() else x2d.contiguous()
+
+    def _direct_hooks(self, delta):
+        """(pre-hook or None, forward hook) of a linear that is its target's own."""
+        cuda = self.pool.device.is_cuda
         in_f, out_f = delta.in_features, delta.out_features
 
-        def hook(_mod, args, out):
-            if not self.enabled or pool.current_plan() is None:
+        if not self.overlap:
+            def hook(_mod, args, out):
+                if not self._active():
+                    return None
+                import torch
+
+                x2d = self._rows(args, in_f)
+                if torch.is_grad_enabled() or not out.is_contiguous():
+                    out = out.clone()
+                delta(as_backend_array(out.view(-1, out_f), cuda), as_backend_array(x2d, cuda))
+                return out
+
+            return None, hook
+
+        pending = []  # the scratch forked by the pre-hook, taken by the forward hook
+
+        def pre(_mod, args):
+            if not self._active():
                 return None
             import torch
 
-            x2d = args[0].reshape(-1, in_f)
-            if not x2d.is_contiguous():
-                x2d = x2d.contiguous()
+            x2d = self._rows(args, in_f)
+            d = torch.empty((x2d.shape[0], out_f), dtype=x2d.dtype, device=x2d.device)
+
+            def run():
+                d.zero_()
+                delta(d, x2d)
+
+            self.side.fork(run)
+            pending.append(d)
+            return None
+
+        def hook(_mod, args, out):
+            if not pending:
+                return None
+            import torch
+
+            d = pending.pop()
+            self.side.join()
             if torch.is_grad_enabled() or not out.is_contiguous():
                 out = out.clone()
-            delta(as_backend_array(out.view(-1, out_f), cuda), as_backend_array(x2d, cuda))
+            out.view(-1, out_f).add_(d)
             return out
 
-        return hook
+        return pre, hook
 
-    def _fused_hook(self, group: _FusedGroup, c0: int, c1: int):
-        pool = self.pool
+    def _fused_hooks(self, group: _FusedGroup, c0: int, c1: int):
+        """(pre-hook or None, forward hook) of one member of a fused group."""
         in_f = group.delta.in_features
 
-        def hook(_mod, args, out):
-            if not self.enabled or pool.current_plan() is None:
-                return None
+        def add(out, d):
             import torch
 
-            x2d = args[0].reshape(-1, in_f)
-            if not x2d.is_contiguous():
-                x2d = x2d.contiguous()
-            d = group.part(args[0], x2d)
             if torch.is_grad_enabled():
                 out = out.clone()
             out.view(-1, c1 - c0).add_(d[:, c0:c1])
             return out
 
-        return hook
+        if not self.overlap:
+            def hook(_mod, args, out):
+                if not self._active():
+                    return None
+                return add(out, group.part(args[0], self._rows(args, in_f)))
+
+            return None, hook
+
+        def pre(_mod, args):
+            if self._active():
+                group.fork(args[0], self._rows(args, in_f))
+            return None
+
+        def hook(_mod, args, out):
+            d = group.take()
+            return None if d is None else add(out, d)
+
+        return pre, hook
 
     @contextlib.contextmanager
     def paused(self):
@@ -257,11 +382,14 @@ def _plan_sites(model, spec) -> list[tuple]:
     return plan
 
 
-def attach(model, pool) -> Attachment:
+def attach(model, pool, overlap: bool | None = None) -> Attachment:
     """Hook ``pool``'s targets onto ``model``'s linears (see the module docstring).
+
+    ``overlap``: run each delta on a side stream beside its linear's GEMM (default: on a CUDA
+    pool; refused elsewhere).
 
     Refuses, before hooking anything: a target with no linear of its name (or of its slices'
     names) at some stack layer (``TargetMismatchError``), a linear whose shape on this rank or
     dtype differs from the target's (``ShapeMismatchError``), a linear attached already.
     """
-    return Attachment(model, pool)
+    return Attachment(model, pool, overlap)

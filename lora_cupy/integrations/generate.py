@@ -113,12 +113,13 @@ class LoraGenerator:
     tokens. ``max_prefill``: requests that start in one step. ``cuda_graphs``: replay decode
     steps as CUDA graphs (default: on a CUDA device); ``static_decode`` runs decode steps as the
     graphs would (static cache, batch buckets) but eagerly, on any device. ``eos_token_id``: the default stop token
-    (default: the model's generation config's, if any).
+    (default: the model's generation config's, if any). ``overlap``: run each delta on a side
+    stream beside its linear (:func:`~lora_cupy.integrations.attach.attach`; default: on CUDA).
     """
 
     def __init__(self, model, pool, *, max_batch: int | None = None, max_len: int = 256,
                  max_prefill: int = 8, cuda_graphs: bool | None = None, static_decode: bool = False,
-                 eos_token_id="model"):
+                 eos_token_id="model", overlap: bool | None = None):
         import torch
 
         self.model, self.pool = model, pool
@@ -149,7 +150,7 @@ class LoraGenerator:
         self.cache = RowKVCache(geo["num_layers"], spec.bucket_for(self.max_batch), geo["kv_heads"], geo["head_dim"],
                                 max_len, param.dtype, param.device)
         self.queue = AdmissionQueue([pool])
-        self.attachment = attach(model, pool)
+        self.attachment = attach(model, pool, overlap=overlap)
         self.attachment.enabled = False  # the hooks add deltas only inside this generator's steps
         self.records: dict[Hashable, RequestRecord] = {}
         self.history: list[StepRecord] = []

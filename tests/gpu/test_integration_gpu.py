@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from lora_cupy.engine import LoraStep, ResourceReqConfig, StepContext
 from lora_cupy.integrations import GenerationRequest, attach, serve, spec_for_adapters
 from lora_cupy.integrations.peft_reference import PeftReference
 from lora_cupy.pool import LoraAdapterPool
 from tests.peft_helpers import make_peft_adapter, tiny_llama
+from tests.pool_helpers import planned_step
 
 
 def _cuda_devices() -> int:
@@ -57,7 +57,8 @@ def on_cuda(model, dtype):
     return copy.deepcopy(model).to(device="cuda", dtype=dtype).eval()
 
 
-def test_bf16_logits_within_tolerance_of_peft(adapters):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bf16_logits_within_tolerance_of_peft(adapters, overlap):
     base, dirs = adapters
     model = on_cuda(base, torch.bfloat16)
     ref16 = PeftReference(model, dirs)
@@ -66,14 +67,11 @@ def test_bf16_logits_within_tolerance_of_peft(adapters):
     ids = torch.randint(0, VOCAB, (len(rows), 9), device="cuda")
     spec = spec_for_adapters(model, dirs, num_slots=5)
     with LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
-            attach(model, pool):
-        for rid, adapter in rows:
-            pool.ingest_request(rid, ResourceReqConfig(adapter))
-        step, ctx = LoraStep([r for r, _ in rows], [ids.shape[1]] * len(rows), seq=1), StepContext(seq=1)
-        assert pool.admit(step, ctx).ok
-        pool.plan(step, ctx)
+            attach(model, pool, overlap=overlap) as att:
+        planned_step(pool, rows, ids.shape[1])
         with torch.inference_mode():
             got = model(input_ids=ids).logits.float()
+        assert att.overlap == overlap and (att.side.forks > 0 if overlap else att.side is None)
     agree = 0
     for i, (_rid, adapter) in enumerate(rows):
         want32 = ref32.logits(ids[i:i + 1], adapter)[0].float()
@@ -123,6 +121,42 @@ def test_graph_decode_generation_against_peft_and_eager(adapters, dtype):
     if dtype == torch.float32:
         got = [ref.compare(r.prompt, r.adapter, out[True][r.rid], r.max_new_tokens, eos) for r in reqs]
         assert all(c.ok for c in got), [c for c in got if not c.ok]
+
+
+def test_overlap_equals_serial_float32(adapters):
+    """The deltas on a side stream beside their linears give what the in-line deltas give
+    (float32: the two differ only in where the delta's sum is rounded), eagerly and replayed
+    from a CUDA graph captured with the fork and join inside; fused q/k/v and gate/up groups too."""
+    base, dirs = adapters
+    model = on_cuda(base, torch.float32)
+    rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2"), ("e", "ad3")]
+    ids = torch.randint(0, VOCAB, (len(rows), 7), device="cuda")
+    spec = spec_for_adapters(model, dirs, num_slots=5)
+    got = {}
+    with LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in dirs.items()}) as pool:
+        planned_step(pool, rows, ids.shape[1])
+        with torch.inference_mode():
+            base_logits = model(input_ids=ids).logits.clone()
+            for overlap in (False, True):
+                with attach(model, pool, overlap=overlap) as att:
+                    got[overlap] = model(input_ids=ids).logits.clone()
+                    if overlap:
+                        assert att.fused_groups > 0  # q/k/v and gate/up: one fork per group
+                        assert att.side.forks == len({(s.target, s.layer) for s in att.sites})
+                        graph = torch.cuda.CUDAGraph()
+                        static = torch.empty_like(got[True])
+                        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                            static.copy_(model(input_ids=ids).logits)
+                        static.zero_()
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        got["graph"] = static.clone()
+    assert (got[False] - base_logits).abs().max() > 1e-3  # the adapters do change the logits
+    scale = got[False].abs().max()
+    for k in (True, "graph"):
+        err = float((got[k] - got[False]).abs().max() / scale)
+        print(f"overlap ({k}) against in-line: max relative difference {err:.2e}")
+        assert err < 1e-5
 
 
 def _common_prefix(a: list, b: list) -> int:
