@@ -123,12 +123,15 @@ def test_graph_decode_generation_against_peft_and_eager(adapters, dtype):
         assert all(c.ok for c in got), [c for c in got if not c.ok]
 
 
-def test_overlap_equals_serial_float32(adapters):
-    """The deltas on a side stream beside their linears give what the in-line deltas give
-    (float32: the two differ only in where the delta's sum is rounded), eagerly and replayed
-    from a CUDA graph captured with the fork and join inside; fused q/k/v and gate/up groups too."""
+def test_overlap_matches_in_line_float32(adapters):
+    """The deltas on a side stream beside their linears are as exact as the in-line deltas,
+    eagerly and replayed from a CUDA graph captured with the fork and join inside; fused q/k/v and
+    gate/up groups too. Yardstick: each row's float32 logits against PEFT's float32 logits for
+    that row's adapter alone (relative norm); the side stream's delta is rounded once more (into
+    its scratch) and the split-K sums are not ordered, so it may differ from in line by rounding."""
     base, dirs = adapters
     model = on_cuda(base, torch.float32)
+    ref = PeftReference(model, dirs)
     rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2"), ("e", "ad3")]
     ids = torch.randint(0, VOCAB, (len(rows), 7), device="cuda")
     spec = spec_for_adapters(model, dirs, num_slots=5)
@@ -136,7 +139,6 @@ def test_overlap_equals_serial_float32(adapters):
     with LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in dirs.items()}) as pool:
         planned_step(pool, rows, ids.shape[1])
         with torch.inference_mode():
-            base_logits = model(input_ids=ids).logits.clone()
             for overlap in (False, True):
                 with attach(model, pool, overlap=overlap) as att:
                     got[overlap] = model(input_ids=ids).logits.clone()
@@ -151,12 +153,14 @@ def test_overlap_equals_serial_float32(adapters):
                         graph.replay()
                         torch.cuda.synchronize()
                         got["graph"] = static.clone()
-    assert (got[False] - base_logits).abs().max() > 1e-3  # the adapters do change the logits
-    scale = got[False].abs().max()
-    for k in (True, "graph"):
-        err = float((got[k] - got[False]).abs().max() / scale)
-        print(f"overlap ({k}) against in-line: max relative difference {err:.2e}")
-        assert err < 1e-5
+    for i, (_rid, adapter) in enumerate(rows):
+        want = ref.logits(ids[i:i + 1], adapter)[0].float()
+        err = {k: float((got[k][i] - want).norm() / want.norm()) for k in got}
+        print(f"row {i} ({adapter}): against PEFT float32: in line {err[False]:.2e}, overlap {err[True]:.2e}, "
+              f"graph {err['graph']:.2e}")
+        assert err[False] < 1e-3
+        for k in (True, "graph"):
+            assert err[k] <= 2 * err[False] + 1e-6
 
 
 def _common_prefix(a: list, b: list) -> int:
