@@ -38,6 +38,9 @@ def test_lane_of_hands_each_lane_only_its_keys():
     assert s.take(CHAIN_LANE) == [(("q", "llm"), [2])]
     assert s.take(SIDE_LANE) == [(("r", "codec"), [1, 3])]
     assert s.take(SIDE_LANE) == []
+    s.put_many([(("r", "codec"), 4), (("q", "llm"), 5), (("r", "codec"), 6), (("p", "codec"), 7)])
+    assert s.take(SIDE_LANE) == [(("r", "codec"), [4, 6]), (("p", "codec"), [7])], "in order, under their keys"
+    assert s.take(CHAIN_LANE) == [(("q", "llm"), [5])]
     assert MicroScheduler().lane_of(("r", "codec")) == CHAIN_LANE, "no side lane: the chain runs it"
 
 
@@ -89,6 +92,65 @@ def test_windows_that_arrive_while_a_step_is_in_flight_batch_into_the_next(eng):
     assert {k[0] for k in lane.graphs.launches} == {"codec"} and sum(lane.graphs.launches.values()) == 2
     assert not any(k[0] == "codec" for k in w.chain.graphs.launches)
     check_empty(eng)
+
+
+def test_windows_a_chain_step_cuts_go_to_the_side_lane_in_the_same_pass(eng):
+    """run_once finishes and launches the chain first, then the side lane: the window a landed
+    chain step completes is on the side lane when that pass returns, submitted after the chain's
+    next step (the side lane's postprocess and launch never hold up the chain's)."""
+    w = eng.worker
+    lane = w.side_lanes[SIDE_LANE]
+    eng.model.faults.hold(CHAIN_LANE)
+    req = Request("r", "a1", prompt=3, max_new_tokens=3, window=1)
+    f = w.submit(req)
+    run_until(w, lambda: w.chain.busy)
+    first = w.chain._steps[0]
+    eng.model.faults.release(CHAIN_LANE)
+    first.launched.result(timeout=10)
+    first.landed.synchronize(10)
+    assert not lane.busy and w.scheduler.pending(SIDE_LANE) == 0
+    n = len(w.trace)
+    w.run_once(block=False)
+    events = [(e, lane_id) for e, lane_id, *_ in list(w.trace)[n:]]
+    assert events[0] == ("finish", CHAIN_LANE), events
+    assert lane.busy and w.scheduler.pending(SIDE_LANE) == 0, "the window waited for another pass"
+    assert events.index(("submit", CHAIN_LANE)) < events.index(("submit", SIDE_LANE)), events
+    w.drain()
+    check_result(eng, req, f.result())
+    check_empty(eng)
+
+
+def test_codec_steps_reuse_their_host_buffers_and_read_copies(eng):
+    """A codec step stages into its key's host buffers and copies its output back in stream
+    order: a smaller step after a larger one of the same bucket leaves no stale row behind,
+    windows of mixed lengths average over their own tokens, and what read_codec gives stays put
+    when the buffer is reused."""
+    m = eng.model
+    rng = np.random.default_rng(7)
+    kept = []
+    for sizes in ([16, 16, 16], [3, 16, 1, 7, 16], [2], [5] * 70):  # buckets 4, 16, 4, then past the largest
+        wins = [tuple(int(t) for t in rng.integers(0, m.vocab, k)) for k in sizes]
+        out = m.codec(wins)
+        with pytest.raises(AssertionError):
+            m.read_codec(out)  # not landed: never read
+        out.landed = True
+        vecs = m.read_codec(out)
+        assert vecs.shape == (len(wins), m.codec_width)
+        assert not np.shares_memory(vecs, out.arrays["v_host"])
+        kept.append((vecs.copy(), vecs, wins))
+    for before, vecs, wins in kept:
+        np.testing.assert_array_equal(vecs, before)
+        for v, win in zip(vecs, wins):
+            np.testing.assert_allclose(v, m.codec_reference(win), atol=1e-5)
+    b = m.codec_buffers(4)
+    ids, mask = b["ids_host"].reshape(4, m.max_window), b["mask_host"][..., 0]
+    assert (ids[1:] == 0).all() and (mask[1:] == 0).all(), "padding rows of the last step are zero"
+    assert (ids[0, 2:] == 0).all() and np.allclose(mask[0], [0.5, 0.5] + [0] * (m.max_window - 2))
+    eng.model.early_reads = 0  # the unlanded reads above were this test's own
+    with pytest.raises(ValueError, match="17 tokens"):
+        m.codec([(1,) * 17])
+    with pytest.raises(ValueError, match="0 tokens"):
+        m.codec([(1, 2), ()])
 
 
 def test_the_chain_runs_while_a_side_step_is_on_its_stream(eng):

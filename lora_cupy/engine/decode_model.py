@@ -17,6 +17,7 @@ device work had run before it was read, so a postprocess before landing shows.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ class DecodeModel:
         self.wc = [self._dev(self.host_wc[l]) for l in range(codec_layers)]
         self.deltas = [pool.layer_delta(TARGET, l) for l in range(self.num_layers)]
         self.buckets = pool.spec.capture_buckets
-        self._bufs: dict[tuple[int, int], dict] = {}
+        self._bufs: dict[tuple, dict] = {}
+        self._window_cols = np.arange(max_window)  # [K]
         self.faults = Faults()
         self.early_reads = 0
         # torch_layers: the matmuls (chain and codec) run in torch on the lane's stream, on views
@@ -226,29 +228,49 @@ class DecodeModel:
 
     # -- the codec -----------------------------------------------------------------------------
     def codec_buffers(self, bucket: int, parity: int = 0) -> dict:
-        """The codec's fixed buffers for up to ``bucket`` windows of up to ``max_window`` tokens."""
+        """The codec's fixed buffers for up to ``bucket`` windows of up to ``max_window`` tokens:
+        on the device, and their host side (pinned on cuda, so the copies in and out do not block):
+        ``ids_host``/``mask_host`` staged inputs, ``v_host`` the landed output. A step of one key
+        rewrites them only once the step before it of that key has landed (one side step in
+        flight; the chain alternates parity two steps deep)."""
         key = ("codec", bucket, parity)
         b = self._bufs.get(key)
         if b is None:
-            K, C, z = self.max_window, self.codec_width, self.device.zeros
+            K, C, z, h = self.max_window, self.codec_width, self.device.zeros, self.device.host_zeros
             b = self._bufs[key] = {"ids": z(bucket * K, np.int64), "mask": z((bucket, K, 1), np.float32),
                                    "emb": z((bucket * K, C), np.float32), "v": z((bucket, C), np.float32),
-                                   "t": z((bucket, C), np.float32)}
+                                   "t": z((bucket, C), np.float32),
+                                   "ids_host": h(bucket * K, np.int64), "mask_host": h((bucket, K, 1), np.float32),
+                                   "v_host": h((bucket, C), np.float32)}
             if self.torch_layers:
                 b["torch"] = (self._as_torch(b["v"]), self._as_torch(b["t"]))
         return b
 
-    def codec_stage(self, windows, bucket: int) -> dict:
-        """Host inputs of a codec step: each window's token ids and its averaging weights."""
-        K = self.max_window
-        ids = np.zeros((bucket, K), np.int64)
-        mask = np.zeros((bucket, K, 1), np.float32)
-        for i, w in enumerate(windows):
-            if not 1 <= len(w) <= K:
-                raise ValueError(f"a codec window of {len(w)} tokens (at most {K})")
-            ids[i, :len(w)] = w
-            mask[i, :len(w)] = 1.0 / len(w)
-        return {"ids": ids.reshape(-1), "mask": mask, "n": len(windows)}
+    def codec_stage(self, windows, bufs: dict) -> int:
+        """Write a codec step's host inputs into ``bufs``: each window's token ids, left-aligned
+        in its row of ``max_window`` (0 after), and its averaging weights (``1/len`` over its
+        tokens, 0 after); the padding rows are zeroed. Returns the number of windows."""
+        K, n = self.max_window, len(windows)
+        ids = bufs["ids_host"].reshape(-1, K)  # [bucket, K]
+        mask = bufs["mask_host"][..., 0]  # [bucket, K]
+        lens = list(map(len, windows))
+        lo, hi = (min(lens), max(lens)) if lens else (1, 1)
+        if lo < 1 or hi > K:
+            raise ValueError(f"a codec window of {lo if lo < 1 else hi} tokens (at most {K})")
+        if lo == hi:  # windows of one length (the usual case): one conversion
+            ids[:n, :hi] = windows
+            mask[:n, :hi] = 1.0 / hi
+            ids[:n, hi:] = 0
+            mask[:n, hi:] = 0
+        else:
+            ln = np.array(lens)[:, None]  # [n, 1]
+            valid = self._window_cols < ln  # [n, K]: a window's tokens
+            ids[:n] = 0
+            ids[:n][valid] = np.fromiter(itertools.chain.from_iterable(windows), np.int64, sum(lens))  # C order
+            np.multiply(valid, 1.0 / ln, out=mask[:n])
+        ids[n:] = 0
+        mask[n:] = 0
+        return n
 
     def codec_forward(self, bufs: dict) -> None:
         """The codec's device work: reads and writes only ``bufs`` (capturable)."""
@@ -268,22 +290,44 @@ class DecodeModel:
 
     def codec(self, windows, parity: int = 0, graphs=None) -> StepOutput:
         """A codec step for ``windows`` (each a sequence of token ids) on the current stream:
-        its inputs copied in, then its device work (under ``graphs``, keyed by bucket, if given)."""
+        its inputs staged and copied in, its device work (under ``graphs``, keyed by bucket, if
+        given), then its output copied to the host, all in stream order, so that once the step
+        has landed :meth:`read_codec` reads host memory only."""
         bucket = next((b for b in self.buckets if b >= len(windows)), None)
         if bucket is None:  # more windows than the largest bucket: one step sized to them, eager
             bucket, graphs = len(windows), None
         bufs = self.codec_buffers(bucket, parity)
-        self.load_inputs(bufs, self.codec_stage(windows, bucket), keys=("ids", "mask"))
+        n = self.codec_stage(windows, bufs)
+        self._copy(bufs["ids"], bufs["ids_host"])
+        self._copy(bufs["mask"], bufs["mask_host"])
         if graphs is None:
             self.codec_forward(bufs)
         else:
             graphs.launch(("codec", bucket, parity), lambda: self.codec_forward(bufs))
-        return StepOutput(bufs, len(windows))
+        self._copy(bufs["v_host"][:n], bufs["v"][:n])
+        return StepOutput(bufs, n)
+
+    def _copy(self, dst, src) -> None:
+        """``dst[...] = src`` on the current stream, between a device array and a host buffer of
+        the same shape (both C-contiguous; pinned on cuda, so the copy is asynchronous)."""
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"a copy of {src.nbytes} bytes into {dst.nbytes}")
+        if not self.device.is_cuda:
+            np.copyto(dst, src)
+            return
+        from cupy.cuda import runtime
+
+        host_to_device = isinstance(src, np.ndarray)
+        d = dst.data.ptr if host_to_device else dst.ctypes.data
+        s = src.ctypes.data if host_to_device else src.data.ptr
+        kind = runtime.memcpyHostToDevice if host_to_device else runtime.memcpyDeviceToHost
+        runtime.memcpyAsync(d, s, src.nbytes, kind, self.xp.cuda.get_current_stream().ptr)
 
     def read_codec(self, out: StepOutput) -> np.ndarray:
+        """``v[n, codec_width]`` of a landed codec step: a copy of its host output (no device
+        access, so any thread may read it; the next step of its key overwrites the buffer)."""
         self._check_landed(out)
-        v = out.arrays["v"][:out.rows]
-        return v.get() if self.device.is_cuda else np.array(v)
+        return out.arrays["v_host"][:out.rows].copy()
 
     def _check_landed(self, out: StepOutput) -> None:
         if not out.landed:

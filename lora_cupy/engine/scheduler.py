@@ -45,8 +45,13 @@ class MicroScheduler:
 
     def put(self, key: tuple[Hashable, str], item: Any) -> None:
         """Queue ``item`` under ``key``, after what is queued there already."""
+        self.put_many(((key, item),))
+
+    def put_many(self, items: Iterable[tuple[tuple[Hashable, str], Any]]) -> None:
+        """``put(key, item)`` for each ``(key, item)``, in order, under one lock."""
         with self._lock:
-            self._ready[self.lane_of(key)].setdefault(key, []).append(item)
+            for key, item in items:
+                self._ready[self.lane_of(key)].setdefault(key, []).append(item)
 
     def take(self, lane: int, limit: int | None = None) -> list[tuple[tuple, list]]:
         """Everything ready on ``lane`` (up to ``limit`` keys), oldest key first; taken off."""

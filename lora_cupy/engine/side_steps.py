@@ -42,6 +42,10 @@ class SideRun:
     error: BaseException | None = None
 
 
+_PLANNED: Future = Future()  # a side step is planned inline: its plan future is done as it is made
+_PLANNED.set_result(None)
+
+
 @dataclass
 class _InFlight:
     batch: Any
@@ -73,10 +77,9 @@ class SideStepLane:
         windows = [w for _key, ws in work for w in ws]
         batch = ScheduledBatch(self.lane, self.worker._next_seq(), self.node, tuple(w.rid for w in windows), windows)
         node_batch = NodeBatch(self.node, [w.tokens for w in windows])
-        plan_future: Future = Future()
-        plan_future.set_result(None)  # planned inline: a side node holds no resource, nothing to plan
         self.worker._submit_step(self.lane, batch)
-        self._inflight = _InFlight(batch, gpu_executor.submit(self.execute, batch, node_batch, plan_future))
+        # planned inline: a side node holds no resource, so there is nothing to plan
+        self._inflight = _InFlight(batch, gpu_executor.submit(self.execute, batch, node_batch, _PLANNED))
 
     def execute(self, batch, node_batch: NodeBatch, plan_future: Future) -> SideRun:
         """The GPU thread's step, on the lane's stream, with nothing to wait for on the main

@@ -86,8 +86,16 @@ class _Live:
     windows_made: int = 0
     windows: list = field(default_factory=list)
     cut: int = 0  # tokens already in a window
+    next_cut: int = 0  # the token count that completes its next window (0: it has none)
     chain_failures: int = 0
     removing: bool = False
+
+    def __post_init__(self):
+        self.next_cut = self._window_end(0)
+
+    def _window_end(self, start: int) -> int:
+        w = self.req.window
+        return 0 if w <= 0 or start >= self.req.max_new_tokens else min(start + w, self.req.max_new_tokens)
 
     @property
     def windows_total(self) -> int:
@@ -176,17 +184,20 @@ class Worker:
 
     # -- the main loop ----------------------------------------------------------------------------
     def run_once(self, block: bool = False, timeout: float = 0.05) -> None:
-        """One pass: arrivals and removals, admission, the side lanes, the chain, teardown.
+        """One pass: arrivals and removals, admission, the chain, the side lanes, teardown.
         ``block``: wait (up to ``timeout``) for a step to land when nothing else can move."""
         self._wake.clear()
         self._take_inbox()
         self._admit_waiting()
-        for lane in self.side_lanes.values():
-            lane.finish(block=False)
-            lane.launch(self.gpu)
         while self.chain.finish(block=False):
             pass
         self.chain.launch(self.gpu)
+        # The side lanes after the chain's launch: their postprocess runs while the GPU thread
+        # issues the chain's step (not before it), their next step queues on the GPU thread
+        # behind that one, and windows the chain's finish just cut go in this pass.
+        for lane in self.side_lanes.values():
+            lane.finish(block=False)
+            lane.launch(self.gpu)
         if self.chain.full:
             # N+1 is launched: wait for N (here, or at the next pass when not blocking)
             self.chain.finish(block=block)
@@ -332,8 +343,7 @@ class Worker:
 
     # -- submit and finish, keyed by lane ----------------------------------------------------------------
     def _submit_step(self, lane: int, batch: ScheduledBatch) -> None:
-        for rid in batch.rids:
-            self._refs[rid] += 1
+        self._refs.update(batch.rids)
         self.trace.append(("submit", lane, batch.seq, batch.rids))
         self.stats[f"steps_lane{lane}"] += 1
         self.stats[f"steps_{batch.node}"] += 1
@@ -347,13 +357,16 @@ class Worker:
             elif out is not None:
                 self._postprocess_chain(batch, out)
         finally:
+            refs = self._refs
             for rid in batch.rids:
-                self._refs[rid] -= 1
+                refs[rid] -= 1
             for rid in batch.rids:
-                self._maybe_remove(rid)
+                if refs[rid] <= 0:  # no other in-flight step reads it: it may go now
+                    self._maybe_remove(rid)
 
     def _postprocess_chain(self, batch: ScheduledBatch, out) -> None:
         tokens, hidden = self._on_gpu_thread(self.model.read, out)
+        cut = []  # windows this step completes, queued for the codec at once
         for i, (rid, pos, _prompt) in enumerate(batch.items):
             live = self._live.get(rid)
             if live is None or live.removing:
@@ -362,35 +375,42 @@ class Worker:
                 raise AssertionError(f"request {rid!r}: token {pos} landed after {len(live.tokens)} tokens")
             live.tokens.append(int(tokens[i]))
             live.hidden.append(hidden[i])
-            self._cut_window(live)
+            if len(live.tokens) == live.next_cut:
+                self._cut_window(live, cut)
             self._maybe_done(live)
+        if cut:
+            self.scheduler.put_many(cut)
+            self._wake.set()
 
-    def _cut_window(self, live: _Live) -> None:
-        w, n = live.req.window, len(live.tokens)
-        if w <= 0 or not (n - live.cut == w or n == live.req.max_new_tokens) or n == live.cut:
-            return
-        win = Window(live.req.rid, live.windows_made, tuple(live.tokens[live.cut:n]))
+    def _cut_window(self, live: _Live, cut: list) -> None:
+        """Append ``live``'s next window (its tokens are all there) to ``cut``."""
+        n = len(live.tokens)
+        cut.append(((live.req.rid, self.model.side_node), Window(live.req.rid, live.windows_made,
+                                                                 tuple(live.tokens[live.cut:n]))))
         live.cut = n
+        live.next_cut = live._window_end(n)
         live.windows_made += 1
-        self.scheduler.put((live.req.rid, self.model.side_node), win)
-        self._wake.set()
 
     def _postprocess_windows(self, batch: ScheduledBatch, out, error) -> None:
+        """A landed codec step's windows, each to its request in window order. Its output was
+        copied to the host in the step's own stream order (the GPU thread issued that copy), so
+        reading it touches host memory only: no round trip to the GPU thread."""
         if error is not None:
             for rid in dict.fromkeys(batch.rids):
                 live = self._live.get(rid)
                 if live is not None:
                     self._fail(live, error)
             return
-        vecs = self._on_gpu_thread(self.model.read_codec, out)
-        for i, win in enumerate(batch.items):
+        vecs = self.model.read_codec(out)
+        for win, vec in zip(batch.items, vecs):
             live = self._live.get(win.rid)
             if live is None or live.removing:
                 continue
             if win.index != len(live.windows):
                 raise AssertionError(f"request {win.rid!r}: window {win.index} landed after {len(live.windows)}")
-            live.windows.append(vecs[i])
-            self._maybe_done(live)
+            live.windows.append(vec)
+            if len(live.windows) == live.windows_total:
+                self._maybe_done(live)
 
     def _next_seq(self) -> int:
         """The next step's number, across lanes (the main loop's thread only)."""

@@ -138,3 +138,61 @@ def test_torch_layers_on_the_chain_stream_through_dlpack():
         assert sum(w.chain.graphs.captures.values()) > 0
     finally:
         eng.close()
+
+
+def _pinned(arr) -> bool:
+    from cupy.cuda import runtime
+
+    attrs = runtime.pointerGetAttributes(arr.ctypes.data)
+    kind = getattr(attrs, "type", None)
+    if kind is None:  # older CuPy names it after the CUDA field
+        kind = attrs.memoryType
+    return kind == 1  # cudaMemoryTypeHost: page-locked, so the copies from and to it are asynchronous
+
+
+def test_codec_copies_through_pinned_buffers_on_the_current_stream():
+    """A codec step on a stream of its own: inputs staged in pinned host buffers and copied in,
+    the output copied back, all on that stream; once its event has landed, read_codec (host memory
+    only) matches the reference, and a smaller step after a larger one of a bucket reads no stale
+    row."""
+    import cupy
+
+    eng = make(codec_layers=2)
+    try:
+        m = eng.model
+        stream = cupy.cuda.Stream(non_blocking=True)
+        rng = np.random.default_rng(3)
+        for sizes in ([16] * 7, [3, 16, 1, 7, 16], [2], [16] * 70):  # buckets 8, 8, 8, then past the largest
+            wins = [tuple(int(t) for t in rng.integers(0, m.vocab, k)) for k in sizes]
+            with cupy.cuda.Device(0), stream:
+                out = m.codec(wins)
+                done = stream.record()
+            done.synchronize()
+            out.landed = True
+            vecs = m.read_codec(out)
+            assert vecs.shape == (len(wins), m.codec_width)
+            for v, win in zip(vecs, wins):
+                np.testing.assert_allclose(v, m.codec_reference(win), atol=2e-3)
+        b = m.codec_buffers(8)
+        assert all(_pinned(b[k]) for k in ("ids_host", "mask_host", "v_host"))
+        assert (b["ids_host"].reshape(8, m.max_window)[1:] == 0).all()
+    finally:
+        eng.close()
+
+
+def test_windows_on_the_chain_match_the_reference_with_graphs():
+    """No side lane: codec steps run on the chain's stream, their buffers (host side included)
+    alternating by parity two steps deep, under graphs captured there."""
+    eng = make(side_lane=False, codec_layers=2)
+    try:
+        w = eng.worker
+        assert not w.side_lanes
+        for rep in range(3):
+            reqs = requests(n=20, tokens=12, window=4, tag=f"{rep}-")
+            futs = [w.submit(r) for r in reqs]
+            w.drain(timeout=120)
+            check(eng, reqs, futs)
+        assert any(k[0] == "codec" for k in w.chain.graphs.captures), "no codec step was captured on the chain"
+        assert eng.model.early_reads == 0
+    finally:
+        eng.close()
