@@ -242,6 +242,13 @@ def test_bench_lane_runs_on_the_cpu(tmp_path):
     assert res["on_chain"]["side_steps"] == 0 and res["on_chain"]["codec_steps"] >= 1, "the windows ran on the chain"
     assert res["on_chain"]["chain_steps"] >= 12 + res["on_chain"]["codec_steps"]
     assert data["command"].startswith("lora-cupy bench lane") and data["device"] == "cpu"
+    summary = data["summary"]
+    for m in ("side", "on_chain"):
+        rounds = summary[f"{m}_vs_alone_rounds"]
+        assert len(rounds) == data["args"]["repeats"] == len(res[m]["runs"]) == 7
+        assert summary[f"{m}_vs_alone_median_of_rounds"] == sorted(rounds)[3]
+        assert summary[f"{m}_vs_alone"] == res[m]["chain_tokens_per_s"] / res["alone"]["chain_tokens_per_s"]
+        assert sorted(res[m]["runs"])[3] == res[m]["chain_tokens_per_s"], "the median run"
 
 
 def test_a_side_step_that_fails_as_it_launches_fails_its_requests(eng):

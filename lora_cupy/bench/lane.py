@@ -8,7 +8,9 @@ codec node. Chain throughput is the chain's decode tokens over the span from its
 start to its last step's landing (CUDA events on cuda, host time on the cpu), so codec work that
 runs after the chain is done does not count, and codec steps run on the chain do. Each mode is
 warmed up once (kernels compile, graphs are captured), then the modes run interleaved,
-``--repeats`` times; the run of median throughput is reported per mode.
+``--repeats`` times; the run of median throughput is reported per mode, and beside it the median
+over rounds of each round's ratio to that round's chain alone (interleaved runs share the
+machine's drift, so the ratio varies less than either run).
 
 The target: with windows on the side lane the chain keeps at least 95% of its throughput alone,
 while the same windows on the chain cost it their full time.
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
+import statistics
 import sys
 import time
 
@@ -87,15 +91,18 @@ def run_once(args, eng, mode: str, tag: str) -> dict:
 def run_modes(args) -> dict:
     """Every mode on an engine of its own: one warm-up run each (kernels compile, graphs are
     captured), then ``args.repeats`` rounds, the modes interleaved in each so that drift in the
-    machine's speed falls on all of them; per mode, the run of median chain throughput, and
-    every run's figures."""
+    machine's speed falls on all of them (the order turns round by round, so that no mode always
+    runs first, and each run starts from a collected heap); per mode, the run of median chain
+    throughput, and every run's figures."""
     engines = {m: _engine(args, side_lane=(m == "side")) for m in MODES}
     try:
         for m in MODES:
             run_once(args, engines[m], m, "warm")
         runs = {m: [] for m in MODES}
         for rep in range(args.repeats):
-            for m in MODES:
+            for k in range(len(MODES)):
+                m = MODES[(rep + k) % len(MODES)]
+                gc.collect()
                 runs[m].append(run_once(args, engines[m], m, f"r{rep}"))
         out = {}
         for m in MODES:
@@ -105,6 +112,21 @@ def run_modes(args) -> dict:
     finally:
         for eng in engines.values():
             eng.close()
+
+
+def summarize(results: dict) -> dict:
+    """The target's figures: each mode's median run against alone's, and, steadier against drift,
+    the median over rounds of each round's ratio to that round's alone run."""
+    alone = results["alone"]
+    summary = {}
+    for m in ("side", "on_chain"):
+        rounds = [x / a for x, a in zip(results[m]["runs"], alone["runs"])]
+        summary[f"{m}_vs_alone"] = results[m]["chain_tokens_per_s"] / alone["chain_tokens_per_s"]
+        summary[f"{m}_vs_alone_rounds"] = rounds
+        summary[f"{m}_vs_alone_median_of_rounds"] = statistics.median(rounds)
+    summary["on_chain_extra_s"] = results["on_chain"]["chain_span_s"] - alone["chain_span_s"]
+    summary["codec_time_s"] = results["side"]["side_busy_s"]
+    return summary
 
 
 def _meta(argv) -> dict:
@@ -130,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codec-width", type=int, default=2048)
     p.add_argument("--codec-layers", type=int, default=96, help="codec work per window batch (default 96 layers)")
     p.add_argument("--no-graphs", action="store_true", help="run the chain's steps eagerly")
-    p.add_argument("--repeats", type=int, default=5, help="measured rounds after a warm-up (default 5)")
+    p.add_argument("--repeats", type=int, default=7, help="measured rounds after a warm-up (default 7)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", metavar="FILE", help="write the results here")
     args = p.parse_args(argv)
@@ -141,19 +163,17 @@ def main(argv: list[str] | None = None) -> int:
         idx = int(args.device.split(":")[1]) if ":" in args.device else 0
         meta["device"] = cupy.cuda.runtime.getDeviceProperties(idx)["name"].decode()
     results = run_modes(args)
-    alone = results["alone"]["chain_tokens_per_s"]
-    summary = {"side_vs_alone": results["side"]["chain_tokens_per_s"] / alone,
-               "on_chain_vs_alone": results["on_chain"]["chain_tokens_per_s"] / alone,
-               "on_chain_extra_s": results["on_chain"]["chain_span_s"] - results["alone"]["chain_span_s"],
-               "codec_time_s": results["side"]["side_busy_s"]}
-    print(f"{'mode':<10} {'tokens/s':>12} {'chain span s':>13} {'chain steps':>12} {'side steps':>11}")
+    summary = summarize(results)
+    print(f"{'mode':<10} {'tokens/s':>12} {'chain span s':>13} {'chain steps':>12} {'side steps':>11}  rounds (tokens/s)")
     for m in MODES:
         r = results[m]
         print(f"{m:<10} {r['chain_tokens_per_s']:12.0f} {r['chain_span_s']:13.4f} {r['chain_steps']:12d} "
-              f"{r['side_steps']:11d}")
-    print(f"side lane keeps {100 * summary['side_vs_alone']:.1f}% of the chain's throughput (target >= 95%); "
+              f"{r['side_steps']:11d}  {' / '.join(f'{x:.0f}' for x in r['runs'])}")
+    print(f"side lane keeps {100 * summary['side_vs_alone']:.1f}% of the chain's throughput (target >= 95%; "
+          f"median of the rounds' ratios {100 * summary['side_vs_alone_median_of_rounds']:.1f}%); "
           f"windows on the chain keep {100 * summary['on_chain_vs_alone']:.1f}% "
-          f"(+{summary['on_chain_extra_s']:.4f} s for {summary['codec_time_s']:.4f} s of codec work)")
+          f"({100 * summary['on_chain_vs_alone_median_of_rounds']:.1f}%; "
+          f"+{summary['on_chain_extra_s']:.4f} s for {summary['codec_time_s']:.4f} s of codec work)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**meta, "args": vars(args), "results": results, "summary": summary}, f, indent=1)
