@@ -63,8 +63,14 @@ def check(eng, reqs, futs):
 
 def test_side_steps_run_inside_chain_steps():
     """Each side step's CUDA events against the chain steps': intervals on two streams intersect
-    only where the device ran both at once (serialized streams would give disjoint intervals)."""
-    eng = make(hidden=1024, num_layers=8, codec_layers=48)
+    only where the device ran both at once (serialized streams would give disjoint intervals).
+
+    The chain here has 96 layers in each step's graph, so its steps are long on the device next
+    to the host work that issues them, and a side step issued behind the chain's next launch
+    finds a chain step on the device. (With a chain of few layers, host-bound, a side step may
+    instead fill the chain's idle gaps between steps, which is what the chain wants: at 8 layers
+    on an H200, 5 of 16 side steps overlapped a chain step.)"""
+    eng = make(hidden=256, num_layers=96, codec_layers=48)
     try:
         w = eng.worker
         for rep in range(2):  # the first run compiles and captures
