@@ -32,7 +32,7 @@ def _check_kernels(argv: list[str]) -> int:
 
 
 _BENCHES = {"kernels": "lora_cupy.bench.kernels", "pool": "lora_cupy.bench.pool", "lane": "lora_cupy.bench.lane",
-            "e2e": "lora_cupy.bench.e2e", "tp": "lora_cupy.bench.tp"}
+            "e2e": "lora_cupy.bench.e2e", "tp": "lora_cupy.bench.tp", "overlap": "lora_cupy.bench.overlap"}
 
 
 def main(argv: list[str] | None = None) -> int:

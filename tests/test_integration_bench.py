@@ -21,3 +21,19 @@ def test_e2e_bench_runs_its_rows_on_a_small_model(tmp_path, capsys):
     capsys.readouterr()
     assert main(["bench", "e2e", "--report", str(out)]) == 0
     assert "| decode b1 graphs 1 adapter |" in capsys.readouterr().out
+
+
+def test_overlap_bench_needs_a_gpu_and_renders_a_saved_run(tmp_path, capsys):
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "overlap"])
+        assert e.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
+    saved = {"date": "d", "gpu": "g", "commit": "c", "command": "lora-cupy bench overlap",
+             "rows": [{"rows": 1, "adapters": 1, "target": "o_proj", "gemm": 10.4, "delta": 8.4, "add": 1.4,
+                       "serial": 19.6, "forked_high": 18.7, "forked_default": 18.7}]}
+    (tmp_path / "o.json").write_text(json.dumps(saved))
+    assert main(["bench", "overlap", "--report", str(tmp_path / "o.json")]) == 0
+    assert "| 1 | 1 | o_proj | 10.4 | 8.4 | 1.4 | 19.6 | 18.7 | 18.7 |" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Benchmarks behind ``lora-cupy bench``: ``kernels``, ``pool``, ``lane``, ``e2e`` and ``tp``."""
+"""Benchmarks behind ``lora-cupy bench``: ``kernels``, ``pool``, ``lane``, ``e2e``, ``tp`` and ``overlap``."""
 
 from __future__ import annotations
 
