@@ -155,9 +155,12 @@ def test_attach_refuses_a_model_that_does_not_fit(family):
     with LoraAdapterPool(nothing, "cpu") as pool, pytest.raises(TargetMismatchError, match="o_proj"):
         attach(bare, pool)
     with LoraAdapterPool(spec, "cpu") as pool:
-        with pytest.raises(ValueError, match="second CUDA stream; the pool is on cpu"):
-            attach(base, pool, overlap=True)
+        for mode in (True, "always", "graphs"):
+            with pytest.raises(ValueError, match="second CUDA stream; the pool is on cpu"):
+                attach(base, pool, overlap=mode)
+        with pytest.raises(ValueError, match="one of True"):
+            attach(base, pool, overlap="sometimes")
         with attach(base, pool) as att:
-            assert not att.overlap and att.side is None  # in-line on the CPU by default
+            assert att.overlap_mode == "never" and not att.overlap and att.side is None  # in line on the CPU
             assert not any(m._forward_pre_hooks for m in base.modules())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())  # a refusal hooks nothing

@@ -18,9 +18,9 @@ Rows (goals from the project's issue):
 - decode, batch 64, eager (no graphs), 8 adapters: one eager step, host work included; beside it
   PEFT's own eager mixed batch (``adapter_names``) on a 128-token ``DynamicCache``.
 
-Each row with adapters runs the deltas beside their linears on a side stream (``overlap``, the
-default on CUDA: the ratio against the goal) and, in the same run, in line on the main stream
-(the "in line" column); the base step is timed again after them ("base again"), so a base
+Each row with adapters runs the attachment's default (on CUDA, each delta beside its linear on a
+side stream inside CUDA graph captures, in line in eager steps: the ratio against the goal) and,
+in the same run, every delta in line on the main stream (the "in line" column); the base step is timed again after them ("base again"), so a base
 figure that moved over the row shows. Beside each decode row with adapters: the time the adapters add, and the step's deltas alone
 (every target at every layer on the decode bucket, one graph): what the kernels cost by
 themselves against what they add inside the step.
@@ -150,13 +150,13 @@ def deltas_alone_ms(gen, batch: int, reps: int) -> float:
 
 def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int, overlap: bool = True) -> dict:
     """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base) and, with
-    adapters, of the step's deltas alone. ``overlap``: the deltas beside their linears on a side
-    stream (CUDA), else in line."""
+    adapters, of the step's deltas alone. ``overlap``: the attachment's default (on CUDA the deltas
+    beside their linears on a side stream inside graph captures), else in line everywhere."""
     import torch
 
     cuda = pool.device.is_cuda
     gen = generator(model, pool, max_batch=max(batch, 1), max_len=192, max_prefill=8,
-                    cuda_graphs=graphs and cuda, static_decode=graphs and not cuda, overlap=overlap and cuda)
+                    cuda_graphs=graphs and cuda, static_decode=graphs and not cuda, overlap=None if overlap else False)
     try:
         fill(gen, batch, 128, adapters, max_new=60)
         for _ in range(3 + batch):  # until 3 steps in a row decode the whole batch: both parities'
@@ -187,7 +187,7 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True) ->
     from ..integrations import GenerationRequest
 
     gen = generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False,
-                    overlap=overlap and pool.device.is_cuda)
+                    overlap=None if overlap else False)
     rng = np.random.default_rng(2)
     vocab = model.config.vocab_size
     n = [0]

@@ -113,13 +113,14 @@ class LoraGenerator:
     tokens. ``max_prefill``: requests that start in one step. ``cuda_graphs``: replay decode
     steps as CUDA graphs (default: on a CUDA device); ``static_decode`` runs decode steps as the
     graphs would (static cache, batch buckets) but eagerly, on any device. ``eos_token_id``: the default stop token
-    (default: the model's generation config's, if any). ``overlap``: run each delta on a side
-    stream beside its linear (:func:`~lora_cupy.integrations.attach.attach`; default: on CUDA).
+    (default: the model's generation config's, if any). ``overlap``: when each delta runs on a side
+    stream beside its linear (:func:`~lora_cupy.integrations.attach.attach`; default: inside the
+    decode graphs' captures on CUDA).
     """
 
     def __init__(self, model, pool, *, max_batch: int | None = None, max_len: int = 256,
                  max_prefill: int = 8, cuda_graphs: bool | None = None, static_decode: bool = False,
-                 eos_token_id="model", overlap: bool | None = None):
+                 eos_token_id="model", overlap: bool | str | None = None):
         import torch
 
         self.model, self.pool = model, pool
