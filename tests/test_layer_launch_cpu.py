@@ -163,3 +163,21 @@ def test_weights_are_checked_when_the_layer_is_made():
     with pytest.raises(TypeError, match="int32"):
         cb.LayerLaunch(be, LayerWeights(FakeDeviceArray((5, 1, 16, 64), "<u2"), FakeDeviceArray((5, 96, 16), "<u2"),
                                         FakeDeviceArray((5, 1), "<f4"), FakeDeviceArray((5, 1), "<i8"), (0, 96)))
+
+
+def test_a_layer_keeps_the_weights_its_launches_point_at_alive():
+    """The packed launches hold the weights' raw pointers: a layer prepared from a temporary (the
+    caller keeping no reference) still holds the arrays, and lets them go only with itself. (The
+    ALIGNED GPU tests at first prepared from ``dev_weights(...)`` temporaries: CuPy's pool handed
+    the freed weights' memory to the views, x and y allocated next, and every route read garbage.)"""
+    import gc
+    import weakref
+
+    be, layer, _ = _layer()  # _layer passes LayerWeights(...) straight in
+    refs = [weakref.ref(a) for a in (layer.held.a, layer.held.b, layer.held.scaling, layer.held.ranks)]
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    assert layer.weights.ptrs[:4] == tuple(r().__cuda_array_interface__["data"][0] for r in refs)
+    del layer
+    gc.collect()
+    assert all(r() is None for r in refs)

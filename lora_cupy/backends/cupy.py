@@ -780,11 +780,17 @@ class LayerLaunch:
     checks only what can change: x's and y's shape, dtype, device and layout, and the stream;
     then it patches their pointers (and the alignment flags) and launches. Called from one
     thread at a time (the thread that issues the step's GPU work).
+
+    The packed launches hold the weights' raw device pointers, so the layer keeps ``w`` itself
+    (``held``) for as long as it lives: prepared from a temporary (``prepare(LayerWeights(...))``
+    with nothing else referring to the arrays), the arrays would otherwise go back to the memory
+    pool at once and the next allocations (x, y, the addressing) reuse their memory.
     """
 
     def __init__(self, backend: CupyBackend, w: LayerWeights):
         self.backend = backend
         self.weights = check_weights(backend.limits, w)
+        self.held = w  # the arrays behind self.weights.ptrs: alive while any launch may read them
         self._launches: dict[Any, PackedLaunch | None] = {}
         self._device = backend.limits.device_id
         self._tensor = self._tdtype = self._stream = None  # torch.Tensor, the weights' dtype in torch, its stream

@@ -243,7 +243,9 @@ def test_aligned_and_unaligned_instantiations(make_case, check, dtype, tile, lau
     case = make_case(T=45, dtype=dtype, mix="zipf", num_slots=17, active=9, pad_to=64, **_aligned_shape(dtype))
     kw = dict(aligned=False) if route == "aligned_off" else {}
     be = backend_for(case.spec, tile=tile, **LAUNCHES[launch], **kw)
-    layer = be.prepare(dev_weights(case.w))
+    w = dev_weights(case.w)  # held here too: the launch reads these arrays through raw pointers
+    layer = be.prepare(w)
+    assert layer.held is w
     views = LaunchViews(64, 0, dev(case.token_order), dev(case.slot_indptr))
     x = dev_misaligned(case.x) if route == "x_misaligned" else dev(case.x)
     y = dev_misaligned(case.y0) if route == "y_misaligned" else dev(case.y0)
@@ -265,6 +267,8 @@ def test_one_layer_switches_instantiations_as_alignment_changes(make_case, check
     case = make_case(T=45, dtype="bfloat16", mix="uniform", num_slots=17, active=9, pad_to=64,
                      **_aligned_shape("bfloat16"))
     be = backend_for(case.spec, **LAUNCHES[launch])
+    # prepared from a temporary on purpose: the layer alone keeps the weights alive (LayerLaunch.held);
+    # were they freed, the views, x and y allocated next would take their memory in CuPy's pool
     layer = be.prepare(dev_weights(case.w))
     views = LaunchViews(64, 0, dev(case.token_order), dev(case.slot_indptr))
     x = dev(case.x)
