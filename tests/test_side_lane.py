@@ -207,6 +207,44 @@ def test_without_a_side_lane_the_chain_runs_the_windows(eng):
         e.close()
 
 
+def test_run_marked_is_one_job_on_a_host_stream():
+    """``LaneStream.run_marked`` on the cpu: the work queued between two marks as one job, the
+    marks landing with it (the start's time before the work, the landing's after), ``notify``
+    called once it has landed; an error in the work is kept for the stream's next sync."""
+    import threading
+
+    from lora_cupy.device import Device
+    from lora_cupy.engine.streams import LaneStream
+
+    lane = LaneStream(Device("cpu"), name="side-test")
+    gate, order = threading.Event(), []
+    start, landed = lane.run_marked(lambda: (gate.wait(10), order.append("work")),
+                                    notify=lambda: order.append("notify"))
+    assert not start.done and not landed.done, "queued, not run"
+    gate.set()
+    landed.synchronize(10)
+    start.synchronize(10)
+    assert start.done and landed.done and landed.seconds_since(start) >= 0
+    lane.stream.synchronize()
+    assert order == ["work", "notify"]
+
+    def fails():
+        raise ValueError("device work failed")
+    _s, landed = lane.run_marked(fails)
+    landed.synchronize(10)
+    with pytest.raises(ValueError):
+        lane.stream.synchronize()
+    lane.close()
+
+
+def test_take_with_a_limit_keeps_the_rest_in_order():
+    s = MicroScheduler(["codec"])
+    s.put_many([((r, "codec"), i) for i, r in enumerate("abcab")])
+    assert s.take(SIDE_LANE, limit=1) == [(("a", "codec"), [0, 3])]
+    assert s.take(SIDE_LANE, limit=5) == [(("b", "codec"), [1, 4]), (("c", "codec"), [2])]
+    assert s.take(SIDE_LANE) == [] and s.pending(SIDE_LANE) == 0
+
+
 def test_side_lane_api(eng):
     w = eng.worker
     lane = w.side_lanes[SIDE_LANE]

@@ -17,6 +17,7 @@ device work had run before it was read, so a postprocess before landing shows.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -232,16 +233,28 @@ class DecodeModel:
         on the device, and their host side (pinned on cuda, so the copies in and out do not block):
         ``ids_host``/``mask_host`` staged inputs, ``v_host`` the landed output. A step of one key
         rewrites them only once the step before it of that key has landed (one side step in
-        flight; the chain alternates parity two steps deep)."""
+        flight; the chain alternates parity two steps deep).
+
+        The inputs are views of one block per side (``in`` on the device, ``in_host``: the ids,
+        then the mask), so a step copies them in with one copy; on cuda the copies' addresses are
+        taken once, here (``copy_ptrs``)."""
         key = ("codec", bucket, parity)
         b = self._bufs.get(key)
         if b is None:
             K, C, z, h = self.max_window, self.codec_width, self.device.zeros, self.device.host_zeros
-            b = self._bufs[key] = {"ids": z(bucket * K, np.int64), "mask": z((bucket, K, 1), np.float32),
+            n_ids = bucket * K * 8  # bytes of the ids (int64); the mask (float32) follows
+            raw, raw_host = z(n_ids + bucket * K * 4, np.uint8), h(n_ids + bucket * K * 4, np.uint8)
+            b = self._bufs[key] = {"in": raw, "in_host": raw_host,
+                                   "ids": raw[:n_ids].view(np.int64),
+                                   "mask": raw[n_ids:].view(np.float32).reshape(bucket, K, 1),
                                    "emb": z((bucket * K, C), np.float32), "v": z((bucket, C), np.float32),
                                    "t": z((bucket, C), np.float32),
-                                   "ids_host": h(bucket * K, np.int64), "mask_host": h((bucket, K, 1), np.float32),
+                                   "ids_host": raw_host[:n_ids].view(np.int64),
+                                   "mask_host": raw_host[n_ids:].view(np.float32).reshape(bucket, K, 1),
                                    "v_host": h((bucket, C), np.float32)}
+            if self.device.is_cuda:  # (in: device, host, bytes), (out: device, host, bytes a row)
+                b["copy_ptrs"] = (raw.data.ptr, raw_host.ctypes.data, raw.nbytes,
+                                  b["v"].data.ptr, b["v_host"].ctypes.data, C * 4)
             if self.torch_layers:
                 b["torch"] = (self._as_torch(b["v"]), self._as_torch(b["t"]))
         return b
@@ -290,38 +303,39 @@ class DecodeModel:
 
     def codec(self, windows, parity: int = 0, graphs=None) -> StepOutput:
         """A codec step for ``windows`` (each a sequence of token ids) on the current stream:
-        its inputs staged and copied in, its device work (under ``graphs``, keyed by bucket, if
-        given), then its output copied to the host, all in stream order, so that once the step
-        has landed :meth:`read_codec` reads host memory only."""
-        bucket = next((b for b in self.buckets if b >= len(windows)), None)
-        if bucket is None:  # more windows than the largest bucket: one step sized to them, eager
-            bucket, graphs = len(windows), None
+        its inputs staged and copied in (one copy), its device work (under ``graphs``, keyed by
+        bucket, if given), then its output copied to the host, all in stream order, so that once
+        the step has landed :meth:`read_codec` reads host memory only."""
+        n = len(windows)
+        i = bisect.bisect_left(self.buckets, n)
+        if i < len(self.buckets):
+            bucket = self.buckets[i]
+        else:  # more windows than the largest bucket: one step sized to them, eager
+            bucket, graphs = n, None
         bufs = self.codec_buffers(bucket, parity)
-        n = self.codec_stage(windows, bufs)
-        self._copy(bufs["ids"], bufs["ids_host"])
-        self._copy(bufs["mask"], bufs["mask_host"])
+        self.codec_stage(windows, bufs)
+        ptrs = bufs.get("copy_ptrs")
+        if ptrs is None:
+            np.copyto(bufs["in"], bufs["in_host"])
+        else:
+            self._memcpy_async(ptrs[0], ptrs[1], ptrs[2], True)
         if graphs is None:
             self.codec_forward(bufs)
         else:
             graphs.launch(("codec", bucket, parity), lambda: self.codec_forward(bufs))
-        self._copy(bufs["v_host"][:n], bufs["v"][:n])
+        if ptrs is None:
+            np.copyto(bufs["v_host"][:n], bufs["v"][:n])
+        else:
+            self._memcpy_async(ptrs[4], ptrs[3], n * ptrs[5], False)
         return StepOutput(bufs, n)
 
-    def _copy(self, dst, src) -> None:
-        """``dst[...] = src`` on the current stream, between a device array and a host buffer of
-        the same shape (both C-contiguous; pinned on cuda, so the copy is asynchronous)."""
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"a copy of {src.nbytes} bytes into {dst.nbytes}")
-        if not self.device.is_cuda:
-            np.copyto(dst, src)
-            return
+    def _memcpy_async(self, dst: int, src: int, nbytes: int, host_to_device: bool) -> None:
+        """An asynchronous copy of ``nbytes`` on the current stream (cuda), between a device
+        buffer and a pinned host one."""
         from cupy.cuda import runtime
 
-        host_to_device = isinstance(src, np.ndarray)
-        d = dst.data.ptr if host_to_device else dst.ctypes.data
-        s = src.ctypes.data if host_to_device else src.data.ptr
         kind = runtime.memcpyHostToDevice if host_to_device else runtime.memcpyDeviceToHost
-        runtime.memcpyAsync(d, s, src.nbytes, kind, self.xp.cuda.get_current_stream().ptr)
+        runtime.memcpyAsync(dst, src, nbytes, kind, self.xp.cuda.get_current_stream().ptr)
 
     def read_codec(self, out: StepOutput) -> np.ndarray:
         """``v[n, codec_width]`` of a landed codec step: a copy of its host output (no device

@@ -49,16 +49,26 @@ class MicroScheduler:
 
     def put_many(self, items: Iterable[tuple[tuple[Hashable, str], Any]]) -> None:
         """``put(key, item)`` for each ``(key, item)``, in order, under one lock."""
+        side, chain, side_nodes = self._ready[SIDE_LANE], self._ready[CHAIN_LANE], self.side_nodes
         with self._lock:
             for key, item in items:
-                self._ready[self.lane_of(key)].setdefault(key, []).append(item)
+                ready = side if key[1] in side_nodes else chain  # lane_of(key)
+                queued = ready.get(key)
+                if queued is None:
+                    ready[key] = [item]
+                else:
+                    queued.append(item)
 
     def take(self, lane: int, limit: int | None = None) -> list[tuple[tuple, list]]:
         """Everything ready on ``lane`` (up to ``limit`` keys), oldest key first; taken off."""
         with self._lock:
             ready = self._ready[lane]
+            if limit is None or limit >= len(ready):  # all of it, in one go
+                out = list(ready.items())
+                ready.clear()
+                return out
             out = []
-            while ready and (limit is None or len(out) < limit):
+            while ready and len(out) < limit:
                 out.append(ready.popitem(last=False))
             return out
 

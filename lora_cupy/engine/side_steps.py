@@ -71,13 +71,14 @@ class SideStepLane:
         """Queue the lane's next step on the GPU thread, if the stream is free."""
         if self._inflight is not None:
             return
-        work = self.worker.scheduler.take(self.lane)
+        w = self.worker
+        work = w.scheduler.take(self.lane)
         if not work:
             return
-        windows = [w for _key, ws in work for w in ws]
-        batch = ScheduledBatch(self.lane, self.worker._next_seq(), self.node, tuple(w.rid for w in windows), windows)
-        node_batch = NodeBatch(self.node, [w.tokens for w in windows])
-        self.worker._submit_step(self.lane, batch)
+        windows = [x for _key, ws in work for x in ws]
+        batch = ScheduledBatch(self.lane, w._next_seq(), self.node, tuple([x.rid for x in windows]), windows)
+        node_batch = NodeBatch(self.node, [x.tokens for x in windows])
+        w._submit_step(self.lane, batch)
         # planned inline: a side node holds no resource, so there is nothing to plan
         self._inflight = _InFlight(batch, gpu_executor.submit(self.execute, batch, node_batch, _PLANNED))
 
@@ -88,26 +89,23 @@ class SideStepLane:
         plan_future.result()
         run = SideRun()
         model = self.worker.model
-        stream = self.stream
-        run.start = stream.mark()
-        if stream.is_cuda:
-            with self.worker.device.activate(), stream.stream:
-                run.out = model.codec(node_batch.windows, graphs=self.graphs)
+        windows, graphs = node_batch.windows, self.graphs
+        if self.stream.is_cuda:
+            def work():
+                run.out = model.codec(windows, graphs=graphs)
         else:
-            faults = getattr(model, "faults", None)
+            faults, lane = getattr(model, "faults", None), self.lane
 
-            def job():
+            def work():
                 try:
                     if faults is not None:
-                        faults.enter(self.lane)
-                    out = model.codec(node_batch.windows, graphs=self.graphs)
+                        faults.enter(lane)
+                    out = model.codec(windows, graphs=graphs)
                     out.landed = True
                     run.out = out
                 except BaseException as e:
                     run.error = e
-            stream.run(job)
-        run.landed = stream.mark()
-        stream.notify(self.worker._notify)
+        run.start, run.landed = self.stream.run_marked(work, self.worker._notify)
         return run
 
     def finish(self, block: bool = False) -> None:

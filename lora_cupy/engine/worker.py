@@ -89,18 +89,16 @@ class _Live:
     next_cut: int = 0  # the token count that completes its next window (0: it has none)
     chain_failures: int = 0
     removing: bool = False
+    windows_total: int = 0  # how many windows it makes (set from req)
 
     def __post_init__(self):
+        w = self.req.window
+        self.windows_total = 0 if w <= 0 else -(-self.req.max_new_tokens // w)
         self.next_cut = self._window_end(0)
 
     def _window_end(self, start: int) -> int:
         w = self.req.window
         return 0 if w <= 0 or start >= self.req.max_new_tokens else min(start + w, self.req.max_new_tokens)
-
-    @property
-    def windows_total(self) -> int:
-        w = self.req.window
-        return 0 if w <= 0 else -(-self.req.max_new_tokens // w)
 
 
 class Worker:
@@ -141,6 +139,7 @@ class Worker:
         self._stop = threading.Event()
         self.loop_error: BaseException | None = None
         self.stats: Counter = Counter()
+        self._stat_keys: dict = {}  # (lane, node) -> its stats' keys
         self.removed: deque = deque(maxlen=1 << 16)  # rids in the order their remove_request ran
         self.trace: deque = deque(maxlen=1 << 16)  # (event, lane, seq, rids) in the main loop's order
         self.marks: deque = deque(maxlen=4096)  # (lane, seq, start, landed) of recent landed steps
@@ -345,8 +344,12 @@ class Worker:
     def _submit_step(self, lane: int, batch: ScheduledBatch) -> None:
         self._refs.update(batch.rids)
         self.trace.append(("submit", lane, batch.seq, batch.rids))
-        self.stats[f"steps_lane{lane}"] += 1
-        self.stats[f"steps_{batch.node}"] += 1
+        keys = self._stat_keys.get((lane, batch.node))
+        if keys is None:
+            keys = self._stat_keys[(lane, batch.node)] = (f"steps_lane{lane}", f"steps_{batch.node}")
+        stats = self.stats
+        stats[keys[0]] += 1
+        stats[keys[1]] += 1
 
     def _finish_step(self, lane: int, batch: ScheduledBatch, out, error: BaseException | None = None) -> None:
         """Postprocess a landed step (``out``), or fail what it carried (``error``, side lanes)."""
@@ -384,12 +387,12 @@ class Worker:
 
     def _cut_window(self, live: _Live, cut: list) -> None:
         """Append ``live``'s next window (its tokens are all there) to ``cut``."""
-        n = len(live.tokens)
-        cut.append(((live.req.rid, self.model.side_node), Window(live.req.rid, live.windows_made,
-                                                                 tuple(live.tokens[live.cut:n]))))
+        tokens = live.tokens
+        n, rid, made = len(tokens), live.req.rid, live.windows_made
+        cut.append(((rid, self.model.side_node), Window(rid, made, tuple(tokens[live.cut:n]))))
         live.cut = n
+        live.windows_made = made + 1
         live.next_cut = live._window_end(n)
-        live.windows_made += 1
 
     def _postprocess_windows(self, batch: ScheduledBatch, out, error) -> None:
         """A landed codec step's windows, each to its request in window order. Its output was
@@ -402,14 +405,17 @@ class Worker:
                     self._fail(live, error)
             return
         vecs = self.model.read_codec(out)
+        lives = self._live
         for win, vec in zip(batch.items, vecs):
-            live = self._live.get(win.rid)
+            live = lives.get(win.rid)
             if live is None or live.removing:
                 continue
-            if win.index != len(live.windows):
-                raise AssertionError(f"request {win.rid!r}: window {win.index} landed after {len(live.windows)}")
-            live.windows.append(vec)
-            if len(live.windows) == live.windows_total:
+            windows = live.windows
+            n = len(windows)
+            if win.index != n:
+                raise AssertionError(f"request {win.rid!r}: window {win.index} landed after {n}")
+            windows.append(vec)
+            if n + 1 == live.windows_total:
                 self._maybe_done(live)
 
     def _next_seq(self) -> int:

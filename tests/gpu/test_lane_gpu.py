@@ -182,6 +182,13 @@ def test_codec_copies_through_pinned_buffers_on_the_current_stream():
         b = m.codec_buffers(8)
         assert all(_pinned(b[k]) for k in ("ids_host", "mask_host", "v_host"))
         assert (b["ids_host"].reshape(8, m.max_window)[1:] == 0).all()
+        # the inputs are views of one block a side, copied in with one copy, at the addresses taken once
+        assert b["ids"].data.ptr == b["in"].data.ptr and b["ids_host"].ctypes.data == b["in_host"].ctypes.data
+        assert b["mask"].data.ptr == b["in"].data.ptr + b["ids"].nbytes
+        assert b["copy_ptrs"] == (b["in"].data.ptr, b["in_host"].ctypes.data, b["in"].nbytes,
+                                  b["v"].data.ptr, b["v_host"].ctypes.data, m.codec_width * 4)
+        np.testing.assert_array_equal(b["ids"].get(), b["ids_host"])
+        np.testing.assert_array_equal(b["mask"].get(), b["mask_host"])
     finally:
         eng.close()
 
@@ -202,3 +209,33 @@ def test_windows_on_the_chain_match_the_reference_with_graphs():
         assert eng.model.early_reads == 0
     finally:
         eng.close()
+
+
+def test_run_marked_records_both_marks_on_the_lane_stream_around_its_work():
+    """``LaneStream.run_marked`` on cuda: the work is launched now with the lane's stream current,
+    between two timing events recorded on that stream, under one activation of the device."""
+    import cupy
+
+    from lora_cupy.engine.streams import LaneStream
+
+    dev = Device("cuda:0")
+    lane = LaneStream(dev, name="side-test")
+    x = cupy.zeros(1 << 22, cupy.float32)
+    seen = []
+
+    def work():
+        seen.append(cupy.cuda.get_current_stream().ptr)
+        for _ in range(20):
+            cupy.add(x, 1, out=x)
+    start, landed = lane.run_marked(work, notify=lambda: seen.append("notified"))
+    assert seen == [lane.stream.ptr], "the work ran now, on the lane's stream, and nothing is notified on cuda"
+    landed.synchronize()
+    assert start.done and landed.done
+    assert landed.seconds_since(start) > 0
+    assert float(x[0]) == 20.0
+
+    def fails():
+        raise ValueError("launch failed")
+    with pytest.raises(ValueError):
+        lane.run_marked(fails)  # a launch that raises raises here, on the issuing thread
+    lane.close()
