@@ -207,6 +207,24 @@ def test_without_a_side_lane_the_chain_runs_the_windows(eng):
         e.close()
 
 
+def test_codec_stage_rewrites_only_what_changed_and_matches_a_fresh_staging(eng):
+    """Steps of one length on one key's buffers rewrite only the rows whose count changed (the
+    rest is as the step before left it): the host inputs always equal a fresh staging's."""
+    m = eng.model
+    K = m.max_window
+    rng = np.random.default_rng(11)
+    b = m.codec_buffers(8)
+    for sizes in ([16] * 3, [16] * 2, [16] * 5, [16] * 5, [16] * 1, [5] * 3, [5] * 6, [3, 5], [5] * 2, [16] * 8):
+        wins = [tuple(int(t) for t in rng.integers(0, m.vocab, k)) for k in sizes]
+        assert m.codec_stage(wins, b) == len(wins)
+        ids, mask = np.zeros((8, K), np.int64), np.zeros((8, K), np.float32)
+        for i, win in enumerate(wins):
+            ids[i, :len(win)] = win
+            mask[i, :len(win)] = 1.0 / len(win)
+        np.testing.assert_array_equal(b["ids_host"].reshape(8, K), ids)
+        np.testing.assert_array_equal(b["mask_host"][..., 0], mask)
+
+
 def test_run_marked_is_one_job_on_a_host_stream():
     """``LaneStream.run_marked`` on the cpu: the work queued between two marks as one job, the
     marks landing with it (the start's time before the work, the landing's after), ``notify``

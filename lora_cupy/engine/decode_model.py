@@ -252,6 +252,7 @@ class DecodeModel:
                                    "ids_host": raw_host[:n_ids].view(np.int64),
                                    "mask_host": raw_host[n_ids:].view(np.float32).reshape(bucket, K, 1),
                                    "v_host": h((bucket, C), np.float32)}
+            b["ids_rows"], b["mask_rows"] = b["ids_host"].reshape(bucket, K), b["mask_host"][..., 0]
             if self.device.is_cuda:  # (in: device, host, bytes), (out: device, host, bytes a row)
                 b["copy_ptrs"] = (raw.data.ptr, raw_host.ctypes.data, raw.nbytes,
                                   b["v"].data.ptr, b["v_host"].ctypes.data, C * 4)
@@ -262,27 +263,42 @@ class DecodeModel:
     def codec_stage(self, windows, bufs: dict) -> int:
         """Write a codec step's host inputs into ``bufs``: each window's token ids, left-aligned
         in its row of ``max_window`` (0 after), and its averaging weights (``1/len`` over its
-        tokens, 0 after); the padding rows are zeroed. Returns the number of windows."""
+        tokens, 0 after); the padding rows are zeroed. Returns the number of windows.
+
+        Windows of one length (the usual case) take one conversion, and where the step before
+        on these buffers had windows of that length too, only the rows whose count changed are
+        rewritten besides the ids (``bufs["staged"]``: that step's ``(windows, length)``)."""
         K, n = self.max_window, len(windows)
-        ids = bufs["ids_host"].reshape(-1, K)  # [bucket, K]
-        mask = bufs["mask_host"][..., 0]  # [bucket, K]
+        ids, mask = bufs["ids_rows"], bufs["mask_rows"]  # [bucket, K] views of the host inputs
         lens = list(map(len, windows))
         lo, hi = (min(lens), max(lens)) if lens else (1, 1)
         if lo < 1 or hi > K:
             raise ValueError(f"a codec window of {lo if lo < 1 else hi} tokens (at most {K})")
-        if lo == hi:  # windows of one length (the usual case): one conversion
-            ids[:n, :hi] = windows
-            mask[:n, :hi] = 1.0 / hi
-            ids[:n, hi:] = 0
-            mask[:n, hi:] = 0
+        staged, bufs["staged"] = bufs.get("staged"), None  # unknown until written through
+        if lo == hi and staged is not None and staged[1] == hi:
+            ids[:n, :hi] = windows  # the rest of these rows is 0 already, their weights 1/hi or set here
+            m = staged[0]
+            if n > m:
+                mask[m:n, :hi] = 1.0 / hi
+            elif n < m:
+                ids[n:m] = 0
+                mask[n:m] = 0
         else:
-            ln = np.array(lens)[:, None]  # [n, 1]
-            valid = self._window_cols < ln  # [n, K]: a window's tokens
-            ids[:n] = 0
-            ids[:n][valid] = np.fromiter(itertools.chain.from_iterable(windows), np.int64, sum(lens))  # C order
-            np.multiply(valid, 1.0 / ln, out=mask[:n])
-        ids[n:] = 0
-        mask[n:] = 0
+            if lo == hi:
+                ids[:n, :hi] = windows
+                mask[:n, :hi] = 1.0 / hi
+                ids[:n, hi:] = 0
+                mask[:n, hi:] = 0
+            else:
+                ln = np.array(lens)[:, None]  # [n, 1]
+                valid = self._window_cols < ln  # [n, K]: a window's tokens
+                ids[:n] = 0
+                ids[:n][valid] = np.fromiter(itertools.chain.from_iterable(windows), np.int64, sum(lens))  # C order
+                np.multiply(valid, 1.0 / ln, out=mask[:n])
+            ids[n:] = 0
+            mask[n:] = 0
+        if lo == hi:
+            bufs["staged"] = (n, hi)
         return n
 
     def codec_forward(self, bufs: dict) -> None:
