@@ -50,6 +50,7 @@ _PLANNED.set_result(None)
 class _InFlight:
     batch: Any
     future: Future  # the GPU thread's execute: a SideRun
+    run: SideRun | None = None  # its result, kept once done (a pass that finds it not landed asks only the mark)
 
 
 class SideStepLane:
@@ -116,10 +117,13 @@ class SideStepLane:
         f = self._inflight
         if f is None:
             return
-        if not f.future.done() and not block:
-            return
-        error = f.future.exception()
-        run = None if error is not None else f.future.result()
+        run, error = f.run, None
+        if run is None:
+            if not block and not f.future.done():
+                return
+            error = f.future.exception()
+            if error is None:
+                run = f.run = f.future.result()
         if run is not None and not run.landed.done:
             if not block:
                 return
