@@ -91,7 +91,7 @@ class LaneStream:
         return Mark(self.stream.record(), stamp)
 
     def run_marked(self, fn: Callable[[], Any], notify: Callable[[], Any] | None = None) -> tuple[Mark, Mark]:
-        """``run(fn)`` between two marks, then ``notify(fn)``: ``(start, landed)``, as
+        """``run(fn)`` between two marks, then ``notify()``: ``(start, landed)``, as
         ``mark(); run(fn); mark(); notify(notify)`` would give, for less: on cuda both events are
         recorded under one activation of the device, on the cpu it is one job on the host stream
         (one event, which the start mark shares: waiting on it waits for the landing)."""
