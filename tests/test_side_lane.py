@@ -277,6 +277,15 @@ def test_side_lane_api(eng):
     assert v.shape == (eng.model.codec_width,)
 
 
+def test_side_host_cost_times_each_piece_of_a_side_step():
+    from lora_cupy.bench.lane import side_host_cost
+
+    cost = side_host_cost(windows=5, steps=20, warmup=2)
+    assert set(cost) == {"cut", "launch", "execute", "finish", "total"}
+    assert all(v > 0 for v in cost.values())
+    assert cost["total"] >= max(cost["cut"], cost["launch"], cost["execute"], cost["finish"])
+
+
 def test_bench_lane_runs_on_the_cpu(tmp_path):
     """The benchmark's three modes end to end on the cpu (its figures mean something on a GPU only)."""
     import json

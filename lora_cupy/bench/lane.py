@@ -129,6 +129,88 @@ def summarize(results: dict) -> dict:
     return summary
 
 
+def side_host_cost(windows: int = 14, steps: int = 2000, warmup: int = 200, window: int = 16) -> dict:
+    """The side lane's host work per side step on the cpu, every thread's part run inline, in
+    microseconds (medians over ``steps``): ``cut`` (the chain's postprocess cutting the step's
+    ``windows`` windows and queueing them), ``launch`` (take, the batch, submit; the GPU thread's
+    part not counted), ``execute`` (the GPU thread's part: marks, staging, copies, launch; the
+    codec's own device work not counted), ``finish`` (postprocess, once landed). The executor
+    and the lane's host stream run their work at once, on the calling thread, so that no wait
+    and no thread handoff is counted: what is left is the Python that every side step puts on
+    the chain's critical path (the main loop's thread and the GPU thread share one interpreter)."""
+    from concurrent.futures import Future
+
+    from ..device import HostEvent
+    from ..engine.scheduler import SIDE_LANE
+    from ..engine.worker import Request, _Live
+
+    args = argparse.Namespace(device="cpu", requests=windows, tokens=window, window=window, hidden=32, layers=1,
+                              rank=4, adapters=1, page_size=16, codec_width=16, codec_layers=1, no_graphs=True)
+    eng = _engine(args, side_lane=True)
+    w, model = eng.worker, eng.model
+    lane = w.side_lanes[SIDE_LANE]
+    timed = {"execute": 0.0, "device": 0.0}
+
+    class Inline:  # an executor and a host stream that run their work now
+        def submit(self, fn, *a):
+            f = Future()
+            t0 = time.perf_counter()
+            f.set_result(fn(*a))
+            timed["execute"] = time.perf_counter() - t0
+            return f
+
+        def enqueue(self, fn, *a):
+            fn(*a)
+
+        def record(self):
+            ev = HostEvent()
+            ev._set()
+            return ev
+
+        def close(self):
+            pass
+
+    lane.stream.stream.close()
+    lane.stream.stream = inline = Inline()
+    forward = model.codec_forward
+
+    def timed_forward(bufs):
+        t0 = time.perf_counter()
+        forward(bufs)
+        timed["device"] = time.perf_counter() - t0
+    model.codec_forward = timed_forward
+    total = steps + warmup
+    lives = []
+    for i in range(windows):
+        req = Request(f"h{i}", None, prompt=i, max_new_tokens=window * (total + 1), window=window)
+        lives.append(w._live.setdefault(req.rid, _Live(req, Future())))
+    out = {k: [] for k in ("cut", "launch", "execute", "finish", "total")}
+    try:
+        for step in range(total):
+            for live in lives:
+                live.tokens.extend(range(window))
+            t0 = time.perf_counter()
+            cut = []
+            for live in lives:
+                if len(live.tokens) == live.next_cut:
+                    w._cut_window(live, cut)
+            w.scheduler.put_many(cut)
+            t1 = time.perf_counter()
+            lane.launch(inline)
+            t2 = time.perf_counter()
+            lane.finish(block=True)
+            t3 = time.perf_counter()
+            if step >= warmup:
+                execute = timed["execute"] - timed["device"]
+                parts = (t1 - t0, t2 - t1 - timed["execute"], execute, t3 - t2)
+                for k, v in zip(out, parts + (sum(parts),)):
+                    out[k].append(v * 1e6)
+        assert all(len(live.windows) == total for live in lives), "every window postprocessed once"
+    finally:
+        eng.close()
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def _meta(argv) -> dict:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "lora-cupy bench lane " + " ".join(argv)}
@@ -155,7 +237,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7, help="measured rounds after a warm-up (default 7)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", metavar="FILE", help="write the results here")
+    p.add_argument("--side-host-cost", type=int, metavar="WINDOWS",
+                   help="instead: the side lane's host work per side step of WINDOWS windows, on the cpu, "
+                        "every thread's part run inline (side_host_cost)")
     args = p.parse_args(argv)
+    if args.side_host_cost:
+        cost = side_host_cost(args.side_host_cost, window=max(1, args.window))
+        print(f"side lane host work per side step of {args.side_host_cost} windows (us, cpu, inline): " +
+              ", ".join(f"{k} {v:.1f}" for k, v in cost.items()))
+        return 0
     meta = _meta(argv)
     if args.device.startswith("cuda"):
         import cupy
