@@ -15,18 +15,21 @@ launch: the first member called computes the whole target's delta on the shared 
 scratch ``[T, out]`` and every member adds its column range. A model that fuses them itself
 (Phi-3's ``qkv_proj``) is one linear, one hook.
 
-Overlap (CUDA): a delta need not wait for the linear it adds to, only for its input. A pre-hook forks a side stream off torch's current stream as the
-linear is called; on it the delta (a fused group's whole delta) runs into a zeroed scratch while
-the base GEMM runs on the main stream; the forward hook joins the side stream back and adds the
-scratch into the output. What stays on the main stream per linear is one element-wise add; the
-delta kernels run beside the GEMM (the side stream takes the highest priority, so their blocks
-go first where the GEMM leaves a multiprocessor room). Inside a CUDA graph capture the fork and
-the join are edges of the graph. The scratch is allocated on the main stream before the fork and
-dropped after the join, so the caching allocator never hands it out while the side stream can
-still write it. ``overlap="graphs"`` (the default on CUDA) forks only while a CUDA graph is being
-captured: an eager step pays the fork and the join in host time per linear (on an H200, a
-64-row eager decode step of a Llama-shaped model took 6.7 ms forked against 5.6 ms in line),
-while a graph pays them once, at capture. ``True`` forks always, ``False`` never.
+Overlap (CUDA): a delta need not wait for the linear it adds to, only for its input. A
+pre-hook forks a side stream off torch's current stream as the linear is called; on it the delta
+(a fused group's whole delta) runs into a zeroed scratch while the base GEMM runs on the main
+stream; the forward hook joins the side stream back and adds the scratch into the output. What
+stays on the main stream per linear is one element-wise add. Inside a CUDA graph capture the fork
+and the join are edges of the graph. The scratch is allocated on the main stream before the fork
+and dropped after the join, so the caching allocator never hands it out while the side stream
+can still write it. What it buys is measured (``lora-cupy bench overlap``, on an H200): the
+launch gaps between GEMM and delta (6-7 us a linear at decode sizes), not the delta's own time,
+since a decode GEMM keeps every multiprocessor until it drains and the delta's blocks wait for
+them (the side stream's priority changes nothing inside a graph). ``overlap="graphs"`` (the
+default on CUDA) forks only while a CUDA graph is being captured: an eager step pays the fork and
+the join in host time per linear (on an H200, a 64-row eager decode step of a Llama-shaped model
+took 6.7 ms forked against 5.6 ms in line), while a graph pays them once, at capture. ``True``
+forks always, ``False`` never.
 
 Rows: a ``[B, q, in]`` input is ``B * q`` token rows in batch order; the step's addressing
 (``LoraStep`` rows in the same order, ``q`` tokens each) says which slot each row reads. On
