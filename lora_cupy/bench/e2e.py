@@ -20,10 +20,11 @@ Rows (goals from the project's issue):
 
 Each row with adapters runs the attachment's default (on CUDA, each delta beside its linear on a
 side stream inside CUDA graph captures, in line in eager steps: the ratio against the goal) and,
-in the same run, every delta in line on the main stream (the "in line" column); the base step is timed again after them ("base again"), so a base
-figure that moved over the row shows. Beside each decode row with adapters: the time the adapters add, and the step's deltas alone
-(every target at every layer on the decode bucket, one graph): what the kernels cost by
-themselves against what they add inside the step.
+in the same run, every delta in line on the main stream (the "in line" column); the base step is
+timed again after them ("base again"), so a base figure that moved over the row shows. Beside
+each decode row with adapters: the time the adapters add, and the step's deltas alone (every
+target at every layer on the decode bucket, one graph): what the kernels cost by themselves
+against what they add inside the step.
 
 Progress goes to stderr, the table to stdout, every number to the JSON file (with the date,
 GPU, commit and command).
@@ -284,14 +285,14 @@ def run(args) -> dict:
                 if args.only and args.only not in case:
                     continue
                 if "eager" in case:
-                    # SDPA builds a plan the first time it meets a cache length, ~12 ms of host time per
-                    # layer (measured on an H200: the first eager pass over lengths 129-200 took 49 ms a
-                    # step, the next 6 ms): one untimed pass meets them all before any timed one
+                    # attention's first call at each cache length costs ~12 ms of host time a layer
+                    # (on an H200 the first eager pass over lengths 129-200 took 49 ms a step, the
+                    # next 6 ms): one untimed pass meets them all before any timed one
                     log(f"{case}: warm-up pass (eager attention meets each cache length once)")
                     fn([None], True)
                 log(f"{case}: base")
                 base = fn([None], True)["ms"]
-                log(f"{case}: adapters, deltas beside their linears (overlap)")
+                log(f"{case}: adapters, the attachment's default (on CUDA, forked inside graph captures)")
                 got = fn(ads, True)
                 lora = got["ms"]
                 log(f"{case}: adapters, deltas in line")
