@@ -60,15 +60,13 @@ def test_tokens_equal_peft_per_request_with_more_adapters_than_slots(kind, tmp_p
     gen = serve(base, dirs, num_slots=slots + 1, max_len=32, max_batch=4, max_prefill=3)
     try:
         streamed: dict = {}
+        assert not list(gen.stream())  # nothing submitted: the stream ends at once
+        for r in reqs:
+            gen.submit(r)
         for ev in gen.stream():
             assert ev.error is None
             assert ev.index == len(streamed.setdefault(ev.rid, []))  # in order, per request
             streamed[ev.rid].append(ev.token)
-        assert not streamed
-        for r in reqs:
-            gen.submit(r)
-        for ev in gen.stream():
-            streamed.setdefault(ev.rid, []).append(ev.token)
             assert ev.done == (len(streamed[ev.rid]) == len(gen.records[ev.rid].tokens)
                                and gen.records[ev.rid].finished is not None)
         stats = gen.stats()
