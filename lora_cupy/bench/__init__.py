@@ -42,3 +42,22 @@ def event_ms(fn, reps: int, cuda: bool | None = None) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def emit(result: dict, markdown, json_path: str | None = None) -> int:
+    """Print ``markdown(result)`` and, with ``json_path``, write ``result`` there as JSON; 0."""
+    import json
+
+    print(markdown(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def saved_report(path: str, markdown) -> int:
+    """Print a run saved with ``--json`` as ``markdown`` renders it (no GPU needed); 0."""
+    import json
+
+    print(markdown(json.loads(Path(path).read_text())))
+    return 0
+

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
-import json
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import commit, event_ms
+from . import commit, emit, event_ms, saved_report
 
 MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
@@ -362,14 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = argv
     if args.report:
-        print(markdown(json.loads(Path(args.report).read_text())))
-        return 0
+        return saved_report(args.report, markdown)
     import torch
 
     if not torch.cuda.is_available() and not args.tiny:
         p.error("bench e2e needs a CUDA device (or --tiny, a smoke run on the CPU)")
-    result = run(args)
-    print(markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return emit(run(args), markdown, args.json)

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from . import commit
+from . import commit, emit, saved_report
 
 CASES = ((1, 1), (64, 8))  # (rows, adapters)
 TARGETS = ("gate_up_proj", "o_proj")
@@ -147,17 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.argv = argv
     if args.report:
-        print(markdown(json.loads(Path(args.report).read_text())))
-        return 0
+        return saved_report(args.report, markdown)
     import torch
 
     if not torch.cuda.is_available():
         p.error("bench overlap times CUDA streams and graphs: it needs a CUDA device")
-    result = run(args)
-    print(markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return emit(run(args), markdown, args.json)
 
 
 if __name__ == "__main__":

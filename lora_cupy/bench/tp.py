@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import os
 import pickle
@@ -48,7 +47,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from . import commit, event_ms
+from . import commit, emit, event_ms
 
 SHAPE = dict(hidden=4096, kv=1024, intermediate=14336, layers=4)
 TINY = dict(hidden=128, kv=32, intermediate=256, layers=2)
@@ -434,12 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.tiny and args.dtype == "bfloat16":
         args.dtype = "float32"
-    result = run(args, argv)
-    print(markdown(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+    return emit(run(args, argv), markdown, args.json)
 
 
 if __name__ == "__main__":
