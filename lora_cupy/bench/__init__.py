@@ -61,3 +61,12 @@ def saved_report(path: str, markdown) -> int:
     print(markdown(json.loads(Path(path).read_text())))
     return 0
 
+
+def wait_host_copies(pool, names, timeout: float = 300.0) -> None:
+    """Wait until the host copies the pool is reading for ``names`` (None skipped) are in, so a
+    timed step does not wait at admission for an adapter's read."""
+    for name in {n for n in names if n is not None}:
+        copy = pool.store.get(name)
+        if copy is not None:
+            copy.wait(timeout)
+

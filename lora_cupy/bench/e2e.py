@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import commit, emit, event_ms, saved_report
+from . import commit, emit, event_ms, saved_report, wait_host_copies
 
 MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
@@ -105,10 +105,7 @@ def fill(gen, batch: int, prompt: int, adapters: list, max_new: int) -> None:
     for i in range(batch):
         gen.submit(GenerationRequest(f"r{base + i}", rng.integers(0, vocab, prompt).tolist(),
                                      adapters[i % len(adapters)], max_new_tokens=max_new))
-    for name in {a for a in adapters if a is not None}:  # every host copy in first: no request finishes
-        copy = gen.pool.store.get(name)                   # while a later one waits for its adapter's read
-        if copy is not None:
-            copy.wait(300)
+    wait_host_copies(gen.pool, adapters)  # every copy in first: no request finishes while a later one waits
     while len(gen.queue) or any(gen.records[r].admitted is None for r in gen.records):
         gen.step()
 
@@ -199,10 +196,7 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True) ->
             gen.submit(GenerationRequest(f"p{n[0]}", rng.integers(0, vocab, 512).tolist(), adapters[i % len(adapters)],
                                          max_new_tokens=1))
             n[0] += 1
-        for name in {a for a in adapters if a is not None}:
-            copy = gen.pool.store.get(name)
-            if copy is not None:
-                copy.wait(300)
+        wait_host_copies(gen.pool, adapters)
 
     try:
         submit_eight()

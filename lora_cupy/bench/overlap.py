@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import commit, emit, saved_report
+from . import commit, emit, saved_report, wait_host_copies
 
 CASES = ((1, 1), (64, 8))  # (rows, adapters)
 TARGETS = ("gate_up_proj", "o_proj")
@@ -86,10 +86,7 @@ def run(args) -> dict:
                 rids = [f"t{T}-{i}" for i in range(T)]
                 for i, rid in enumerate(rids):
                     pool.ingest_request(rid, ResourceReqConfig(names[i % count]))
-                for name in names[:count]:
-                    copy = pool.store.get(name)
-                    if copy is not None:
-                        copy.wait(300)
+                wait_host_copies(pool, names[:count])
                 step, ctx = LoraStep(rids, [1] * T, seq=seq), StepContext(seq=seq)
                 if not pool.admit(step, ctx).ok:
                     raise RuntimeError(f"T={T}: the step was refused at admit")
