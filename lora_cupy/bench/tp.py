@@ -202,13 +202,19 @@ def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
             for rid in rids:
                 if tp.is_leader:
                     tp.remove_request(rid)
-        if tp.is_leader:
-            tp.stop()
-        else:
-            assert tp.follow() is None
+        _end(tp)
         return out
     finally:
         pool.close()
+
+
+def _end(tp) -> None:
+    """The leader broadcasts the stop; a follower takes it (a step instead is an error). Not an
+    ``assert``: under ``python -O`` the follower would skip ``follow()`` and never take the stop."""
+    if tp.is_leader:
+        tp.stop()
+    elif tp.follow() is not None:
+        raise RuntimeError(f"rank {tp.rank}: the leader sent a step where its stop was due")
 
 
 def host_us(fn, reps: int) -> float:
@@ -315,10 +321,7 @@ def stack_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
                 tp.remove_request(rid)
         if miss:
             out["admit_miss_us"] = statistics.median(miss)
-        if tp.is_leader:
-            tp.stop()
-        else:
-            assert tp.follow() is None
+        _end(tp)
         out["stats"] = dict(tp.stats)
         return out
     finally:
