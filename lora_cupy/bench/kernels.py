@@ -743,6 +743,7 @@ def main(argv=None) -> int:
     ap.add_argument("--method", choices=("events", "diff"), default="diff",
                     help="events around each call inside the graph, or (calls + flushes - flushes) / calls")
     ap.add_argument("--match", default="", help="only rows whose label holds this text")
+    ap.add_argument("--max-tokens", type=int, default=0, help="only rows of at most this many tokens")
     ap.add_argument("--flush", choices=("write", "read"), default="write",
                     help="L2 flush before each call: zero 256 MB (dirty lines, the default) or read them")
     ap.add_argument("--deadline-s", type=float, default=0.0,
@@ -759,7 +760,8 @@ def main(argv=None) -> int:
         print("bench kernels needs a CUDA device", file=sys.stderr)
         return 2
     groups = set(filter(None, args.groups.split(",")))
-    todo = [r for r in rows() if (not groups or r.group in groups) and args.match in r.label]
+    todo = [r for r in rows() if (not groups or r.group in groups) and args.match in r.label
+            and (not args.max_tokens or r.T <= args.max_tokens)]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {len(todo)} rows", file=sys.stderr)
     timer = Timer(args.replays, args.method, args.flush)
