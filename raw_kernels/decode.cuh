@@ -24,7 +24,8 @@
 // deadlock however few blocks are resident). Each block spreads its warps over the items the step
 // has (split-K finer and longer column runs when chunks are few), from the chunk count every
 // block computes from slot_indptr. The last expand warp to finish zeroes v and the counters
-// ([0] ticket, [1] shrink warps done, [2] expand warps done), so every launch starts from zero.
+// ([0] ticket, [32] shrink warps done, [64] expand warps done: a 128-byte line each, so the polling
+// of one does not queue the atomics of another), so every launch starts from zero.
 #pragma once
 
 namespace lora {
@@ -34,6 +35,15 @@ constexpr int PG = 8;   // positions per chunk
 constexpr int SG = 4;   // positions per shrink sub-group
 constexpr int RB = 16;  // ranks per rank block
 constexpr unsigned FULL = 0xffffffffu;
+constexpr int LINE = 32;  // counters [0] ticket, [LINE] shrink warps done, [2 LINE] expand warps done
+
+// The whole warp waits until every shrink warp has signalled: lane 0 polls (backing off), and the
+// warp barrier orders the other lanes' later reads of v after its acquire.
+__device__ __forceinline__ void wait_shrinks(const int* done, int shrink_warps) {
+  if ((threadIdx.x & 31) == 0)
+    while (load_acquire(done) < shrink_warps) __nanosleep(32);
+  __syncwarp();
+}
 
 // 16 bytes of T as floats: one vector load where `vec` and the whole vector is in range,
 // else element by element (the first `valid` elements; the rest read as zero).
@@ -159,48 +169,45 @@ template <> __device__ __forceinline__ __nv_bfloat16 elem_of<__nv_bfloat16>(unsi
   return __ushort_as_bfloat16((unsigned short)b);
 }
 
-// Shrink item: chunk ch, slice j, segments [q0, q1) of 32 x 16 bytes of `in`.
+// Shrink item: chunk ch, slice j, rank block rb, segments [q0, q1) of 32 x 16 bytes of `in`.
 template <typename T>
-__device__ void shrink_item(const Args<T>& g, const Chunk& ch, int j, int q0, int q1, int lane) {
+__device__ void shrink_item(const Args<T>& g, const Chunk& ch, int j, int rb, int q0, int q1, int lane) {
   constexpr int N = Vec<T>::N, SEG = 32 * N;
   const int n = g.n_slices, in = g.in_features;
   const int tok = lane < ch.m ? g.token_order[ch.p0 + lane] : 0;
   const int r = min(g.ranks[ch.s * n + j], g.max_rank);
-  if (r <= 0) return;
+  if (r <= rb * RB) return;  // past the slot's rank (a rank-128 pool running a rank-16 adapter)
   const bool vec = g.flags & 1;
   const T* a0 = g.A + ((size_t)ch.s * n + j) * g.max_rank * in;
-  for (int rb = 0; rb * RB < r; ++rb) {
-    for (int i0 = 0; i0 < ch.m; i0 += SG) {
-      float acc[SG * RB];
+  for (int i0 = 0; i0 < ch.m; i0 += SG) {
+    float acc[SG * RB];
 #pragma unroll
-      for (int e = 0; e < SG * RB; ++e) acc[e] = 0.f;
-      for (int q = q0; q < q1; ++q) {
-        const int f = q * SEG + lane * N, valid = in - f;
-        Vec<T> xv[SG];
+    for (int e = 0; e < SG * RB; ++e) acc[e] = 0.f;
+    for (int q = q0; q < q1; ++q) {
+      const int f = q * SEG + lane * N, valid = in - f;
+      Vec<T> xv[SG];
 #pragma unroll
-        for (int i = 0; i < SG; ++i) {
-          const int t = __shfl_sync(FULL, tok, i0 + i);
-          if (i0 + i < ch.m) xv[i].load(g.x + (size_t)t * in + f, valid, vec);
-          else xv[i].zero();
-        }
+      for (int i = 0; i < SG; ++i) {
+        const int t = __shfl_sync(FULL, tok, i0 + i);
+        if (i0 + i < ch.m) xv[i].load(g.x + (size_t)t * in + f, valid, vec);
+        else xv[i].zero();
+      }
 #pragma unroll
-        for (int k = 0; k < RB; ++k) {
-          const int kk = rb * RB + k;
-          if (kk < r) {
-            Vec<T> a;
-            a.load(a0 + (size_t)kk * in + f, valid, vec);
+      for (int k = 0; k < RB; ++k) {
+        const int kk = rb * RB + k;
+        if (kk < r) {
+          Vec<T> a;
+          a.load(a0 + (size_t)kk * in + f, valid, vec);
 #pragma unroll
-            for (int i = 0; i < SG; ++i)
+          for (int i = 0; i < SG; ++i)
 #pragma unroll
-              for (int e = 0; e < N; ++e) acc[i * RB + k] = fmaf(xv[i].f[e], a.f[e], acc[i * RB + k]);
-          }
+            for (int e = 0; e < N; ++e) acc[i * RB + k] = fmaf(xv[i].f[e], a.f[e], acc[i * RB + k]);
         }
       }
-      butterfly64(acc, lane);
-      const int i = lane >> 3, k = 2 * (lane & 7);
-      if (i0 + i < ch.m)
-        red_add2(g.ws + ((size_t)(ch.p0 + i0 + i) * n + j) * g.rw + rb * RB + k, acc[0], acc[1]);
     }
+    butterfly64(acc, lane);
+    const int i = lane >> 3, k = 2 * (lane & 7);
+    if (i0 + i < ch.m) red_add2(g.ws + ((size_t)(ch.p0 + i0 + i) * n + j) * g.rw + rb * RB + k, acc[0], acc[1]);
   }
 }
 
@@ -258,7 +265,8 @@ __device__ void expand_item(const Args<T>& g, const Chunk& ch, int c0, int c1, c
 #pragma unroll
     for (int i = 0; i < PG; ++i) acc[i][0] = acc[i][1] = 0.f;
     const int rmax = max(rr[0], rr[1]);
-    for (int rb = 0; rb * RB < rmax; ++rb) {
+    const int rwarp = __reduce_max_sync(FULL, rmax);  // the rank loop runs warp-uniform
+    for (int rb = 0; rb * RB < rwarp; ++rb) {
       float b[2][RB];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -274,8 +282,7 @@ __device__ void expand_item(const Args<T>& g, const Chunk& ch, int c0, int c1, c
         }
       }
       if (!waited) {
-        while (load_acquire(g.counters + 1) < shrink_warps) {
-        }
+        wait_shrinks(g.counters + LINE, shrink_warps);
         waited = true;
       }
 #pragma unroll
@@ -283,7 +290,7 @@ __device__ void expand_item(const Args<T>& g, const Chunk& ch, int c0, int c1, c
         if (i < ch.m) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            if (rb * RB < rr[h]) {
+            if (rb * RB < rr[h] && (h == 0 || jj[1] != jj[0] || rb * RB >= rr[0])) {
               const float* vp = g.ws + ((size_t)(ch.p0 + i) * n + jj[h]) * g.rw + rb * RB;
 #pragma unroll
               for (int k4 = 0; k4 < RB; k4 += 4) {
@@ -292,6 +299,12 @@ __device__ void expand_item(const Args<T>& g, const Chunk& ch, int c0, int c1, c
                 acc[i][h] = fmaf(w.y, b[h][k4 + 1], acc[i][h]);
                 acc[i][h] = fmaf(w.z, b[h][k4 + 2], acc[i][h]);
                 acc[i][h] = fmaf(w.w, b[h][k4 + 3], acc[i][h]);
+                if (h == 0 && jj[1] == jj[0] && rb * RB < rr[1]) {  // the pair's second column, same v
+                  acc[i][1] = fmaf(w.x, b[1][k4], acc[i][1]);
+                  acc[i][1] = fmaf(w.y, b[1][k4 + 1], acc[i][1]);
+                  acc[i][1] = fmaf(w.z, b[1][k4 + 2], acc[i][1]);
+                  acc[i][1] = fmaf(w.w, b[1][k4 + 3], acc[i][1]);
+                }
               }
             }
           }
@@ -339,19 +352,23 @@ __device__ void decode_block(const Args<T>& g, int* s_indptr, int shrink_blocks,
   const int shrink_warps = shrink_blocks * (THREADS / 32);
   const int expand_warps = (blocks - shrink_blocks) * (THREADS / 32);
   if (u < shrink_blocks) {
+    // items (chunk, slice, rank block, piece of `in`), the rank block slowest: blocks past every
+    // adapter's rank come last and stop at once
     const int nseg = (g.in_features + 32 * Vec<T>::N - 1) / (32 * Vec<T>::N);
+    const int rbs = (g.max_rank + RB - 1) / RB;
     const int base = max(chunks * n, 1);
     const int want = max(1, min(nseg, shrink_warps / base));
     const int per = (nseg + want - 1) / want, splits = (nseg + per - 1) / per;
-    const int items = chunks * n * splits;
+    const int items = chunks * n * splits * rbs;
     for (int it = u * (THREADS / 32) + warp; it < items; it += shrink_warps) {
-      const int q = it % splits, j = (it / splits) % n, k = it / (splits * n);
+      const int q = it % splits, j = (it / splits) % n, k = (it / (splits * n)) % max(chunks, 1);
+      const int rb = it / (splits * n * max(chunks, 1));
       const Chunk ch = chunk_at(sc, s_indptr, g.num_slots, g.positions, k);
-      shrink_item<T>(g, ch, j, q * per, min(nseg, (q + 1) * per), lane);
+      shrink_item<T>(g, ch, j, rb, q * per, min(nseg, (q + 1) * per), lane);
     }
     __threadfence();
     __syncwarp();
-    if (lane == 0) atomicAdd(g.counters + 1, 1);
+    if (lane == 0) atomicAdd(g.counters + LINE, 1);
     return;
   }
   const int passes = (g.out_features + 63) / 64;
@@ -364,11 +381,11 @@ __device__ void decode_block(const Args<T>& g, int* s_indptr, int shrink_blocks,
     const Chunk ch = chunk_at(sc, s_indptr, g.num_slots, g.positions, k);
     expand_item<T>(g, ch, q * per, min(passes, (q + 1) * per), s_off, shrink_warps, waited, lane);
   }
+  __syncwarp();  // every lane's reads of v are done before the warp counts itself out
   int last = 0;
-  if (lane == 0) last = atomicAdd(g.counters + 2, 1) == expand_warps - 1;
+  if (lane == 0) last = atomicAdd(g.counters + 2 * LINE, 1) == expand_warps - 1;
   if (__shfl_sync(FULL, last, 0)) {  // every expand warp has read v: zero it and the counters
-    while (load_acquire(g.counters + 1) < shrink_warps) {
-    }
+    wait_shrinks(g.counters + LINE, shrink_warps);
     const int pend = min(s_indptr[g.num_slots], g.positions);
     float4* v4 = reinterpret_cast<float4*>(g.ws);
     const int n4 = pend * n * g.rw / 4;
@@ -376,8 +393,8 @@ __device__ void decode_block(const Args<T>& g, int* s_indptr, int shrink_blocks,
     __threadfence();
     if (lane == 0) {
       g.counters[0] = 0;
-      g.counters[1] = 0;
-      g.counters[2] = 0;
+      g.counters[LINE] = 0;
+      g.counters[2 * LINE] = 0;
       __threadfence();
     }
   }

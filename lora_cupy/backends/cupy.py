@@ -130,6 +130,8 @@ class LaunchPlan:
         return self.bucket * self.n_slices * rw
 
     def counter_ints(self) -> int:
+        if self.decode:
+            return DECODE_COUNTER_INTS
         return 2 + 2 * self.tiles
 
 
@@ -178,6 +180,10 @@ STREAM_EXPAND_BUCKETS = frozenset({256})
 #: Positions per chunk of ``lora_decode`` (``dec::PG`` in decode.cuh) and columns per warp pass.
 DECODE_PG = 8
 DECODE_PASS = 64
+#: Counters of ``lora_decode``: ticket, shrink warps done and expand warps done, each on a 128-byte
+#: line of its own (``dec::LINE`` ints apart), so the ticket's atomics and the polling of the
+#: done count do not queue behind each other.
+DECODE_COUNTER_INTS = 2 * 32 + 1
 #: Blocks per multiprocessor ``lora_decode`` may give its shrink and its expand warps at most
 #: (168 registers a thread: 3 blocks of 128 threads fit on a multiprocessor, so both fit one wave).
 DECODE_SHRINK_PER_SM = 1
@@ -278,7 +284,7 @@ def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
     n_max = max(t.num_slices for t in spec.targets)
     floats = spec.max_tokens * n_max * rank_width(spec.max_rank)
     units = max(_ceil(spec.max_tokens, min(MMA_SHRINK_BM)), fused_units(spec.max_tokens, min(MMA_SHRINK_BM), spec.num_slots))
-    return floats, 2 + 2 * units
+    return floats, max(2 + 2 * units, DECODE_COUNTER_INTS)
 
 
 # -- argument inspection (CuPy arrays, torch tensors, any __cuda_array_interface__) --------------
