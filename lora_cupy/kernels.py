@@ -58,8 +58,7 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
     return (tuple(f"lora_shrink<{ctype}, {bm}>" for bm in MMA_SHRINK_BM)
             + tuple(f"lora_expand<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
             + tuple(f"lora_fused<{ctype}, {bm}, {bn}, {c}>" for bm, bn in MMA_TILES for c in ("false", "true"))
-            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES)
-            + (f"lora_decode<{ctype}>",))
+            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES))
 
 
 def mma_family(dtype: str) -> str:

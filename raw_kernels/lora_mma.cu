@@ -794,7 +794,6 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 }  // namespace lora
 
 #include "expand_stream.cuh"
-#include "decode.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -855,14 +854,4 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   LORA_ARGS;
   lora::require_smem(4 * (num_slots + 1));
   lora::expand_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
-}
-
-// lora_decode (decode.cuh): a decode step's whole delta on CUDA cores, one warp a work item;
-// dynamic shared memory holds slot_indptr alone.
-template <typename T>
-__global__ void __launch_bounds__(128) lora_decode(LORA_PARAMS, int shrink_blocks) {
-  extern __shared__ __align__(16) char dsmem[];
-  LORA_ARGS;
-  lora::require_smem(4 * (num_slots + 1));
-  lora::decode_block<T>(g, reinterpret_cast<int*>(dsmem), shrink_blocks, gridDim.x);
 }

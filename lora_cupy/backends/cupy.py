@@ -112,26 +112,19 @@ class LaunchPlan:
     n_slices: int
     expand: str = "expand"
     chunks: bool = False
-    decode: tuple[int, int] | None = None  # lora_decode's (shrink blocks, expand blocks); else None
 
     @property
     def shrink_blocks(self) -> int:
-        if self.decode:
-            return self.decode[0]
         return self.tiles * self.splits * self.n_slices * self.rank_blocks
 
     @property
     def expand_blocks(self) -> int:
-        if self.decode:
-            return self.decode[1]
         return self.tiles * _ceil(self.col_blocks, self.cpb)
 
     def workspace_floats(self, rw: int) -> int:
         return self.bucket * self.n_slices * rw
 
     def counter_ints(self) -> int:
-        if self.decode:
-            return DECODE_COUNTER_INTS
         return 2 + 2 * self.tiles
 
 
@@ -177,38 +170,6 @@ def default_fused(bucket: int) -> bool:
 STREAM_EXPAND_BUCKETS = frozenset({256})
 
 
-#: Positions per chunk of ``lora_decode`` (``dec::PG`` in decode.cuh) and columns per warp pass.
-DECODE_PG = 8
-DECODE_PASS = 64
-#: Counters of ``lora_decode``: ticket, shrink warps done and expand warps done, each on a 128-byte
-#: line of its own (``dec::LINE`` ints apart), so the ticket's atomics and the polling of the
-#: done count do not queue behind each other.
-DECODE_COUNTER_INTS = 2 * 32 + 1
-#: Blocks per multiprocessor ``lora_decode`` may give its shrink and its expand warps at most
-#: (168 registers a thread: 3 blocks of 128 threads fit on a multiprocessor, so both fit one wave).
-DECODE_SHRINK_PER_SM = 1
-DECODE_EXPAND_PER_SM = 2
-
-
-def default_decode(bucket: int) -> bool:
-    """Whether a bucket's launch runs ``lora_decode`` (CUDA cores, one warp a work item)."""
-    return False
-
-
-def decode_grid(bucket: int, in_features: int, out_features: int, n_slices: int, dtype: str, num_slots: int,
-                num_sms: int) -> tuple[int, int]:
-    """``lora_decode``'s shrink and expand blocks for a bucket: enough warps for every item of the
-    most chunks the bucket can have (a shrink item: chunk x slice x segment of 512 bytes of ``in``;
-    an expand item: chunk x pass of 64 columns), capped per multiprocessor; the kernel spreads the
-    warps over the items the step has."""
-    units = fused_units(bucket, DECODE_PG, num_slots)
-    warps = THREADS // 32
-    nseg = _ceil(in_features, 32 * (16 // _ITEMSIZE[dtype]))
-    shrink = max(1, min(DECODE_SHRINK_PER_SM * num_sms, _ceil(units * n_slices * nseg, warps)))
-    expand = max(1, min(DECODE_EXPAND_PER_SM * num_sms, _ceil(units * _ceil(out_features, DECODE_PASS), warps)))
-    return shrink, expand
-
-
 def default_expand(bucket: int) -> str:
     """The expand kernel of an unfused launch: ``expand_stream`` in ``STREAM_EXPAND_BUCKETS``."""
     return "expand_stream" if bucket in STREAM_EXPAND_BUCKETS else "expand"
@@ -218,7 +179,7 @@ def default_expand(bucket: int) -> str:
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
-                chunks: bool | None = None, decode: bool | None = None) -> LaunchPlan:
+                chunks: bool | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it).
 
@@ -236,12 +197,6 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     multiprocessor, so each warp streams a long run of y.
     """
     dtype = normalize_dtype(dtype)
-    if default_decode(bucket) if decode is None else decode:
-        units = fused_units(bucket, DECODE_PG, num_slots)
-        return LaunchPlan(bucket=bucket, bm=DECODE_PG, bn=DECODE_PASS, splits=1, k_split=in_features, fused=True,
-                          tiles=units, rank_blocks=1, col_blocks=_ceil(out_features, DECODE_PASS), cpb=1,
-                          n_slices=n_slices, chunks=True,
-                          decode=decode_grid(bucket, in_features, out_features, n_slices, dtype, num_slots, num_sms))
     bm = default_tile(bucket) if tile is None else int(tile)
     bn = dict(MMA_TILES).get(bm)
     if bn is None:
@@ -284,7 +239,7 @@ def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
     n_max = max(t.num_slices for t in spec.targets)
     floats = spec.max_tokens * n_max * rank_width(spec.max_rank)
     units = max(_ceil(spec.max_tokens, min(MMA_SHRINK_BM)), fused_units(spec.max_tokens, min(MMA_SHRINK_BM), spec.num_slots))
-    return floats, max(2 + 2 * units, DECODE_COUNTER_INTS)
+    return floats, 2 + 2 * units
 
 
 # -- argument inspection (CuPy arrays, torch tensors, any __cuda_array_interface__) --------------
@@ -364,13 +319,12 @@ class CallLimits:
     fused: bool | None = None
     expand: str | None = None
     chunks: bool | None = None
-    decode: bool | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str, num_slots: int) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
-                           fused=self.fused, expand=self.expand, chunks=self.chunks, decode=self.decode)
+                           fused=self.fused, expand=self.expand, chunks=self.chunks)
 
 
 @dataclass(frozen=True)
@@ -610,7 +564,7 @@ class CupyBackend:
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
                  fused: bool | None = None, expand: str | None = None, chunks: bool | None = None,
-                 num_sms: int | None = None, decode: bool | None = None):
+                 num_sms: int | None = None):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -641,8 +595,7 @@ class CupyBackend:
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
-            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks,
-                                     decode)
+            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
 
@@ -681,9 +634,6 @@ class CupyBackend:
             fn = mod.get_function(f"lora_expand_stream<{ct}, {bm}>")
             fn.max_dynamic_shared_size_bytes = extra  # slot_indptr alone
             self._fns[(dtype, "expand_stream", bm)] = fn
-        fn = mod.get_function(f"lora_decode<{ct}>")
-        fn.max_dynamic_shared_size_bytes = extra  # slot_indptr alone
-        self._fns[(dtype, "decode")] = fn
 
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
@@ -772,10 +722,6 @@ class CupyBackend:
         mma = lambda name, key, blocks, smem: KernelCall(  # noqa: E731
             name, self._kernel_fn(dtype, key), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
             len(args) - 1)
-        if plan.decode:
-            return [KernelCall("decode", self._kernel_fn(dtype, ("decode",)),
-                               (plan.shrink_blocks + plan.expand_blocks, 1, 1), (THREADS, 1, 1), extra,
-                               args + (i32(plan.shrink_blocks),), 0, 1, len(args) - 1)]
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]

@@ -428,11 +428,10 @@ LAYER_RANK = 16
 LAYER_SLOTS = 33
 
 
-def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, **backend_kw) -> dict:
+def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int) -> dict:
     """The four LoRA calls of one layer back to back in one graph, as a model's step runs them:
     ``warm`` (no flush: what the layer's own earlier calls left in L2) and ``flushed`` (one flush
-    before the layer); each call alone warm; each target checked against the float64 oracle.
-    ``backend_kw``: CupyBackend options (a launch other than the default)."""
+    before the layer); each call alone warm; each target checked against the float64 oracle."""
     import torch
 
     from ..addressing import group_by_slot
@@ -445,7 +444,7 @@ def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, **b
     targets = tuple(LoraTarget(name, in_f, sum(sl), 1, tuple(LoraSlice(f"{name}{j}", o) for j, o in enumerate(sl)))
                     for name, in_f, sl in LAYER_TARGETS)
     spec = LoraSpec(targets, num_slots=S, max_rank=R, dtype="bfloat16")
-    be = CupyBackend(spec, **backend_kw)
+    be = CupyBackend(spec)
     slots = 1 + (np.arange(T) * adapters) // T
     order, indptr = group_by_slot(slots, S)
     to, ip = torch.as_tensor(order, device="cuda"), torch.as_tensor(indptr, device="cuda")
@@ -489,8 +488,6 @@ def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, **b
 
 def _plan_label(plan) -> str:
     """A launch plan in a few characters: tile, fused, chunks, splits and (unfused) the expand."""
-    if plan.decode:
-        return f"decode {plan.decode[0]}+{plan.decode[1]}"
     label = f"{plan.bm}{'f' if plan.fused else ''}{'c' if plan.chunks else ''}/s{plan.splits}"
     return label if plan.fused else label + f" {plan.expand}"
 
@@ -507,13 +504,6 @@ def layer_table(layer: list[dict]) -> str:
                      f"{r['warm_us']:6.1f} {r['flushed_us']:7.1f} {r['goal_us'] or math.nan:5.0f} "
                      f"{'yes' if met else 'NO ':3s}  " + " ".join(f"{r['calls_warm_us'][n]:7.1f}" for n in names)
                      + ("" if r["ok"] else "  ERR " + str(r["err"])))
-    versions = [(r, name, v) for r in layer for name, v in r.get("versions", {}).items()]
-    if versions:
-        lines += ["", "the same layers under each launch (warm / flushed us; each call alone, warm; plans):"]
-        for r, name, v in versions:
-            lines.append(f"{'T=%d, %d adapters' % (r['T'], r['adapters']):22s} {name:7s} {v['warm_us']:6.1f} "
-                         f"{v['flushed_us']:7.1f}  " + " ".join(f"{v['calls_warm_us'][n]:7.1f}" for n in names)
-                         + "  " + ", ".join(v["plans"].values()) + ("" if v["ok"] else "  ERR " + str(v["err"])))
     return "\n".join(lines)
 
 
@@ -525,10 +515,7 @@ VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
 #: default), the fused kernel on chunks and on tiles, and the unfused pair.
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream")}
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
-                   "unfused": dict(fused=False), "decode": dict(decode=True)}
-#: The layer rows' launches besides the default: the tensor-core kernels (``lora_fused`` at decode
-#: buckets) and ``lora_decode`` at every bucket.
-LAYER_VERSIONS = {"mma": dict(decode=False), "decode": dict(decode=True)}
+                   "unfused": dict(fused=False)}
 
 
 def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
@@ -628,7 +615,7 @@ def _versions_table(results: list[dict]) -> str:
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
     alone_keys = ["shrink", *VERSIONS]
     short = {"default": "default", "expand": "expand", "expand_stream": "stream", "fused_chunks": "chunks",
-             "fused_tiles": "tiles", "unfused": "unfused", "decode": "decode"}
+             "fused_tiles": "tiles", "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))
     lines = ["launches side by side (us; ERR = over tolerance, '-' = not run)", head]
@@ -782,8 +769,6 @@ def main(argv=None) -> int:
         warm = Timer(args.replays, "diff", "none")
         for i, (T, k) in enumerate(LAYER_GOALS_US):
             layer.append(run_layer(T, k, warm, timer, args.seed + 1000 + i))
-            layer[-1]["versions"] = {name: run_layer(T, k, warm, timer, args.seed + 1000 + i, **kw)
-                                     for name, kw in LAYER_VERSIONS.items()}
             print(f"[layer] T={T} adapters={k}: warm {layer[-1]['warm_us']:.1f} us, "
                   f"flushed {layer[-1]['flushed_us']:.1f} us", file=sys.stderr)
         del warm
@@ -824,8 +809,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "layer": layer, "rows": results, "skipped": skipped}, f, indent=1)
-    layers_ok = all(r["ok"] and all(v["ok"] for v in r.get("versions", {}).values()) for r in layer)
-    return 0 if all(k["ok"] for r in results for k in r["kernels"].values()) and layers_ok else 1
+    return 0 if all(k["ok"] for r in results for k in r["kernels"].values()) and all(r["ok"] for r in layer) else 1
 
 
 if __name__ == "__main__":

@@ -101,13 +101,12 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
 
 
 def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
-             chunks: bool | None = None, decode: bool = False) -> cb.LaunchPlan:
-    """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``; ``lora_decode``
-    where ``decode``)."""
+             chunks: bool | None = None) -> cb.LaunchPlan:
+    """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``)."""
     S, n, R, in_f = case.w.a.shape
     return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, case.y0.shape[1], n, R,
                           case.spec.dtype, num_slots=S, tile=tile, fused=fused, expand=None if fused else expand,
-                          chunks=chunks, num_sms=sms, decode=decode)
+                          chunks=chunks, num_sms=sms)
 
 
 def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, int]:
@@ -134,7 +133,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
-    code = 5 if plan.decode else int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4}[plan.expand]
+    code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4}[plan.expand]
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, plan.shrink_blocks,
                        plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
@@ -155,7 +154,6 @@ def main(argv=None) -> int:
     ap.add_argument("--cp-async", default="late", choices=("late", "early"),
                     help="when an emulated cp.async lands: at the wait that retires it, or at once")
     ap.add_argument("--fused", action="store_true", help="the fused launch (chunks of one slot each)")
-    ap.add_argument("--decode", action="store_true", help="lora_decode (tiles are then ignored)")
     ap.add_argument("--sms", type=int, default=cb.DEFAULT_SMS)
     ap.add_argument("--misalign", action="store_true")
     ap.add_argument("--asan", action="store_true")
@@ -171,8 +169,7 @@ def main(argv=None) -> int:
                 for tile in (int(t) for t in args.tiles.split(",")):
                     case = build_case(rng, dtype=dt, **CASES[name])
                     plan = plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
-                                    chunks=False if args.tiles_only else True if args.chunks else None,
-                                    decode=args.decode)
+                                    chunks=False if args.tiles_only else True if args.chunks else None)
                     t0 = time.time()
                     try:
                         y, flags = run(lib, case, plan, misalign=args.misalign)
@@ -181,7 +178,7 @@ def main(argv=None) -> int:
                     except AssertionError as e:
                         fails += 1
                         status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
-                    kind = "decode" if plan.decode else ("fused" if plan.fused else f"shrink/{plan.expand}") + ("/chunks" if plan.chunks else "")
+                    kind = ("fused" if plan.fused else f"shrink/{plan.expand}") + ("/chunks" if plan.chunks else "")
                     print(f"{name:10s} {dt:9s} tile {tile:2d} {kind} units {plan.tiles:3d} splits {plan.splits:3d} "
                           f"cpb {plan.cpb:3d} {status} ({time.time() - t0:.1f}s)", flush=True)
         print(f"{fails} failed")

@@ -128,12 +128,6 @@ template <typename T, int BM, int BN, bool CHUNKED> static void fused_block(int 
   lora::fused_task<T, BM, BN, CHUNKED>(g, dsm.data(), s_indptr, tr, g_blocks);
 }
 
-static int g_shrink_blocks = 0;
-template <typename T> static void decode_block(int u) {
-  auto g = args<T>();
-  lora::decode_block<T>(g, s_indptr, g_shrink_blocks, g_blocks);
-}
-
 // expand 0 / 1: the fused launch on tiles / chunks (its blocks run in ticket order, every shrink
 // task before any expand)
 template <typename T, int BM, int BN> static void run(int expand, int shrink_blocks, int expand_blocks) {
@@ -148,12 +142,6 @@ template <typename T, int BM, int BN> static void run(int expand, int shrink_blo
     emu::run_block(expand == 4 ? stream_block<T, BM> : expand_block<T, BM, BN>, u);
 }
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
-  if (expand == 5) {  // lora_decode: blocks in ticket order, every shrink block before any expand block
-    g_blocks = sb + eb;
-    g_shrink_blocks = sb;
-    for (int u = 0; u < g_blocks; ++u) emu::run_block(decode_block<T>, u);
-    return 0;
-  }
   if (bm == 16) run<T, 16, 64>(expand, sb, eb);
   else if (bm == 32) run<T, 32, 128>(expand, sb, eb);
   else if (bm == 64) run<T, 64, 128>(expand, sb, eb);
@@ -163,7 +151,7 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 0 / 1 (the fused
-// launch on tiles / chunks), 5 (lora_decode);
+// launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,

@@ -117,24 +117,6 @@ inline int __shfl_up_sync(unsigned, int v, int delta) {
   emu::warp_barrier();
   return r;
 }
-inline int __shfl_sync(unsigned, int v, int src) {
-  auto& st = emu::stage[emu::warp()];
-  st.u[emu::lane()] = (unsigned)v;
-  emu::warp_barrier();
-  const int r = (int)st.u[src & 31];
-  emu::warp_barrier();
-  return r;
-}
-inline int __reduce_max_sync(unsigned, int v) {
-  auto& st = emu::stage[emu::warp()];
-  st.u[emu::lane()] = (unsigned)v;
-  emu::warp_barrier();
-  int r = (int)st.u[0];
-  for (int l = 1; l < 32; ++l) r = (int)st.u[l] > r ? (int)st.u[l] : r;
-  emu::warp_barrier();
-  return r;
-}
-inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 inline void __threadfence() {}
 inline void __nanosleep(unsigned) {}
 inline void __trap() { abort(); }

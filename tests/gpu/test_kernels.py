@@ -1,5 +1,5 @@
 """The CUDA backend against the float64 oracle: every shipped kernel (shrink, expand, expand_stream,
-fused; chunks and tiles; decode; SIMT),
+fused; chunks and tiles; SIMT),
 dtype, awkward size and mix, torch tensors and CuPy arrays alike, and CUDA graphs replayed under new
 addressing."""
 
@@ -33,9 +33,6 @@ VARIANTS.update({f"mma{t}-fused-{c}": dict(kernel="mma", tile=t, fused=True, chu
 VARIANTS.update({f"mma{t}-{v}": dict(kernel="mma", tile=t, fused=False, **VERSIONS[v])
                  for t in (16, 32, 64) for v in VERSIONS})
 VARIANTS["simt"] = dict(kernel="simt")
-# lora_decode at every bucket, and planned for one multiprocessor (each warp walks many items)
-VARIANTS["decode"] = dict(kernel="mma", decode=True)
-VARIANTS["decode-1sm"] = dict(kernel="mma", decode=True, num_sms=1)
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
     "T3-odd": dict(T=3, in_f=77, slices=(61,), max_rank=13, ranks=(1, 8, 13), mix="distinct"),
@@ -123,26 +120,21 @@ def test_delta_matches_oracle(make_case, check, name, dtype, variant):
     check(case2, run_cupy(be, case2), dtype)
 
 
-LAUNCH_KW = {**VERSIONS, "decode": dict(decode=True)}
-
-
 @pytest.mark.parametrize("mix", ["distinct", "uniform", "zipf", "identical", "skewed"])
 @pytest.mark.parametrize("T,version", [(16, None), (64, None), (300, "expand"), (300, "expand_stream"),
-                                       (4096, "expand"), (4096, "expand_stream"), (16, "decode"),
-                                       (64, "decode")])
+                                       (4096, "expand"), (4096, "expand_stream")])
 def test_popularity_mixes(make_case, check, mix, T, version):
     case = make_case(T=T, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), dtype="bfloat16",
                      mix=mix, num_slots=33, active=min(32, T))
-    check(case, run_cupy(backend_for(case.spec, **LAUNCH_KW.get(version, {})), case), "bfloat16")
+    check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
-@pytest.mark.parametrize("T,version", [(64, None), (300, "expand"), (300, "expand_stream"), (4096, "expand"),
-                                       (64, "decode")])
+@pytest.mark.parametrize("T,version", [(64, None), (300, "expand"), (300, "expand_stream"), (4096, "expand")])
 def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     """Rank-16 adapters in a pool of max rank 128, the rest of every slot poisoned with NaN."""
     case = make_case(T=T, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
                      mix="uniform", poison_beyond_rank=True)
-    check(case, run_cupy(backend_for(case.spec, **LAUNCH_KW.get(version, {})), case), "bfloat16")
+    check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
 @pytest.mark.parametrize("tile", [16, 64])
@@ -156,30 +148,6 @@ def test_chunks_of_a_step_over_many_slots(make_case, check, T, mix, tile):
     plan = be.plan(T, dev_weights(case.w), "bfloat16")
     assert plan.chunks and plan.fused and plan.tiles == min(plan.bucket, -(-plan.bucket // tile) + 512)
     check(case, run_cupy(be, case), "bfloat16")
-
-
-@pytest.mark.parametrize("T,mix", [(64, "distinct"), (61, "zipf"), (16, "uniform")])
-def test_decode_over_many_slots(make_case, check, T, mix):
-    """lora_decode's chunks when slots outnumber its chunks of 8: a pool of 512 adapters."""
-    case = make_case(T=T, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), dtype="bfloat16",
-                     mix=mix, num_slots=513, active=T)
-    be = backend_for(case.spec, decode=True)
-    assert be.plan(T, dev_weights(case.w), "bfloat16").decode
-    check(case, run_cupy(be, case), "bfloat16")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_misaligned_rows_and_odd_slices(make_case, check, dtype):
-    """lora_decode with x and y one element off 16-byte alignment (element-wise loads and stores),
-    slices ending inside a 64-column pass and between a lane's two columns, ranks past one rank block."""
-    case = make_case(T=40, in_f=96, slices=(521, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 80, 128),
-                     dtype=dtype, mix="zipf", num_slots=17, active=12)
-    be = backend_for(case.spec, decode=True, num_sms=2)
-    y, x = dev_misaligned(case.y0), dev_misaligned(case.x)
-    be.delta(y, x, dev_weights(case.w), dev(case.token_order), dev(case.slot_indptr))
-    cp().cuda.get_current_stream().synchronize()
-    check_clean(be)
-    check(case, host(y, dtype), dtype)
 
 
 def dev_misaligned(h: np.ndarray):
@@ -246,8 +214,7 @@ def _new_addressing(make_case, spec_case, T, mix):
 
 
 LAUNCHES = {"expand": dict(fused=False, **VERSIONS["expand"]), "expand_stream": dict(fused=False, **VERSIONS["expand_stream"]),
-            "fused_tiles": dict(fused=True, chunks=False), "fused_chunks": dict(fused=True, chunks=True),
-            "decode": dict(decode=True)}
+            "fused_tiles": dict(fused=True, chunks=False), "fused_chunks": dict(fused=True, chunks=True)}
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
