@@ -54,11 +54,42 @@ STREAM_BN = 32
 EXPAND_KERNELS = ("expand", "expand_stream")
 
 
+#: Access flags (``flags`` of every tensor-core kernel: 1 = x and A, 2 = B, 4 = y take 16-byte
+#: loads and stores) of a call that runs the kernels' ``ALIGNED = true`` instantiations, built with
+#: every 16-byte path taken and no element-wise code; any other flags run ``ALIGNED = false``,
+#: which reads the flags at run time.
+ALIGNED_FLAGS = 7
+
+
+def _cbool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None = None,
+             chunks: bool = False) -> str:
+    """The name expression of one tensor-core kernel: ``kernel`` is ``shrink``, ``expand``,
+    ``expand_stream`` or ``fused``; ``aligned`` picks its ``ALIGNED`` instantiation."""
+    a = _cbool(aligned)
+    if kernel == "shrink":
+        return f"lora_shrink<{ctype}, {bm}, {a}>"
+    if kernel == "expand":
+        return f"lora_expand<{ctype}, {bm}, {bn}, {a}>"
+    if kernel == "fused":
+        return f"lora_fused<{ctype}, {bm}, {bn}, {_cbool(chunks)}, {a}>"
+    if kernel == "expand_stream":
+        return f"lora_expand_stream<{ctype}, {bm}, {a}>"
+    raise ValueError(f"no tensor-core kernel {kernel!r}")
+
+
 def _mma_names(ctype: str) -> tuple[str, ...]:
-    return (tuple(f"lora_shrink<{ctype}, {bm}>" for bm in MMA_SHRINK_BM)
-            + tuple(f"lora_expand<{ctype}, {bm}, {bn}>" for bm, bn in MMA_TILES)
-            + tuple(f"lora_fused<{ctype}, {bm}, {bn}, {c}>" for bm, bn in MMA_TILES for c in ("false", "true"))
-            + tuple(f"lora_expand_stream<{ctype}, {bm}>" for bm, _ in MMA_TILES))
+    out = []
+    for aligned in (False, True):
+        out += [mma_name(ctype, "shrink", bm, aligned=aligned) for bm in MMA_SHRINK_BM]
+        out += [mma_name(ctype, "expand", bm, bn=bn, aligned=aligned) for bm, bn in MMA_TILES]
+        out += [mma_name(ctype, "fused", bm, bn=bn, chunks=c, aligned=aligned) for bm, bn in MMA_TILES
+                for c in (False, True)]
+        out += [mma_name(ctype, "expand_stream", bm, aligned=aligned) for bm, _ in MMA_TILES]
+    return tuple(out)
 
 
 def mma_family(dtype: str) -> str:

@@ -194,30 +194,49 @@ __device__ __forceinline__ void load_frag_rows(Frags<M, SPLIT, float>& fa, const
 
 // B fragment of one row of a [rows][stride] array: elements k0 .. k0 + 3 of row `row`, zero from
 // kmax on and everywhere when !ok; vec: the row start is 16-byte aligned and stride % 4 == 0.
-template <typename T, typename M, bool SPLIT>
+// ALIGNED (vec known true, stride a multiple of 16 bytes, kmax <= stride, k0 % 4 == 0): one vector
+// load whenever k0 < kmax (k0 + 3 is then inside the row), the elements from kmax on selected to
+// zero (they may hold anything, NaN included): no element-wise path at all.
+template <typename T, typename M, bool SPLIT, bool ALIGNED>
 __device__ __forceinline__ void load_frag_col(Frags<M, SPLIT, T>& fb, const T* base, size_t stride, int row, bool ok,
                                               int k0, int kmax, bool vec) {
   const T* p = base + (size_t)row * stride + k0;
-  if constexpr (sizeof(T) == 2) {
-    if (ok && vec && k0 + 4 <= kmax) {
-      const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
-      fb.b[0] = q.x;
-      fb.b[1] = q.y;
-      return;
+  if constexpr (ALIGNED) {
+    const int n = ok ? kmax - k0 : 0;  // elements of the four that are real
+    if constexpr (sizeof(T) == 2) {
+      uint2 q = make_uint2(0u, 0u);
+      if (n > 0) q = __ldg(reinterpret_cast<const uint2*>(p));
+      fb.b[0] = q.x & (n >= 2 ? 0xffffffffu : 0x0000ffffu);
+      fb.b[1] = n >= 4 ? q.y : n == 3 ? q.y & 0x0000ffffu : 0u;
+    } else {
+      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (n > 0) f = __ldg(reinterpret_cast<const float4*>(p));
+      pack_scaled<M, SPLIT>(f.x, n >= 2 ? f.y : 0.f, 1.f, fb.b[0], fb.bl[0]);
+      pack_scaled<M, SPLIT>(n >= 3 ? f.z : 0.f, n >= 4 ? f.w : 0.f, 1.f, fb.b[1], fb.bl[1]);
     }
+    return;
   } else {
-    if (ok && vec && k0 + 4 <= kmax) {
-      const float4 f = __ldg(reinterpret_cast<const float4*>(p));
-      pack_scaled<M, SPLIT>(f.x, f.y, 1.f, fb.b[0], fb.bl[0]);
-      pack_scaled<M, SPLIT>(f.z, f.w, 1.f, fb.b[1], fb.bl[1]);
-      return;
+    if constexpr (sizeof(T) == 2) {
+      if (ok && vec && k0 + 4 <= kmax) {
+        const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
+        fb.b[0] = q.x;
+        fb.b[1] = q.y;
+        return;
+      }
+    } else {
+      if (ok && vec && k0 + 4 <= kmax) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(p));
+        pack_scaled<M, SPLIT>(f.x, f.y, 1.f, fb.b[0], fb.bl[0]);
+        pack_scaled<M, SPLIT>(f.z, f.w, 1.f, fb.b[1], fb.bl[1]);
+        return;
+      }
     }
-  }
-  float f[4];
+    float f[4];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) f[c] = ok && k0 + c < kmax ? to_float(p[c]) : 0.f;
-  pack_scaled<M, SPLIT>(f[0], f[1], 1.f, fb.b[0], fb.bl[0]);
-  pack_scaled<M, SPLIT>(f[2], f[3], 1.f, fb.b[1], fb.bl[1]);
+    for (int c = 0; c < 4; ++c) f[c] = ok && k0 + c < kmax ? to_float(p[c]) : 0.f;
+    pack_scaled<M, SPLIT>(f[0], f[1], 1.f, fb.b[0], fb.bl[0]);
+    pack_scaled<M, SPLIT>(f[2], f[3], 1.f, fb.b[1], fb.bl[1]);
+  }
 }
 
 }  // namespace lora

@@ -16,6 +16,8 @@
 //   - B fragments are read from global memory (L1 / L2: every warp of a tile reads the same B);
 //   - the sum is added to y in fp32 and rounded once; an element whose delta is exactly zero keeps
 //     its bits, rows of slot 0 and padding are neither read nor written.
+// ALIGNED (flags == 7 only): y moves in 16-byte pieces, each wholly inside or past the row, and B
+// fragments are one vector load with the elements past the rank selected to zero: no element-wise code.
 // The last column group of a tile to finish zeroes the tile's v, as lora_expand does. Chosen for
 // unfused launches of the buckets in STREAM_EXPAND_BUCKETS (backends/cupy.py): 256 positions, where
 // it measured 7-23% faster than lora_expand (no shared-memory pipeline to fill, little y to move).
@@ -54,7 +56,7 @@ __device__ __forceinline__ unsigned add_word(unsigned w, float d0, float d1) {
   }
 }
 
-template <typename T, int BM>
+template <typename T, int BM, bool ALIGNED>
 __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>& tr, int u) {
   using C = Stream<T>;
   using M = typename C::M;
@@ -78,7 +80,7 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
   runs_meeting<BM>(tr, m0, ka, kb);
   const int first = g.cpb * cg + cl, last = min(g.cpb * (cg + 1), g.col_blocks);
   const int passes = kb >= 0 && first < last ? (last - first + WC - 1) / WC : 0;
-  const bool vec_y = g.flags & 4, vec_b = g.flags & 2;
+  const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
 
   // v fragments of (run k, slice j, k-step ks): rows outside the run are zero
   auto v_frag = [&](Frags<M, C::SPLIT, float>& fa, int k, int j, int ks) {
@@ -88,7 +90,7 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
   };
   // B fragment of column col (zero outside [ca, cz)), ranks 16 ks + 4 tq .. + 3 (zero from r on)
   auto b_frag = [&](Frags<M, C::SPLIT, T>& fb, const T* bs, int col, int ca, int cz, int r, int ks) {
-    load_frag_col<T, M, C::SPLIT>(fb, bs, R, col, col >= ca && col < cz, ks * 16 + 4 * tq, r, vec_b);
+    load_frag_col<T, M, C::SPLIT, ALIGNED>(fb, bs, R, col, col >= ca && col < cz, ks * 16 + 4 * tq, r, vec_b);
   };
 
   // a warp with one run of one slice keeps that run's v fragments for every pass
@@ -153,7 +155,17 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
 #pragma unroll
       for (int ch = 0; ch < NCH; ++ch) {
         const int col = c0 + ch * 32 + 8 * tq;
-        if (vec_y && col + 8 <= out) {
+        if constexpr (ALIGNED) {  // out % (16 / sizeof(T)) == 0: each 16 bytes wholly in or past the row
+#pragma unroll
+          for (int q = 0; q < W / 4; ++q) {
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (col + (q + 1) * (16 / (int)sizeof(T)) <= out) v = __ldcs(reinterpret_cast<const uint4*>(yr + col) + q);
+            yb[h][ch][4 * q] = v.x;
+            yb[h][ch][4 * q + 1] = v.y;
+            yb[h][ch][4 * q + 2] = v.z;
+            yb[h][ch][4 * q + 3] = v.w;
+          }
+        } else if (vec_y && col + 8 <= out) {
 #pragma unroll
           for (int q = 0; q < W / 4; ++q) {
             const uint4 v = __ldcs(reinterpret_cast<const uint4*>(yr + col) + q);
@@ -200,7 +212,13 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
           }
         }
         const int col = c0 + ch * 32 + 8 * tq;
-        if (vec_y && col + 8 <= out) {
+        if constexpr (ALIGNED) {
+#pragma unroll
+          for (int q = 0; q < W / 4; ++q)
+            if (col + (q + 1) * (16 / (int)sizeof(T)) <= out)
+              __stcs(reinterpret_cast<uint4*>(yr + col) + q,
+                     make_uint4(nw[4 * q], nw[4 * q + 1], nw[4 * q + 2], nw[4 * q + 3]));
+        } else if (vec_y && col + 8 <= out) {
 #pragma unroll
           for (int q = 0; q < W / 4; ++q)
             __stcs(reinterpret_cast<uint4*>(yr + col) + q,

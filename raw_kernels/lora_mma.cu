@@ -27,7 +27,7 @@
 //   lora_expand  (one expand task a block): unfused launches but those of expand_stream's buckets.
 //   lora_expand_stream (expand_stream.cuh): the same expand tasks with y streamed through registers
 //     by each warp on its own; chosen for the buckets where it measured fastest (256 positions).
-//   lora_fused<..., CHUNKED> (both in one launch): launches of 64 positions or fewer (decode), on
+//   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
 //     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink
 //     tasks first, and an expand task (after prefetching its y and B) waits for its unit's ready
@@ -38,7 +38,9 @@
 // ranks [S, n] i32, out_offsets [n + 1] i32 (null: one slice), token_order [positions] i32,
 // slot_indptr [S + 1] i32, ws = v [bucket, n, rw] f32 (rw = R rounded up to 16), counters i32:
 // [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 * units) v readers done.
-// flags: 1 = x and A take 16-byte loads, 2 = B does, 4 = y does (else element-wise paths).
+// flags: 1 = x and A take 16-byte loads, 2 = B does, 4 = y does (else element-wise paths). Every
+// kernel has a last template flag ALIGNED: true is built for flags == 7 alone (every 16-byte path
+// taken, no element-wise code in it), false reads the flags at run time; the host picks per call.
 #include "common.cuh"
 
 namespace lora {
@@ -295,7 +297,7 @@ struct Shrink {
   static constexpr int SMEM = STAGES * STAGE * (int)sizeof(T);
 };
 
-template <typename T, int BM, bool CHUNKED>
+template <typename T, int BM, bool CHUNKED, bool ALIGNED>
 __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u,
                             bool fused) {
   using C = Shrink<T, BM>;
@@ -332,7 +334,7 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const int kbeg = q * k_split, kend = min(kbeg + k_split, in);
   const int nk = kend > kbeg ? (kend - kbeg + C::KC - 1) / C::KC : 0;
   const int F = any ? tr.nrun * nk : 0;
-  const bool vec = g.flags & 1;
+  const bool vec = ALIGNED || (g.flags & 1);  // ALIGNED: no element-wise path compiled
   T* stages = reinterpret_cast<T*>(dsmem);
   const size_t a_slot = (size_t)g.n_slices * g.max_rank * in;
 
@@ -529,7 +531,7 @@ struct ExpandWalk {
   bool first, done;                 // first: the first step of its column block
 };
 
-template <typename T, int BM, int BN, bool CHUNKED>
+template <typename T, int BM, int BN, bool CHUNKED, bool ALIGNED>
 __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u,
                             bool fused) {
   using C = Expand<T, BM, BN>;
@@ -560,7 +562,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const int cb0 = cg * cpb, cb1 = min(cb0 + cpb, g.col_blocks);
   read_run_meta<T, BM>(g, tr, rm);
 
-  const bool vec_y = g.flags & 4, vec_b = g.flags & 2;
+  const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
   constexpr int YCPR = BN / C::CH;
   auto y_tile = [&](int vis) {
     return reinterpret_cast<T*>(dsmem + C::STAGES * C::STAGE_BYTES + (vis % C::STAGES) * C::Y_BYTES);
@@ -769,7 +771,7 @@ __host__ __device__ constexpr int fused_smem() {
 // tasks first (every chunk's, split and rank block), then expand tasks, so an expand task only
 // ever waits for shrink tasks of blocks already running. The last block to finish resets the
 // ticket, done and ready counts for the next launch.
-template <typename T, int BM, int BN, bool CHUNKED>
+template <typename T, int BM, int BN, bool CHUNKED, bool ALIGNED>
 __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int blocks) {
   __shared__ int ticket;
   const int units = g.units(BM);
@@ -777,8 +779,8 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
   if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
   __syncthreads();
   const int u = ticket;
-  if (u < n_shrink) shrink_task<T, BM, CHUNKED>(g, dsmem, s_indptr, tr, u, true);
-  else expand_task<T, BM, BN, CHUNKED>(g, dsmem, s_indptr, tr, u - n_shrink, true);
+  if (u < n_shrink) shrink_task<T, BM, CHUNKED, ALIGNED>(g, dsmem, s_indptr, tr, u, true);
+  else expand_task<T, BM, BN, CHUNKED, ALIGNED>(g, dsmem, s_indptr, tr, u - n_shrink, true);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -813,45 +815,50 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 #ifndef LORA_SHRINK_BLOCKS
 #define LORA_SHRINK_BLOCKS 4
 #endif
-template <typename T, int BM>
+// ALIGNED (every kernel): the host launches the instantiation with ALIGNED = true only when every
+// 16-byte path is allowed (flags == 7: x, A, B and y rows start 16-byte aligned and in, R and out
+// are multiples of 16 bytes); it then ignores `flags` and carries no element-wise code, which
+// shrinks its SASS (instruction fetch is a cost of its own after a flush, NOTES.md). ALIGNED =
+// false reads the flags at run time, as every launch did before, and serves every other call.
+template <typename T, int BM, bool ALIGNED>
 __global__ void __launch_bounds__(128, LORA_SHRINK_BLOCKS) lora_shrink(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
   lora::require_smem(lora::Shrink<T, BM>::SMEM + 4 * (num_slots + 1));
-  lora::shrink_task<T, BM, false>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Shrink<T, BM>::SMEM), tr,
-                                  blockIdx.x, false);
+  lora::shrink_task<T, BM, false, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Shrink<T, BM>::SMEM), tr,
+                                           blockIdx.x, false);
 }
 
-template <typename T, int BM, int BN>
+template <typename T, int BM, int BN, bool ALIGNED>
 __global__ void __launch_bounds__(128) lora_expand(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
   lora::require_smem(lora::Expand<T, BM, BN>::SMEM + 4 * (num_slots + 1));
-  lora::expand_task<T, BM, BN, false>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Expand<T, BM, BN>::SMEM),
-                                      tr, blockIdx.x, false);
+  lora::expand_task<T, BM, BN, false, ALIGNED>(
+      g, dsmem, reinterpret_cast<int*>(dsmem + lora::Expand<T, BM, BN>::SMEM), tr, blockIdx.x, false);
 }
 
 // CHUNKED: work units are chunks of one slot (buckets of 2 to 32 positions), else tiles.
-template <typename T, int BM, int BN, bool CHUNKED>
+template <typename T, int BM, int BN, bool CHUNKED, bool ALIGNED>
 __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
   g.chunked = CHUNKED;
   lora::require_smem(lora::fused_smem<T, BM, BN>() + 4 * (num_slots + 1));
-  lora::fused_task<T, BM, BN, CHUNKED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::fused_smem<T, BM, BN>()),
-                                       tr, gridDim.x);
+  lora::fused_task<T, BM, BN, CHUNKED, ALIGNED>(
+      g, dsmem, reinterpret_cast<int*>(dsmem + lora::fused_smem<T, BM, BN>()), tr, gridDim.x);
 }
 
 // lora_expand_stream (expand_stream.cuh): registers capped for 4 blocks per multiprocessor;
 // dynamic shared memory holds slot_indptr alone.
-template <typename T, int BM>
+template <typename T, int BM, bool ALIGNED>
 __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
   lora::require_smem(4 * (num_slots + 1));
-  lora::expand_stream_task<T, BM>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
+  lora::expand_stream_task<T, BM, ALIGNED>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
 }

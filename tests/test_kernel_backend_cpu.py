@@ -31,10 +31,12 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_ready(), reason="NVRTC or the CUDA h
 def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     names = set(kernels.FAMILIES[kernels.mma_family(dtype)].name_expressions)
     ct = kernels.CUDA_TYPES[dtype]
-    wanted = {f"lora_shrink<{ct}, {bm}>" for bm in kernels.MMA_SHRINK_BM}
-    wanted |= {f"lora_expand<{ct}, {bm}, {bn}>" for bm, bn in kernels.MMA_TILES}
-    wanted |= {f"lora_fused<{ct}, {bm}, {bn}, {c}>" for bm, bn in kernels.MMA_TILES for c in ("false", "true")}
-    wanted |= {f"lora_expand_stream<{ct}, {bm}>" for bm, _ in kernels.MMA_TILES}
+    wanted = set()
+    for al in ("false", "true"):  # each kernel's ALIGNED instantiation and the one reading the flags
+        wanted |= {f"lora_shrink<{ct}, {bm}, {al}>" for bm in kernels.MMA_SHRINK_BM}
+        wanted |= {f"lora_expand<{ct}, {bm}, {bn}, {al}>" for bm, bn in kernels.MMA_TILES}
+        wanted |= {f"lora_fused<{ct}, {bm}, {bn}, {c}, {al}>" for bm, bn in kernels.MMA_TILES for c in ("false", "true")}
+        wanted |= {f"lora_expand_stream<{ct}, {bm}, {al}>" for bm, _ in kernels.MMA_TILES}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt

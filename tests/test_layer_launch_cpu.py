@@ -72,6 +72,26 @@ def test_packed_launch_patches_y_x_and_flags_and_launches_in_order():
     assert [r[5:] for r in rec.launches[4:]] == [(1 << 33, 8192, 3)] * 2
 
 
+def test_packed_launch_runs_the_aligned_instantiation_only_while_the_flags_allow_it():
+    """A kernel with an ALIGNED twin: flags 7 launch the twin, any other flags the kernel that reads
+    them; a kernel without a twin serves every flags. Packed with flags 7 it starts on the twin."""
+    args = (np.uint64(0), np.uint64(0), np.int32(cb.ALIGNED_FLAGS))
+    calls = [cb.KernelCall("a", _Fn(101), (3, 1, 1), (128, 1, 1), 64, args, 0, 1, 2, _Fn(111)),
+             cb.KernelCall("b", _Fn(202), (5, 2, 1), (32, 4, 1), 0, args, 0, 1, 2)]
+    launch = cb.PackedLaunch(calls)
+    assert launch.aligned and [r[0] for r in launch.launches] == [111, 202]
+    rec = launch.launch_kernel = _Recorder()
+    for flags in (7, 3, 3, 6, 7, 5):
+        launch.run(77, y_ptr=4096 + 16 * flags, x_ptr=8192, flags=flags)
+    assert [r[0] for r in rec.launches] == [111, 202, 101, 202, 101, 202, 101, 202, 111, 202, 101, 202]
+    assert [r[7] for r in rec.launches[::2]] == [7, 3, 3, 6, 7, 5]  # the flags still reach the kernel
+    assert not launch.aligned
+    unaligned = cb.PackedLaunch([cb.KernelCall("a", _Fn(101), (3, 1, 1), (128, 1, 1), 64,
+                                               (np.uint64(0), np.uint64(0), np.int32(3)), 0, 1, 2, _Fn(111))])
+    assert not unaligned.aligned and unaligned.launches[0][0] == 101
+    assert cb.KernelCall("a", _Fn(1), (1, 1, 1), (1, 1, 1), 0, args, 0, 1, 2, _Fn(2)).fn_for(7).kernel.ptr == 2
+
+
 class _FakeBackend:
     """What LayerLaunch reads of a CupyBackend: limits, kernels per call, a stream, launches."""
 
@@ -147,9 +167,9 @@ def test_weights_are_checked_when_the_layer_is_made():
 
 def test_a_layer_keeps_the_weights_its_launches_point_at_alive():
     """The packed launches hold the weights' raw pointers: a layer prepared from a temporary (the
-    caller keeping no reference) still holds the arrays, and lets them go only with itself. (GPU
-    tests that prepared from ``dev_weights(...)`` temporaries read garbage on an H200: CuPy's pool
-    handed the freed weights' memory to the views, x and y allocated next.)"""
+    caller keeping no reference) still holds the arrays, and lets them go only with itself. (The
+    ALIGNED GPU tests at first prepared from ``dev_weights(...)`` temporaries: CuPy's pool handed
+    the freed weights' memory to the views, x and y allocated next, and every route read garbage.)"""
     import gc
     import weakref
 

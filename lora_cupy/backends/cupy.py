@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module, mma_family
+from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module,
+                       mma_family, mma_name)
 from ..spec import LoraSpec
 from .base import LayerWeights
 
@@ -468,7 +469,9 @@ def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indp
 class KernelCall:
     """One kernel of a call: its name (as the bench names it), function, grid, block, dynamic shared
     memory, arguments (NumPy scalars, as CuPy would pass them) and where y, x and the flags sit
-    among them (None: not an argument of this kernel)."""
+    among them (None: not an argument of this kernel). ``fn_aligned``: the kernel's ``ALIGNED``
+    instantiation, launched instead of ``fn`` while the flags are ``ALIGNED_FLAGS`` (None: ``fn``
+    serves every call)."""
 
     name: str
     fn: Any
@@ -479,6 +482,11 @@ class KernelCall:
     y_at: int | None
     x_at: int | None
     flags_at: int | None
+    fn_aligned: Any = None
+
+    def fn_for(self, flags: int | None) -> Any:
+        """The function a launch with these access flags runs."""
+        return self.fn_aligned if self.fn_aligned is not None and flags == ALIGNED_FLAGS else self.fn
 
 
 class PackedArgs:
@@ -513,7 +521,9 @@ class PackedArgs:
 class PackedLaunch:
     """A call's kernels with their parameters packed: :meth:`patch` writes y, x and the flags in,
     :meth:`run` launches each kernel in order on one stream. What a layer keeps per capture
-    bucket and parity. ``launches``: per kernel, the driver's arguments but the stream."""
+    bucket and parity. ``launches``: per kernel, the driver's arguments but the stream, for the
+    flags last written: the kernels' ``ALIGNED`` instantiations while they are ``ALIGNED_FLAGS``
+    (``aligned`` says which), the others otherwise."""
 
     def __init__(self, calls: list[KernelCall]):
         from cupy_backends.cuda.api import driver
@@ -522,11 +532,19 @@ class PackedLaunch:
         self.calls = calls
         self.last: tuple = (None, None, None)  # y, x and flags as last patched in
         self._args = [PackedArgs(c.args) for c in calls]
-        self.launches = [(int(c.fn.kernel.ptr), *c.grid, *c.block, c.smem, p.ptr)  # fn.kernel: loads the module
-                         for c, p in zip(calls, self._args)]
+        self._by_aligned = tuple(  # fn.kernel: loads the module
+            [(int(c.fn_for(flags).kernel.ptr), *c.grid, *c.block, c.smem, p.ptr) for c, p in zip(calls, self._args)]
+            for flags in (0, ALIGNED_FLAGS))
+        self._twins = any(c.fn_aligned is not None for c in calls)
+        self._select(next((int(c.args[c.flags_at]) for c in calls if c.flags_at is not None), 0))
+
+    def _select(self, flags: int) -> None:
+        self.aligned = self._twins and flags == ALIGNED_FLAGS
+        self.launches = self._by_aligned[1 if self.aligned else 0]
 
     def patch(self, y_ptr: int, x_ptr: int, flags: int) -> None:
-        """Write y's and x's pointers and the access flags into every kernel's parameters."""
+        """Write y's and x's pointers and the access flags into every kernel's parameters (and pick
+        the instantiations the flags allow)."""
         for c, p in zip(self.calls, self._args):
             if c.y_at is not None:
                 p.set_u64(c.y_at, y_ptr)
@@ -534,6 +552,7 @@ class PackedLaunch:
                 p.set_u64(c.x_at, x_ptr)
             if c.flags_at is not None:
                 p.set_i32(c.flags_at, flags)
+        self._select(flags)
         self.last = (y_ptr, x_ptr, flags)
 
     def run(self, stream: int, y_ptr: int | None = None, x_ptr: int | None = None,
@@ -553,7 +572,10 @@ class CupyBackend:
     ``kernel="mma"`` (tensor cores, the default) or ``"simt"`` (the plain fallback). ``tile``,
     ``fused``, ``chunks`` and ``expand`` (one of ``EXPAND_KERNELS``) override the per-bucket choices of
     :func:`plan_launch` (for benchmarks and tests); ``num_sms`` defaults to the device's
-    multiprocessor count.
+    multiprocessor count. Each tensor-core kernel has two instantiations: a call whose x, y and
+    weights allow every 16-byte path (access flags ``ALIGNED_FLAGS``) runs the ``ALIGNED`` one,
+    which has no element-wise code; any other call the one that reads the flags at run time.
+    ``aligned=False`` runs the latter for every call (tests and A/B timing).
 
     Two ways in: :meth:`delta` checks every argument on every call (tests, benchmarks, one-off
     calls); :meth:`prepare` checks one layer's weights once and returns a :class:`LayerLaunch`
@@ -564,7 +586,7 @@ class CupyBackend:
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
                  fused: bool | None = None, expand: str | None = None, chunks: bool | None = None,
-                 num_sms: int | None = None):
+                 num_sms: int | None = None, aligned: bool | None = None):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -574,6 +596,9 @@ class CupyBackend:
             raise ValueError(f"expand must be one of {EXPAND_KERNELS}, got {expand!r}")
         if spec.num_slots > MAX_SLOTS:
             raise ValueError(f"num_slots={spec.num_slots} above the {MAX_SLOTS} a launch takes")
+        if aligned not in (None, False):
+            raise ValueError(f"aligned must be None (per call) or False (never), got {aligned!r}")
+        self.aligned = aligned
         if device is None:
             dev_id = cupy.cuda.runtime.getDevice()
         elif isinstance(device, int):
@@ -619,21 +644,20 @@ class CupyBackend:
                 self._fns[(dtype, kind)] = mod.get_function(f"lora_{kind}_simt<{ct}>")
             return
         mod = load_module(mma_family(dtype))
+
+        def get(key, smem, *name_args, **name_kw):  # both instantiations; the key ends in `aligned`
+            for aligned in (False, True):
+                fn = mod.get_function(mma_name(ct, *name_args, aligned=aligned, **name_kw))
+                fn.max_dynamic_shared_size_bytes = smem + extra
+                self._fns[(dtype, *key, aligned)] = fn
+
         for bm in MMA_SHRINK_BM:
-            fn = mod.get_function(f"lora_shrink<{ct}, {bm}>")
-            fn.max_dynamic_shared_size_bytes = shrink_smem(dtype, bm) + extra
-            self._fns[(dtype, "shrink", bm)] = fn
+            get(("shrink", bm), shrink_smem(dtype, bm), "shrink", bm)
         for bm, bn in MMA_TILES:
-            fn = mod.get_function(f"lora_expand<{ct}, {bm}, {bn}>")
-            fn.max_dynamic_shared_size_bytes = expand_smem(dtype, bm, bn) + extra
-            self._fns[(dtype, "expand", bm)] = fn
+            get(("expand", bm), expand_smem(dtype, bm, bn), "expand", bm, bn=bn)
             for chunks in (False, True):
-                fn = mod.get_function(f"lora_fused<{ct}, {bm}, {bn}, {str(chunks).lower()}>")
-                fn.max_dynamic_shared_size_bytes = fused_smem(dtype, bm, bn) + extra
-                self._fns[(dtype, "fused", bm, chunks)] = fn
-            fn = mod.get_function(f"lora_expand_stream<{ct}, {bm}>")
-            fn.max_dynamic_shared_size_bytes = extra  # slot_indptr alone
-            self._fns[(dtype, "expand_stream", bm)] = fn
+                get(("fused", bm, chunks), fused_smem(dtype, bm, bn), "fused", bm, bn=bn, chunks=chunks)
+            get(("expand_stream", bm), 0, "expand_stream", bm)  # slot_indptr alone
 
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
@@ -720,8 +744,8 @@ class CupyBackend:
                 i32(plan.col_blocks), i32(plan.cpb), i32(call.flags))
         extra = 4 * (S + 1)  # slot_indptr, after the stages
         mma = lambda name, key, blocks, smem: KernelCall(  # noqa: E731
-            name, self._kernel_fn(dtype, key), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
-            len(args) - 1)
+            name, self._kernel_fn(dtype, (*key, False)), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
+            len(args) - 1, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)))
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
@@ -739,11 +763,13 @@ class CupyBackend:
         res = {}
         with self._device:
             for c in self._kernels(call):
-                attrs = c.fn.attributes  # a RawKernel's (CuPy): num_regs, local_size_bytes, ...
+                fn = c.fn_for(call.flags)
+                attrs = fn.attributes  # a RawKernel's (CuPy): num_regs, local_size_bytes, ...
                 res[c.name] = {"registers": int(attrs["num_regs"]), "local_bytes": int(attrs["local_size_bytes"]),
                                "smem": int(c.smem) + int(attrs["shared_size_bytes"]),
                                "blocks_per_sm": int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                                   c.fn.kernel.ptr, THREADS, int(c.smem)))}
+                                   fn.kernel.ptr, THREADS, int(c.smem))),
+                               "aligned": fn is c.fn_aligned}
         return res
 
 

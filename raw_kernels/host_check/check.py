@@ -8,13 +8,15 @@ and v and the counters are back at zero. This checks indexing, masks, fragment l
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
     python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream] [--tiles-only | --chunks]
-        [--sms 1] [--misalign] [--asan] [--cp-async late|early]
+        [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
 run python with ``LD_PRELOAD`` of libasan so numpy's arrays get red zones); ``--cp-async`` makes
 each emulated cp.async land at the wait that retires it (late, the default: a read before its wait
-sees stale data) or when issued (early: a stage overwritten while still read shows).
+sees stale data) or when issued (early: a stage overwritten while still read shows);
+``--aligned`` picks the kernels' instantiation as the backend does (auto: ``ALIGNED`` where the
+access flags are ``ALIGNED_FLAGS``, the one reading the flags elsewhere) or never the ``ALIGNED`` one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 from conftest import build_case, check_result  # noqa: E402
 
 from lora_cupy.backends import cupy as cb  # noqa: E402
-from lora_cupy.kernels import cuda_include_dirs  # noqa: E402
+from lora_cupy.kernels import ALIGNED_FLAGS, cuda_include_dirs  # noqa: E402
 
 #: common.cuh functions made of inline PTX, replaced by host_cuda.h (the last one by a macro that
 #: defines the m16n8k16 specializations in place).
@@ -52,7 +54,11 @@ CASES = {**GPU_CASES,
          "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                       mix="zipf", num_slots=17, active=12),
          "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
-                            num_slots=513, active=61)}
+                            num_slots=513, active=61),
+         # fp32: every 16-byte path allowed, out ending half-way into expand_stream's last 8-column
+         # chunk, ranks no multiple of 4 (16-bit types: y's rows take the element-wise path)
+         "half-chunk": dict(T=45, in_f=328, slices=(200, 56, 28), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48),
+                            mix="zipf", num_slots=17, active=9, pad_to=64)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 
@@ -109,8 +115,9 @@ def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
                           chunks=chunks, num_sms=sms)
 
 
-def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, int]:
-    """One delta of ``case`` on the host under ``plan``: (y, flags); v and counters checked at zero."""
+def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto") -> tuple[np.ndarray, int, bool]:
+    """One delta of ``case`` on the host under ``plan``: (y, flags, whether the ``ALIGNED``
+    instantiation ran); v and counters checked at zero."""
     w, dtype = case.w, case.spec.dtype
     S, n, R, in_f = w.a.shape
     out, T = case.y0.shape[1], case.token_order.shape[0]
@@ -121,6 +128,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
     flags = ((1 if in_f % ch == 0 and x.ctypes.data % 16 == 0 and w.a.ctypes.data % 16 == 0 else 0)
              | (2 if R % ch == 0 and w.b.ctypes.data % 16 == 0 else 0)
              | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
+    use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
     rw = cb.rank_width(R)
     ws = np.zeros(plan.bucket * n * rw, np.float32)
     counters = np.zeros(plan.counter_ints(), np.int32)
@@ -128,7 +136,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
     scaling = np.ascontiguousarray(w.scaling, np.float32)
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     dims = np.asarray([S, n, R, in_f, out, plan.bucket, T, rw, plan.splits, plan.k_split, plan.col_blocks,
-                       plan.cpb, int(plan.chunks), flags], np.int32)
+                       plan.cpb, int(plan.chunks), flags, int(use_aligned)], np.int32)
 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
@@ -137,10 +145,10 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool) -> tuple[np.ndarray, 
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, plan.shrink_blocks,
                        plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
-    assert rc == 0, f"no kernel for tile {plan.bm}"
+    assert rc == 0, f"no kernel for tile {plan.bm}" if rc == 2 else f"ALIGNED asked with flags {flags}"
     assert not ws.any(), "v not zeroed after the launch"
     assert not counters.any(), "counters not reset after the launch"
-    return y, flags
+    return y, flags, use_aligned
 
 
 def main(argv=None) -> int:
@@ -157,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sms", type=int, default=cb.DEFAULT_SMS)
     ap.add_argument("--misalign", action="store_true")
     ap.add_argument("--asan", action="store_true")
+    ap.add_argument("--aligned", default="auto", choices=("auto", "never"),
+                    help="the ALIGNED instantiation where the flags allow it (as the backend), or never")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,9 +182,9 @@ def main(argv=None) -> int:
                                     chunks=False if args.tiles_only else True if args.chunks else None)
                     t0 = time.time()
                     try:
-                        y, flags = run(lib, case, plan, misalign=args.misalign)
+                        y, flags, al = run(lib, case, plan, misalign=args.misalign, aligned=args.aligned)
                         check_result(case, y, dt)
-                        status = f"flags {flags}: ok"
+                        status = f"flags {flags}{' ALIGNED' if al else ''}: ok"
                     except AssertionError as e:
                         fails += 1
                         status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]

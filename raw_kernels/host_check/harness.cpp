@@ -93,7 +93,7 @@ struct Launch {
   float* ws;
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
-      col_blocks, cpb, chunked, flags;
+      col_blocks, cpb, chunked, flags, aligned;
 };
 static Launch L;
 static std::vector<char> dsm(256 * 1024);
@@ -105,61 +105,66 @@ template <typename T> static lora::Args<T> args() {
                        L.in_features, L.out_features, L.bucket, L.positions, L.rw, L.splits, L.k_split,
                        L.col_blocks, L.cpb, L.flags, L.chunked};
 }
-template <typename T, int BM> static void shrink_block(int u) {
+template <typename T, int BM, bool AL> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::shrink_task<T, BM, false>(g, dsm.data(), s_indptr, tr, u, false);
+  lora::shrink_task<T, BM, false, AL>(g, dsm.data(), s_indptr, tr, u, false);
 }
-template <typename T, int BM, int BN> static void expand_block(int u) {
+template <typename T, int BM, int BN, bool AL> static void expand_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::expand_task<T, BM, BN, false>(g, dsm.data(), s_indptr, tr, u, false);
+  lora::expand_task<T, BM, BN, false, AL>(g, dsm.data(), s_indptr, tr, u, false);
 }
-template <typename T, int BM> static void stream_block(int u) {
+template <typename T, int BM, bool AL> static void stream_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::expand_stream_task<T, BM>(g, s_indptr, tr, u);
+  lora::expand_stream_task<T, BM, AL>(g, s_indptr, tr, u);
 }
 
 static int g_blocks = 0;
-template <typename T, int BM, int BN, bool CHUNKED> static void fused_block(int u) {
+template <typename T, int BM, int BN, bool CHUNKED, bool AL> static void fused_block(int u) {
   static lora::TileRows<BM> tr;
   auto g = args<T>();
-  lora::fused_task<T, BM, BN, CHUNKED>(g, dsm.data(), s_indptr, tr, g_blocks);
+  lora::fused_task<T, BM, BN, CHUNKED, AL>(g, dsm.data(), s_indptr, tr, g_blocks);
 }
 
 // expand 0 / 1: the fused launch on tiles / chunks (its blocks run in ticket order, every shrink
-// task before any expand)
-template <typename T, int BM, int BN> static void run(int expand, int shrink_blocks, int expand_blocks) {
+// task before any expand). AL: the kernels' ALIGNED instantiation (the host asks for it only
+// where flags == 7, as the backend does).
+template <typename T, int BM, int BN, bool AL> static void run(int expand, int shrink_blocks, int expand_blocks) {
   if (expand <= 1) {
     g_blocks = shrink_blocks + expand_blocks;
     for (int u = 0; u < g_blocks; ++u)
-      emu::run_block(expand ? fused_block<T, BM, BN, true> : fused_block<T, BM, BN, false>, u);
+      emu::run_block(expand ? fused_block<T, BM, BN, true, AL> : fused_block<T, BM, BN, false, AL>, u);
     return;
   }
-  for (int u = 0; u < shrink_blocks; ++u) emu::run_block(shrink_block<T, BM>, u);
+  for (int u = 0; u < shrink_blocks; ++u) emu::run_block(shrink_block<T, BM, AL>, u);
   for (int u = 0; u < expand_blocks; ++u)
-    emu::run_block(expand == 4 ? stream_block<T, BM> : expand_block<T, BM, BN>, u);
+    emu::run_block(expand == 4 ? stream_block<T, BM, AL> : expand_block<T, BM, BN, AL>, u);
 }
-template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
-  if (bm == 16) run<T, 16, 64>(expand, sb, eb);
-  else if (bm == 32) run<T, 32, 128>(expand, sb, eb);
-  else if (bm == 64) run<T, 64, 128>(expand, sb, eb);
+template <typename T, bool AL> static int run_a(int bm, int expand, int sb, int eb) {
+  if (bm == 16) run<T, 16, 64, AL>(expand, sb, eb);
+  else if (bm == 32) run<T, 32, 128, AL>(expand, sb, eb);
+  else if (bm == 64) run<T, 64, 128, AL>(expand, sb, eb);
   else return 2;
   return 0;
+}
+template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
+  if (L.aligned && L.flags != 7) return 3;  // the ALIGNED instantiation serves flags == 7 alone
+  return L.aligned ? run_a<T, true>(bm, expand, sb, eb) : run_a<T, false>(bm, expand, sb, eb);
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 0 / 1 (the fused
 // launch on tiles / chunks);
-// dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags
+// dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
                          const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,
                          const int* token_order, const int* slot_indptr, float* ws, int* counters, const int* dims) {
   L = Launch{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0], dims[1],
              dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11], dims[12],
-             dims[13]};
+             dims[13], dims[14]};
   if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
   if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
   return run_t<float>(bm, expand, shrink_blocks, expand_blocks);

@@ -1,5 +1,6 @@
 """The CUDA backend against the float64 oracle: every shipped kernel (shrink, expand, expand_stream,
-fused; chunks and tiles; SIMT),
+fused; chunks and tiles; SIMT) in both instantiations (ALIGNED, for calls whose x, y and weights allow
+every 16-byte path, and the one reading the access flags),
 dtype, awkward size and mix, torch tensors and CuPy arrays alike, and CUDA graphs replayed under new
 addressing."""
 
@@ -11,6 +12,7 @@ import pytest
 from lora_cupy.backends.base import LayerWeights
 from lora_cupy.backends.cupy import TOLERANCE
 from lora_cupy.dtypes import bfloat16
+from lora_cupy.planning import LaunchViews
 
 
 def _gpu_count() -> int:
@@ -217,6 +219,68 @@ LAUNCHES = {"expand": dict(fused=False, **VERSIONS["expand"]), "expand_stream": 
             "fused_tiles": dict(fused=True, chunks=False), "fused_chunks": dict(fused=True, chunks=True)}
 
 
+def _aligned_shape(dtype: str) -> dict:
+    """A shape that allows every 16-byte path (access flags 7) and is round nowhere else: ``in`` and
+    ``out`` no multiple of a stage or column block, slices ending inside a column block, adapter
+    ranks that are no multiple of 4 (B's fragments are masked past them; the weights beyond a rank
+    hold NaN), and for fp32 an ``out`` that ends half-way into one of expand_stream's 8-column chunks."""
+    slices = (200, 56, 28) if dtype == "float32" else (200, 56, 24)
+    return dict(in_f=328, slices=slices, max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48))
+
+
+ROUTES = ("aligned", "x_misaligned", "y_misaligned", "aligned_off")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+@pytest.mark.parametrize("tile", [16, 64])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_aligned_and_unaligned_instantiations(make_case, check, dtype, tile, launch, route):
+    """Through a layer's packed launch (the engine's path): x, y and weights that allow every
+    16-byte path run each kernel's ALIGNED instantiation; x or y one element off 16-byte alignment,
+    or a backend built with ``aligned=False``, the instantiation that reads the flags. Every route
+    matches the float64 oracle on fresh random data, with v and the counters left at zero."""
+    case = make_case(T=45, dtype=dtype, mix="zipf", num_slots=17, active=9, pad_to=64, **_aligned_shape(dtype))
+    kw = dict(aligned=False) if route == "aligned_off" else {}
+    be = backend_for(case.spec, tile=tile, **LAUNCHES[launch], **kw)
+    w = dev_weights(case.w)  # held here too: the launch reads these arrays through raw pointers
+    layer = be.prepare(w)
+    assert layer.held is w
+    views = LaunchViews(64, 0, dev(case.token_order), dev(case.slot_indptr))
+    x = dev_misaligned(case.x) if route == "x_misaligned" else dev(case.x)
+    y = dev_misaligned(case.y0) if route == "y_misaligned" else dev(case.y0)
+    layer(y, x, views, case.x.shape[0])
+    cp().cuda.get_current_stream().synchronize()
+    packed = layer.packed(views)
+    want = {"aligned": 7, "x_misaligned": 6, "y_misaligned": 3, "aligned_off": 7}[route]
+    assert packed.last[2] == want
+    assert packed.aligned == (route == "aligned")
+    assert [ln[0] for ln in packed.launches] == [int(c.fn_for(want).kernel.ptr) for c in packed.calls]
+    check_clean(be)
+    check(case, host(y, dtype), dtype)
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_one_layer_switches_instantiations_as_alignment_changes(make_case, check, launch):
+    """One packed launch, called with aligned rows, then y off alignment, then aligned again: each
+    call runs the instantiation its flags allow and matches the oracle."""
+    case = make_case(T=45, dtype="bfloat16", mix="uniform", num_slots=17, active=9, pad_to=64,
+                     **_aligned_shape("bfloat16"))
+    be = backend_for(case.spec, **LAUNCHES[launch])
+    # prepared from a temporary on purpose: the layer alone keeps the weights alive (LayerLaunch.held);
+    # were they freed, the views, x and y allocated next would take their memory in CuPy's pool
+    layer = be.prepare(dev_weights(case.w))
+    views = LaunchViews(64, 0, dev(case.token_order), dev(case.slot_indptr))
+    x = dev(case.x)
+    for misaligned in (False, True, False):
+        y = dev_misaligned(case.y0) if misaligned else dev(case.y0)
+        layer(y, x, views, case.x.shape[0])
+        cp().cuda.get_current_stream().synchronize()
+        assert layer.packed(views).aligned == (not misaligned)
+        check_clean(be)
+        check(case, host(y, "bfloat16"), "bfloat16")
+
+
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_cupy_graph_replays_new_addressing(make_case, check, launch):
     cupy = cp()
@@ -323,6 +387,7 @@ def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
                       dev(case.slot_indptr))
     occ = be.occupancy(call)
     assert list(occ) == kernels
+    assert call.flags == 7 and all(o["aligned"] for o in occ.values())  # round shapes: the ALIGNED twins
     for o in occ.values():
         # 128 threads a block: at most 16 blocks, at least one (else the launch would fail)
         assert 1 <= o["blocks_per_sm"] <= 16 and 1 <= o["registers"] <= 255 and o["local_bytes"] >= 0
