@@ -107,7 +107,7 @@ class _FakeBackend:
     def stream_ptr(self, torch):
         return 5
 
-    def launch(self, packed, stream, y_ptr, x_ptr, flags):
+    def launch(self, packed, stream, y_ptr=None, x_ptr=None, flags=None):
         self.launched.append((packed, stream, y_ptr, x_ptr, flags))
 
 
@@ -181,3 +181,55 @@ def test_a_layer_keeps_the_weights_its_launches_point_at_alive():
     del layer
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+class _FakeTensor:
+    """Just enough of a CUDA torch tensor for LayerLaunch's fast path."""
+
+    def __init__(self, shape, ptr):
+        self.shape, self.dtype, self._ptr = shape, "bf16", ptr
+
+    def is_contiguous(self):
+        return True
+
+    def get_device(self):
+        return 0
+
+    def data_ptr(self):
+        return self._ptr
+
+
+class _DriverError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_fast_path_relaunches_only_when_no_kernel_ran(fail_at):
+    """A driver error on the first kernel (no context current on this thread) relaunches the whole
+    call through the backend; one after a kernel already ran is raised: launching every kernel again
+    would add that kernel's work twice (a shrink's v, or a fused delta into y)."""
+    be, layer, _ = _layer()
+    be.driver_error = _DriverError
+    views = _views(64)
+    x, y = FakeDeviceArray((64, 64), "<u2"), FakeDeviceArray((64, 96), "<u2")
+    layer(y, x, views, 64)  # packs the bucket's launch
+    packed = layer.packed(views)
+    packed.launches = [packed.launches[0]] * 2  # two kernels, as an unfused call launches
+    ran = []
+
+    def launch(*a):
+        if len(ran) == fail_at:
+            raise _DriverError("context")
+        ran.append(a)
+
+    packed.launch_kernel = launch
+    layer._tensor, layer._tdtype, layer._stream = _FakeTensor, "bf16", lambda: 9
+    n = len(be.launched)
+    tx, ty = _FakeTensor((64, 64), 1 << 32), _FakeTensor((64, 96), 1 << 33)
+    if fail_at == 0:
+        layer(ty, tx, views, 64)
+        assert len(be.launched) == n + 1 and be.launched[-1][1] == 9 and not ran  # the whole call, once
+    else:
+        with pytest.raises(_DriverError):
+            layer(ty, tx, views, 64)
+        assert len(be.launched) == n and len(ran) == 1  # the first kernel ran once, nothing relaunched

@@ -811,12 +811,15 @@ class LayerLaunch:
                     flags = self.weights.flags if not (xp | yp) & 15 else _xy_flags(self.weights.flags, xp, yp)
                     if (yp, xp, flags) != packed.last:
                         packed.patch(yp, xp, flags)
-                    stream, launch = self._stream(), packed.launch_kernel
+                    stream, launch, done = self._stream(), packed.launch_kernel, 0
                     try:
                         for fn, gx, gy, gz, bx, by, bz, smem, params in packed.launches:
                             launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
-                    except self.backend.driver_error:  # none or another device's context current here
-                        self.backend.launch(packed, stream)
+                            done += 1
+                    except self.backend.driver_error:
+                        if done:  # a kernel already ran: launching them all again would add its work twice
+                            raise
+                        self.backend.launch(packed, stream)  # none or another device's context current here
                 return
         self._checked_call(y, x, views, rows)
 
