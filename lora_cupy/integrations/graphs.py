@@ -55,8 +55,13 @@ class DecodeGraphs:
             raise ValueError(f"max_batch {n} falls in capture bucket {self.rows}, but the cache has "
                              f"{gen.cache.rows} rows: pick a max_batch that is one of {spec.capture_buckets}")
         dev = gen.torch_device
-        self.ids = torch.zeros((self.rows, 1), dtype=torch.long, device=dev)
-        self.lengths = torch.zeros(self.rows, dtype=torch.long, device=dev)
+        # a step's tokens (row 0) and cache lengths (row 1): staged in host memory (pinned on CUDA)
+        # and copied in with one asynchronous copy
+        self._staged = torch.zeros((2, self.rows), dtype=torch.long, pin_memory=torch.device(dev).type == "cuda")
+        self._inputs = torch.zeros((2, self.rows), dtype=torch.long, device=dev)
+        self.ids = self._inputs[0].unsqueeze(1)
+        self.lengths = self._inputs[1]
+        self.dtype = next(gen.model.parameters()).dtype
         self.out = torch.zeros(self.rows, dtype=torch.long, device=dev)
         self._graphs: dict[tuple, object] = {}
         self.capture = capture
@@ -69,8 +74,7 @@ class DecodeGraphs:
         import torch
 
         gen = self.gen
-        dtype = next(gen.model.parameters()).dtype
-        si = step_inputs(self.lengths[:bucket], 1, gen.max_len, gen.max_len, dtype, window=gen.window,
+        si = step_inputs(self.lengths[:bucket], 1, gen.max_len, gen.max_len, self.dtype, window=gen.window,
                          layer_types=gen.layer_types)
         gen.cache.begin(si.write_cols, gen.max_len)
         with torch.inference_mode(), gen.adding():
@@ -101,9 +105,11 @@ class DecodeGraphs:
 
         pool = self.gen.pool
         bucket = pool.spec.bucket_for(B)
-        pad = bucket - B
-        self.ids[:bucket, 0].copy_(torch.as_tensor(list(tokens) + [0] * pad, dtype=torch.long))
-        self.lengths[:bucket].copy_(torch.as_tensor(list(lengths) + [0] * pad, dtype=torch.long))
+        staged = self._staged.numpy()  # free to rewrite: the last step's copy ended before its tokens were read
+        staged[:, B:] = 0
+        staged[0, :B] = tokens
+        staged[1, :B] = lengths
+        self._inputs.copy_(self._staged, non_blocking=True)
         plan = ctx.plan_results.get(pool)
         active = plan is not None and plan.active
         where = tuple(buffers_key(plan.launch[g]) for g in sorted(plan.launch)) if active else ()
