@@ -117,6 +117,7 @@ class _FusedGroup:
         self.delta = attachment.pool.layer_delta(target, layer)
         self.members = members
         self._x = None
+        self._x2d = None  # the forked delta's input rows: alive until the join
         self._d = None
         self._served = 0
         self._joined = False
@@ -140,6 +141,7 @@ class _FusedGroup:
         """Start the whole target's delta for input ``x`` on the side stream (once per input)."""
         if self._x is x:
             return
+        self._drop_stale()
         d = self._scratch(x2d)  # on the main stream: see the module docstring
 
         def run():
@@ -147,22 +149,32 @@ class _FusedGroup:
             self.delta(d, x2d)
 
         self.attachment.side.fork(run)
-        self._x, self._d, self._served, self._joined, self._forked = x, d, 0, False, True
+        self._x, self._x2d, self._d, self._served, self._joined, self._forked = x, x2d, d, 0, False, True
 
-    def take(self):
-        """The forked delta, joined into the current stream (None: nothing was forked)."""
-        if self._d is None or not self._forked:
+    def take(self, x):
+        """The delta forked for input ``x``, joined into the current stream (None: none was)."""
+        if not self._forked or self._x is not x:
+            self._drop_stale()
             return None
         if not self._joined:
             self.attachment.side.join()
             self._joined = True
         return self._served_one()
 
+    def _drop_stale(self) -> None:
+        """Forget a fork no member took (a forward that raised after its pre-hook), once the side
+        stream is done with its tensors: added to a later input, it would be a wrong delta."""
+        if self._forked:
+            if not self._joined:
+                self.attachment.side.join()
+            self._x = self._x2d = self._d = None
+            self._forked = False
+
     def _served_one(self):
         d = self._d
         self._served += 1
         if self._served >= self.members:
-            self._x, self._d = None, None
+            self._x, self._x2d, self._d, self._forked = None, None, None, False
         return d
 
 
@@ -246,10 +258,15 @@ class Attachment:
         """(pre-hook or None, forward hook) of a linear that is its target's own."""
         cuda = self.pool.device.is_cuda
         in_f, out_f = delta.in_features, delta.out_features
-        pending = []  # the scratch forked by the pre-hook, taken by the forward hook
+        # what the pre-hook forked: (input, its rows, scratch), held until the forward hook's join
+        # (the side stream reads the rows and writes the scratch until then)
+        forked = [None]
 
         def pre(_mod, args):
-            if not self._active() or not self._forking():
+            if forked[0] is not None:  # a forward that raised after its pre-hook: forget its fork
+                self.side.join()
+                forked[0] = None
+            if not self._forking() or not self._active():
                 return None
             import torch
 
@@ -261,20 +278,23 @@ class Attachment:
                 delta(d, x2d)
 
             self.side.fork(run)
-            pending.append(d)
+            forked[0] = (args[0], x2d, d)
             return None
 
         def hook(_mod, args, out):
-            if not pending and not self._active():
+            entry, forked[0] = forked[0], None
+            if entry is not None and entry[0] is not args[0]:
+                self.side.join()  # not this input's: dropped once the side stream is done with it
+                entry = None
+            if entry is None and not self._active():
                 return None
             import torch
 
             if torch.is_grad_enabled() or not out.is_contiguous():
                 out = out.clone()
-            if pending:  # forked by the pre-hook: join, add
-                d = pending.pop()
+            if entry is not None:  # forked by the pre-hook: join, add
                 self.side.join()
-                out.view(-1, out_f).add_(d)
+                out.view(-1, out_f).add_(entry[2])
             else:  # in line: the delta accumulates into the output
                 delta(as_backend_array(out.view(-1, out_f), cuda), as_backend_array(self._rows(args, in_f), cuda))
             return out
@@ -286,12 +306,12 @@ class Attachment:
         in_f = group.delta.in_features
 
         def pre(_mod, args):
-            if self._active() and self._forking():
+            if group._x is not args[0] and self._forking() and self._active():
                 group.fork(args[0], self._rows(args, in_f))
             return None
 
         def hook(_mod, args, out):
-            d = group.take()
+            d = group.take(args[0])
             if d is None:
                 if not self._active():
                     return None
