@@ -231,10 +231,10 @@ def _lead_history(tp, pool, reader, rng: random.Random, steps: int) -> dict:
         rows = rng.sample(ready, rng.randint(0, len(ready)))
         if others and rng.random() < 0.3:  # rows the leader never asked for
             rows += rng.sample(others, rng.randint(1, len(others)))
-            counts["unreserved"] += 1
         tokens = [rng.randint(1, 3) for _ in rows]
         while sum(tokens) > pool.spec.max_tokens:  # a step fits the largest capture bucket
             rows.pop(), tokens.pop()
+        counts["unreserved"] += any(r in others for r in rows)  # counted once the step fits
         res = tp.lead(rows, tokens, payload=msgs)
         tp.check_lockstep(_failed_summary(res))  # every rank's decisions, before the leader's rollback
         pool.check_valid()

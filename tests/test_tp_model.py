@@ -145,3 +145,19 @@ def check_tp_model(values: list[dict]) -> None:
 
 def test_tp2_llama_greedy_tokens_equal_tp1_on_gloo(tmp_path, model_adapters):
     check_tp_model(assert_all_ok(launch(tp_model_worker, 2, tmp_path, model_adapters, "cpu")))
+
+
+def test_shard_llama_refuses_biased_linears_and_leaves_the_model_whole():
+    """A biased linear would shard wrongly (a column's bias not narrowed, a row's added on every
+    rank before the all-reduce): refused, with no layer sharded."""
+    import torch
+
+    from tests.peft_helpers import tiny_llama
+
+    model = tiny_llama(1)
+    down = model.model.layers[0].mlp.down_proj  # the last linear sharded: every other one checked first
+    down.bias = torch.nn.Parameter(torch.zeros(down.out_features))
+    before = {k: v.shape for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="without biases"):
+        shard_llama(model, 0, 2)
+    assert {k: v.shape for k, v in model.state_dict().items()} == before

@@ -14,6 +14,15 @@ from __future__ import annotations
 LLAMA_SHARDING = {"qkv_proj": "column", "gate_up_proj": "column", "o_proj": "row", "down_proj": "row"}
 
 
+def _column(layer):
+    return (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+            layer.mlp.up_proj)
+
+
+def _row(layer):
+    return (layer.self_attn.o_proj, layer.mlp.down_proj)
+
+
 def shard_llama(model, rank: int, world: int):
     """``model`` (changed in place, and returned) as rank ``rank`` of ``world`` holds it."""
     import torch
@@ -26,11 +35,14 @@ def shard_llama(model, rank: int, world: int):
         lin.weight = torch.nn.Parameter(w, requires_grad=False)
         lin.out_features, lin.in_features = w.shape
 
-    for layer in model.model.layers:
-        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                    layer.mlp.gate_proj, layer.mlp.up_proj):
+    layers = model.model.layers
+    if any(lin.bias is not None for layer in layers for lin in (*_column(layer), *_row(layer))):
+        # a column's bias would need narrowing, a row's adding on one rank only: refused before any change
+        raise ValueError("shard_llama takes linears without biases (attention_bias / mlp_bias False)")
+    for layer in layers:
+        for lin in _column(layer):
             keep(lin, 0)
-        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        for lin in _row(layer):
             keep(lin, 1)
     return model
 
