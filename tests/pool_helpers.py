@@ -125,10 +125,9 @@ def ingest(pool, rid, adapter: str | None) -> None:
 
 def wait_reads(pool, names, timeout: float = 10.0) -> None:
     """Wait (the test's thread, no lock held) until the host copies of ``names`` are read."""
-    for name in names:
-        e = pool.store.get(name)
-        if e is not None:
-            e.wait(timeout)
+    from lora_cupy.bench import wait_host_copies
+
+    wait_host_copies(pool, names, timeout)
 
 
 def reserve_all(pool, rids, node: str | None = None) -> dict:

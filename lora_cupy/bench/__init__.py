@@ -54,6 +54,20 @@ def emit(result: dict, markdown, json_path: str | None = None) -> int:
     return 0
 
 
+def parse(p, argv, markdown=None):
+    """``argv`` (default ``sys.argv[1:]``) parsed by ``p``, kept as ``args.argv`` (the command a
+    report names). With ``markdown``, a ``--report FILE`` run prints that saved run instead:
+    ``(args, 0)``; else ``(args, None)``."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    args.argv = argv
+    if markdown is not None and getattr(args, "report", None):
+        return args, saved_report(args.report, markdown)
+    return args, None
+
+
 def saved_report(path: str, markdown) -> int:
     """Print a run saved with ``--json`` as ``markdown`` renders it (no GPU needed); 0."""
     import json

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import commit, emit, event_ms, saved_report, wait_host_copies
+from . import commit, emit, event_ms, parse, wait_host_copies
 
 MODEL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
              num_hidden_layers=4, vocab_size=32000, max_position_embeddings=4096)
@@ -340,7 +340,6 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="lora-cupy bench e2e", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="FILE", help="write every number here")
     p.add_argument("--reps", type=int, default=200, help="timed repetitions per row (default 200)")
@@ -352,10 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="run only the cases whose name contains this")
     p.add_argument("--no-peft", action="store_true", help="skip PEFT's eager mixed batch")
     p.add_argument("--report", metavar="FILE", help="print a saved run (--json) as markdown and exit (no GPU)")
-    args = p.parse_args(argv)
-    args.argv = argv
-    if args.report:
-        return saved_report(args.report, markdown)
+    args, rc = parse(p, argv, markdown)
+    if rc is not None:
+        return rc
     import torch
 
     if not torch.cuda.is_available() and not args.tiny:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..dtypes import itemsize
+from . import parse
 
 CALLS_PER_GRAPH = 20
 FLUSH_BYTES = 256 << 20
@@ -737,11 +738,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=0.0,
                     help="start no row after this many seconds (also: env BENCH_END_AT, epoch seconds)")
     ap.add_argument("--report", metavar="FILE", help="print a saved run (--json) as markdown and exit (no GPU)")
-    args = ap.parse_args(argv)
-    if args.report:
-        with open(args.report) as f:
-            print(markdown_report(json.load(f)))
-        return 0
+    args, rc = parse(ap, argv, markdown_report)
+    if rc is not None:
+        return rc
     import torch
 
     if not torch.cuda.is_available():

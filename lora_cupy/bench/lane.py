@@ -27,7 +27,7 @@ import sys
 import time
 
 from ..engine.streams import CHAIN_PRIORITY
-from . import commit
+from . import commit, parse
 
 MODES = ("alone", "side", "on_chain")
 
@@ -220,7 +220,6 @@ def _meta(argv) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="lora-cupy bench lane", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda:0", help="cuda:N or cpu (default: cuda:0)")
     p.add_argument("--requests", type=int, default=64, help="requests decoding at once (default 64)")
@@ -240,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--side-host-cost", type=int, metavar="WINDOWS",
                    help="instead: the side lane's host work per side step of WINDOWS windows, on the cpu, "
                         "every thread's part run inline (side_host_cost)")
-    args = p.parse_args(argv)
+    args, _ = parse(p, argv)
     if args.side_host_cost:
         cost = side_host_cost(args.side_host_cost, window=max(1, args.window))
         print(f"side lane host work per side step of {args.side_host_cost} windows (us, cpu, inline): " +

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import commit, emit, saved_report, wait_host_copies
+from . import commit, emit, parse, wait_host_copies
 
 CASES = ((1, 1), (64, 8))  # (rows, adapters)
 TARGETS = ("gate_up_proj", "o_proj")
@@ -136,14 +136,12 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="lora-cupy bench overlap", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="FILE", help="write every number here")
     p.add_argument("--report", metavar="FILE", help="print a saved run (--json) as markdown and exit (no GPU)")
-    args = p.parse_args(argv)
-    args.argv = argv
-    if args.report:
-        return saved_report(args.report, markdown)
+    args, rc = parse(p, argv, markdown)
+    if rc is not None:
+        return rc
     import torch
 
     if not torch.cuda.is_available():

@@ -25,6 +25,7 @@ from ..dtypes import numpy_dtype
 from ..engine.resource import LoraStep, ResourceReqConfig, StepContext
 from ..pool import LoraAdapterPool
 from ..spec import LoraSpec, LoraTarget
+from . import wait_host_copies
 
 #: The targets of the benchmark: what a layer's weights are does not change host time.
 _TARGETS = (LoraTarget("qkv_proj", 256, 384, 2), LoraTarget("o_proj", 256, 256, 2))
@@ -59,8 +60,7 @@ def measure(device: str = "cpu", rows: int = 256, slots: int = 32, steps: int = 
         rids = list(range(rows))
         for rid in rids:
             pool.ingest_request(rid, ResourceReqConfig(f"a{rid % slots}"))
-        for name in adapters:
-            pool.store.get(name).wait(60)
+        wait_host_copies(pool, adapters, 60)
         for rid in rids:
             pool.reserve(rid, spec.node, (spec.node,), False)
         step = LoraStep(rids, np.full(rows, tokens), node=spec.node)
@@ -111,8 +111,7 @@ def measure_layer_call(device: str = "cuda:0", tokens: int = 64, adapters: int =
         rids = list(range(tokens))
         for rid in rids:
             pool.ingest_request(rid, ResourceReqConfig(f"a{rid % adapters}"))
-        for i in range(adapters):
-            pool.store.get(f"a{i}").wait(60)
+        wait_host_copies(pool, [f"a{i}" for i in range(adapters)], 60)
         step, ctx = LoraStep(rids, np.ones(tokens, np.int32), node=spec.node), StepContext()
         if not pool.admit(step, ctx).ok:
             raise RuntimeError("the benchmark's admit failed")

@@ -47,7 +47,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from . import commit, emit, event_ms
+from . import commit, emit, event_ms, parse, wait_host_copies
 
 SHAPE = dict(hidden=4096, kv=1024, intermediate=14336, layers=4)
 TINY = dict(hidden=128, kv=32, intermediate=256, layers=2)
@@ -178,8 +178,7 @@ def llama_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
             rids = [f"{kind}{i}" for i in range(B)]
             for i, rid in enumerate(rids):
                 tp.ingest_request(rid, ResourceReqConfig(None if kind == "base" else names[i % n_ad]))
-            for n in (names[:B] if kind == "lora" else ()):
-                pool.store.get(n).wait(TIMEOUT)
+            wait_host_copies(pool, names[:B] if kind == "lora" else (), TIMEOUT)
             if tp.is_leader:
                 for rid in rids:
                     pool.reserve(rid, "llm", ("llm",), False)
@@ -268,8 +267,7 @@ def stack_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
         for i in range(B):
             tp.ingest_request(base[i], ResourceReqConfig(None))
             tp.ingest_request(lora[i], ResourceReqConfig(names[i % n_ad]))
-        for n in names[:B]:  # the adapters a row names
-            pool.store.get(n).wait(TIMEOUT)
+        wait_host_copies(pool, names[:B], TIMEOUT)  # the adapters a row names
         if tp.is_leader:
             for rid in lora:
                 pool.reserve(rid, "llm", ("llm",), False)
@@ -310,7 +308,7 @@ def stack_rows(rank: int, world: int, args: dict, group, device: str, cuda: bool
         for j in range(args["misses"]):
             rid = f"miss{j}"
             tp.ingest_request(rid, ResourceReqConfig(f"m{j}"))
-            pool.store.get(f"m{j}").wait(TIMEOUT)
+            wait_host_copies(pool, [f"m{j}"], TIMEOUT)
             t0 = time.perf_counter()
             if tp.is_leader:
                 pool.reserve(rid, "llm", ("llm",), False)
@@ -432,11 +430,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the column/row-parallel stack's rows, the sharded Llama's, or both")
     p.add_argument("--tiny", action="store_true", help="small models over gloo on the CPU (a smoke run)")
     p.add_argument("--json", help="write every number here")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = p.parse_args(argv)
+    args, _ = parse(p, argv)
     if args.tiny and args.dtype == "bfloat16":
         args.dtype = "float32"
-    return emit(run(args, argv), markdown, args.json)
+    return emit(run(args, args.argv), markdown, args.json)
 
 
 if __name__ == "__main__":
