@@ -238,7 +238,7 @@ def test_run_marked_is_one_job_on_a_host_stream():
     gate, order = threading.Event(), []
     start, landed = lane.run_marked(lambda: (gate.wait(10), order.append("work")),
                                     notify=lambda: order.append("notify"))
-    assert not start.done and not landed.done, "queued, not run"
+    assert not landed.done, "the work is held at its gate"  # its start may be marked already: the job runs
     gate.set()
     landed.synchronize(10)
     start.synchronize(10)

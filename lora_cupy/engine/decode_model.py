@@ -17,7 +17,6 @@ device work had run before it was read, so a postprocess before landing shows.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import threading
 import time
@@ -323,11 +322,11 @@ class DecodeModel:
         bucket, if given), then its output copied to the host, all in stream order, so that once
         the step has landed :meth:`read_codec` reads host memory only."""
         n = len(windows)
-        i = bisect.bisect_left(self.buckets, n)
-        if i < len(self.buckets):
-            bucket = self.buckets[i]
-        else:  # more windows than the largest bucket: one step sized to them, eager
-            bucket, graphs = n, None
+        spec = self.pool.spec
+        if n <= spec.max_tokens:
+            bucket = spec.bucket_for(n)
+        else:  # more windows than the largest bucket: eager, in buffers of the next power of two
+            bucket, graphs = 1 << (n - 1).bit_length(), None  # (not a buffer set per count)
         bufs = self.codec_buffers(bucket, parity)
         self.codec_stage(windows, bufs)
         ptrs = bufs.get("copy_ptrs")

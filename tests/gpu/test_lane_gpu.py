@@ -221,6 +221,7 @@ def test_run_marked_records_both_marks_on_the_lane_stream_around_its_work():
     dev = Device("cuda:0")
     lane = LaneStream(dev, name="side-test")
     x = cupy.zeros(1 << 22, cupy.float32)
+    cupy.cuda.get_current_stream().synchronize()  # the lane's stream does not wait for this one
     seen = []
 
     def work():
