@@ -223,6 +223,9 @@ def test_codec_stage_rewrites_only_what_changed_and_matches_a_fresh_staging(eng)
             mask[i, :len(win)] = 1.0 / len(win)
         np.testing.assert_array_equal(b["ids_host"].reshape(8, K), ids)
         np.testing.assert_array_equal(b["mask_host"][..., 0], mask)
+        # what the next step of one length rewrites from: this step's (windows, length), or
+        # nothing known after windows of several lengths (then every row is written)
+        assert b["staged"] == ((len(wins), sizes[0]) if len(set(sizes)) == 1 else None)
 
 
 def test_run_marked_is_one_job_on_a_host_stream():
