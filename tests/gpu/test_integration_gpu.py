@@ -84,7 +84,8 @@ def test_bf16_logits_within_tolerance_of_peft(adapters, overlap):
         ours = float((got[i] - want32).norm() / want32.norm())
         theirs = float((want16 - want32).norm() / want32.norm())
         print(f"row {i} ({adapter}): ours {ours:.2e}, PEFT bf16 {theirs:.2e} against PEFT fp32")
-        assert ours <= BF16_ROW_FACTOR * theirs + 1e-4
+        # a base row takes no delta: it errs as PEFT's own bf16 does (1.0x measured on an H200)
+        assert ours <= (BF16_ROW_FACTOR if adapter is not None else BF16_ERROR_FACTOR) * theirs + 1e-4
         if adapter is not None:
             errs.append((ours, theirs))
         agree += int((got[i].argmax(-1) == want16.argmax(-1)).sum())
