@@ -532,15 +532,22 @@ class PackedLaunch:
         self.calls = calls
         self.last: tuple = (None, None, None)  # y, x and flags as last patched in
         self._args = [PackedArgs(c.args) for c in calls]
-        self._by_aligned = tuple(  # fn.kernel: loads the module
-            [(int(c.fn_for(flags).kernel.ptr), *c.grid, *c.block, c.smem, p.ptr) for c, p in zip(calls, self._args)]
-            for flags in (0, ALIGNED_FLAGS))
-        self._twins = any(c.fn_aligned is not None for c in calls)
+
+        def launches(flags):  # fn.kernel: loads the module
+            return [(int(c.fn_for(flags).kernel.ptr), *c.grid, *c.block, c.smem, p.ptr)
+                    for c, p in zip(calls, self._args)]
+
+        self._plain = launches(0)
+        self._fast = launches(ALIGNED_FLAGS) if any(c.fn_aligned is not None for c in calls) else self._plain
         self._select(next((int(c.args[c.flags_at]) for c in calls if c.flags_at is not None), 0))
 
+    @property
+    def aligned(self) -> bool:
+        """Whether the launches run the ``ALIGNED`` instantiations."""
+        return self.launches is not self._plain
+
     def _select(self, flags: int) -> None:
-        self.aligned = self._twins and flags == ALIGNED_FLAGS
-        self.launches = self._by_aligned[1 if self.aligned else 0]
+        self.launches = self._fast if flags == ALIGNED_FLAGS else self._plain
 
     def patch(self, y_ptr: int, x_ptr: int, flags: int) -> None:
         """Write y's and x's pointers and the access flags into every kernel's parameters (and pick
@@ -719,7 +726,7 @@ class CupyBackend:
         self.launch(packed, self.stream_ptr(call.torch))
 
     def _kernel_fn(self, dtype: str, key: tuple):
-        if not any(k[0] == dtype for k in self._fns):
+        if (dtype, *key) not in self._fns:
             self._load(dtype)  # a dtype other than the spec's: compiled on its first (eager) call
         return self._fns[(dtype, *key)]
 
