@@ -147,7 +147,7 @@ def deltas_alone_ms(gen, batch: int, reps: int) -> float:
 
 def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int, overlap: bool = True) -> dict:
     """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base) and, with
-    adapters, of the step's deltas alone. ``overlap``: the attachment's default (on CUDA the deltas
+    adapters and ``overlap``, of the step's deltas alone. ``overlap``: the attachment's default (on CUDA the deltas
     beside their linears on a side stream inside graph captures), else in line everywhere."""
     import torch
 
@@ -170,7 +170,7 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int,
             if cuda:
                 torch.cuda.synchronize()
             out = {"ms": event_ms(gen.step, min(reps, 40))}
-        if any(a is not None for a in adapters):
+        if overlap and any(a is not None for a in adapters):  # the in-line run's would be the same calls
             out["deltas_alone_ms"] = deltas_alone_ms(gen, batch, reps)
         return out
     finally:

@@ -86,10 +86,11 @@ class _Live:
     windows_made: int = 0
     windows: list = field(default_factory=list)
     cut: int = 0  # tokens already in a window
-    next_cut: int = 0  # the token count that completes its next window (0: it has none)
+    next_cut: int = field(default=0, init=False)  # the token count completing its next window (0: none);
+    # _window_end(cut), kept so the per-token check is one comparison
     chain_failures: int = 0
     removing: bool = False
-    windows_total: int = 0  # how many windows it makes (set from req)
+    windows_total: int = field(default=0, init=False)  # how many windows it makes (from req)
 
     def __post_init__(self):
         w = self.req.window
