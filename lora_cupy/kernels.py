@@ -81,15 +81,22 @@ def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None 
     raise ValueError(f"no tensor-core kernel {kernel!r}")
 
 
+def mma_kernels():
+    """``(kernel, bm, bn, chunks)`` of every tensor-core kernel a dtype's module holds, each in
+    two instantiations (``aligned`` False and True): what the module is built with and the
+    backend loads."""
+    for bm in MMA_SHRINK_BM:
+        yield "shrink", bm, None, False
+    for bm, bn in MMA_TILES:
+        yield "expand", bm, bn, False
+        for chunks in (False, True):
+            yield "fused", bm, bn, chunks
+        yield "expand_stream", bm, None, False
+
+
 def _mma_names(ctype: str) -> tuple[str, ...]:
-    out = []
-    for aligned in (False, True):
-        out += [mma_name(ctype, "shrink", bm, aligned=aligned) for bm in MMA_SHRINK_BM]
-        out += [mma_name(ctype, "expand", bm, bn=bn, aligned=aligned) for bm, bn in MMA_TILES]
-        out += [mma_name(ctype, "fused", bm, bn=bn, chunks=c, aligned=aligned) for bm, bn in MMA_TILES
-                for c in (False, True)]
-        out += [mma_name(ctype, "expand_stream", bm, aligned=aligned) for bm, _ in MMA_TILES]
-    return tuple(out)
+    return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
+                 for aligned in (False, True) for k, bm, bn, c in mma_kernels())
 
 
 def mma_family(dtype: str) -> str:

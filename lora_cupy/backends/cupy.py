@@ -29,7 +29,7 @@ import numpy as np
 
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module,
-                       mma_family, mma_name)
+                       mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
 from .base import LayerWeights
 
@@ -652,19 +652,15 @@ class CupyBackend:
             return
         mod = load_module(mma_family(dtype))
 
-        def get(key, smem, *name_args, **name_kw):  # both instantiations; the key ends in `aligned`
+        smem = {"shrink": lambda bm, bn: shrink_smem(dtype, bm), "expand": lambda bm, bn: expand_smem(dtype, bm, bn),
+                "fused": lambda bm, bn: fused_smem(dtype, bm, bn),
+                "expand_stream": lambda bm, bn: 0}  # expand_stream: slot_indptr alone
+        for kind, bm, bn, chunks in mma_kernels():  # both instantiations; the key ends in `aligned`
+            key = (kind, bm, chunks) if kind == "fused" else (kind, bm)
             for aligned in (False, True):
-                fn = mod.get_function(mma_name(ct, *name_args, aligned=aligned, **name_kw))
-                fn.max_dynamic_shared_size_bytes = smem + extra
+                fn = mod.get_function(mma_name(ct, kind, bm, bn=bn, chunks=chunks, aligned=aligned))
+                fn.max_dynamic_shared_size_bytes = smem[kind](bm, bn) + extra
                 self._fns[(dtype, *key, aligned)] = fn
-
-        for bm in MMA_SHRINK_BM:
-            get(("shrink", bm), shrink_smem(dtype, bm), "shrink", bm)
-        for bm, bn in MMA_TILES:
-            get(("expand", bm), expand_smem(dtype, bm, bn), "expand", bm, bn=bn)
-            for chunks in (False, True):
-                get(("fused", bm, chunks), fused_smem(dtype, bm, bn), "fused", bm, bn=bn, chunks=chunks)
-            get(("expand_stream", bm), 0, "expand_stream", bm)  # slot_indptr alone
 
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
