@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .backends.base import LayerWeights
+from .backends.base import LayerWeights, member_weights
 
 
 class LoraLayerDelta:
@@ -20,17 +20,27 @@ class LoraLayerDelta:
     bucket's launch on first use. A call reads the step's launch views (the bucket's fixed
     addressing buffers, ``token_order`` spanning the whole bucket, so a CUDA graph captured on
     one step replays for every later step of its bucket), checks x and y, and launches.
+
+    ``member``: slice ``member`` of a fused target alone, into an output of that slice's width
+    (a separate linear of the model that the target fuses, when a step is large enough that one
+    launch per slice, each into its own output, beats one launch into a scratch it then adds).
     """
 
-    def __init__(self, pool, target: str, layer_idx: int):
+    def __init__(self, pool, target: str, layer_idx: int, member: int | None = None):
         t = pool.spec.target(target)
         self.pool = pool
         self.target = target
         self.layer_idx = layer_idx
+        self.member = member
         self.grouping = t.row_grouping
         self.weights: LayerWeights = pool.layer_weights(target, layer_idx)
         self.in_features = t.local_in_features(pool.spec.tp_size)
         self.out_features = t.local_out_features(pool.spec.tp_size)
+        if member is not None:
+            if not 0 <= member < t.num_slices:
+                raise ValueError(f"target {target!r} has {t.num_slices} slices, not a slice {member}")
+            self.weights = member_weights(self.weights, member)
+            self.out_features = self.weights.out_offsets[-1]
         self._launch = pool.backend.prepare(self.weights)
 
     def __call__(self, y, x):
@@ -47,4 +57,5 @@ class LoraLayerDelta:
         return y
 
     def __repr__(self) -> str:
-        return f"LoraLayerDelta({self.target!r}, layer={self.layer_idx})"
+        member = "" if self.member is None else f", member={self.member}"
+        return f"LoraLayerDelta({self.target!r}, layer={self.layer_idx}{member})"

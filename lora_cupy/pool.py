@@ -75,7 +75,7 @@ class LoraAdapterPool:
         self._planner = StepPlanner(spec, self.device, force_double_buffer)
         self._requests = self._catalog.requests  # rid -> Request, opened at ingest
         self._settled = RowSlots()  # rid -> the slot its rows address (0: none here)
-        self._deltas: dict[tuple[str, int], LoraLayerDelta] = {}
+        self._deltas: dict[tuple[str, int, int | None], LoraLayerDelta] = {}  # (target, layer, member)
         self.stats = Counter()
         try:
             for f in [self.load_adapter_async(name, *((w,) if isinstance(w, (str, bytes)) or not isinstance(
@@ -294,11 +294,12 @@ class LoraAdapterPool:
     def layer_weights(self, target: str, layer_idx: int) -> LayerWeights:
         return self._slot_weights.layer(target, layer_idx)
 
-    def layer_delta(self, target: str, layer_idx: int) -> LoraLayerDelta:
-        """What a layer calls to add ``target``'s delta at stack layer ``layer_idx`` (one per layer)."""
-        d = self._deltas.get((target, layer_idx))
+    def layer_delta(self, target: str, layer_idx: int, member: int | None = None) -> LoraLayerDelta:
+        """What a layer calls to add ``target``'s delta at stack layer ``layer_idx`` (one per layer);
+        ``member``: slice ``member`` of a fused target alone, into that slice's own output."""
+        d = self._deltas.get((target, layer_idx, member))
         if d is None:
-            d = self._deltas[(target, layer_idx)] = LoraLayerDelta(self, target, layer_idx)
+            d = self._deltas[(target, layer_idx, member)] = LoraLayerDelta(self, target, layer_idx, member)
         return d
 
     def layer_ranks(self, target: str, layer_idx: int) -> np.ndarray:

@@ -109,7 +109,7 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
     const int c0 = cb * C::BN, c1 = min(c0 + C::BN, out);
     if (cached) {
       const int r = pr[0][ka];
-      const T* bs = g.B + (size_t)tr.run_slot[ka] * out * R;
+      const T* bs = g.B + (size_t)tr.run_slot[ka] * g.b_slot;
 #pragma unroll
       for (int ks = 0; ks < KREG; ++ks) {
         if (ks * 16 < r) {
@@ -129,7 +129,7 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
       const int ca = max(c0, s_off[j]), cz = min(c1, s_off[j + 1]);
       for (int k = ka; k <= kb; ++k) {
         const int r = pr[j][k];
-        const T* bs = g.B + (size_t)tr.run_slot[k] * out * R;
+        const T* bs = g.B + (size_t)tr.run_slot[k] * g.b_slot;
         for (int ks = 0; ks * 16 < r; ++ks) {
           Frags<M, C::SPLIT, float> fa;
           v_frag(fa, k, j, ks);

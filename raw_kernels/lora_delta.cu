@@ -36,7 +36,8 @@ __global__ void lora_expand_simt(T* __restrict__ y, const float* __restrict__ v,
                                  const float* __restrict__ scaling, const int* __restrict__ ranks,
                                  const int* __restrict__ out_offsets, const int* __restrict__ token_order,
                                  const int* __restrict__ slot_indptr, int num_slots, int n_slices,
-                                 int max_rank, int out_features, int bucket, int rw, int rows_per_block) {
+                                 int max_rank, int out_features, int bucket, int rw, int rows_per_block,
+                                 long long b_slot) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= out_features) return;
   int j = 0;
@@ -49,7 +50,7 @@ __global__ void lora_expand_simt(T* __restrict__ y, const float* __restrict__ v,
     const int r = min(ranks[s * n_slices + j], max_rank);
     if (r == 0) continue;
     const float* vp = v + ((long long)p * n_slices + j) * rw;
-    const T* b = B + ((long long)s * out_features + c) * max_rank;
+    const T* b = B + (long long)s * b_slot + (long long)c * max_rank;
     float acc = 0.f;
     for (int k = 0; k < r; ++k) acc += vp[k] * lora::to_float(b[k]);
     const long long t = token_order[p];

@@ -34,7 +34,8 @@
 //     count, raised only by blocks already running.
 // Kernels tried and not chosen anywhere (each warp streaming x through registers; per-warp rings of
 // cp.async stages) are kept in raw_kernels/dev/, outside the wheel, with their measurements in NOTES.md.
-// Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R], scaling [S, n] f32,
+// Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R] (b_slot elements from one slot to
+// the next: out * R, or more where B is one slice's columns of a fused target's B), scaling [S, n] f32,
 // ranks [S, n] i32, out_offsets [n + 1] i32 (null: one slice), token_order [positions] i32,
 // slot_indptr [S + 1] i32, ws = v [bucket, n, rw] f32 (rw = R rounded up to 16), counters i32:
 // [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 * units) v readers done.
@@ -63,6 +64,7 @@ struct Args {
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
       col_blocks, cpb, flags;
+  long long b_slot;  // B's elements from one slot to the next (out * R, more for a slice's view of a fused B)
   int chunked = 0;  // work units are chunks of one slot (lora_fused<..., true>), else tiles
   __device__ int rank_blocks() const { return (max_rank + 63) / 64; }
   __device__ int tiles(int bm) const { return (bucket + bm - 1) / bm; }
@@ -323,10 +325,12 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
     if (p0 >= tr.pend) return;
   }
   const int q = task.q, j = task.j, rb = task.rb, tile = task.tile;
+  // a slice with no columns (a call serving one slice of a fused target) has nothing to expand
+  const bool no_cols = g.out_offsets != nullptr && g.out_offsets[j] == g.out_offsets[j + 1];
   if (tid < BM) {
     const int s = tr.slot[tid];
     int r = 0;
-    if (s > 0) r = min(max(min(g.ranks[s * g.n_slices + j], g.max_rank) - rb * C::RB, 0), C::RB);
+    if (s > 0 && !no_cols) r = min(max(min(g.ranks[s * g.n_slices + j], g.max_rank) - rb * C::RB, 0), C::RB);
     row_r[tid] = r;
   }
   const int any = __syncthreads_or(tid < BM && row_r[tid] > 0);
@@ -625,7 +629,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
         T* sb = reinterpret_cast<T*>(base);
         const int s = tr.run_slot[w.run], r = pr[w.j][w.run], k0 = w.kc * C::KC;
         const int ca = max(c0, s_off[w.j]), cz = min(c1, s_off[w.j + 1]);
-        const T* bs = g.B + (size_t)s * out * g.max_rank + k0;
+        const T* bs = g.B + (size_t)s * g.b_slot + k0;
         if (vec_b) {
 #pragma unroll
           for (int c = tid; c < BN * C::BCPR; c += THREADS) {
@@ -801,11 +805,11 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
       const int *out_offsets, const int *token_order, const int *slot_indptr, float *ws, int *counters, \
       int num_slots, int n_slices, int max_rank, int in_features, int out_features, int bucket,        \
-      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int flags
+      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int flags, long long b_slot
 #define LORA_ARGS                                                                                  \
   lora::Args<T> g{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters,  \
                   num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw,  \
-                  splits, k_split, col_blocks, cpb, flags}
+                  splits, k_split, col_blocks, cpb, flags, b_slot}
 
 // Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
 // Blocks per multiprocessor the shrink's registers are capped for (tuning runs may set it): 4,

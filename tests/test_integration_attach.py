@@ -109,6 +109,45 @@ def test_separate_projections_run_as_one_fused_launch(family, monkeypatch):
     assert sorted(calls) == sorted(t for t in spec.target_names for _ in range(2))
 
 
+def test_large_steps_run_each_member_in_place(family, monkeypatch):
+    """From ``members_in_place_rows`` rows on, each member of a fused group runs its own slice
+    straight into its own output (one launch per linear, no scratch): every row still equals
+    PEFT with its adapter alone, and the logits match the shared-scratch path's."""
+    kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    ref = PeftReference(base, dirs)
+    rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2")]
+    ids = torch.randint(0, VOCAB, (len(rows), 5))
+    calls = []
+    real = LoraLayerDelta.__call__
+
+    def counting(self, y, x):
+        calls.append((self.target, self.member))
+        return real(self, y, x)
+
+    got = {}
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
+            attach(base, pool) as att:
+        planned_step(pool, rows, ids.shape[1])
+        monkeypatch.setattr(LoraLayerDelta, "__call__", counting)
+        for threshold in (10**9, len(rows) * ids.shape[1]):  # the shared scratch, then members in place
+            att.members_in_place_rows = threshold
+            calls.clear()
+            with torch.inference_mode():
+                got[threshold] = base(input_ids=ids).logits
+    # in place: each separate linear is its own launch, with its slice index; fused models unchanged
+    members = sorted(m for m in calls if m[1] is not None)
+    if kind == "phi3":
+        assert members == []
+    else:
+        assert members == sorted([("qkv_proj", j) for j in range(3)] * 2 + [("gate_up_proj", j) for j in range(2)] * 2)
+        assert sorted(t for t, m in calls if m is None) == ["down_proj"] * 2 + ["o_proj"] * 2
+    small, large = got[10**9], got[len(rows) * ids.shape[1]]
+    torch.testing.assert_close(large, small, rtol=1e-5, atol=1e-6)
+    for i, (_rid, adapter) in enumerate(rows):
+        torch.testing.assert_close(large[i], ref.logits(ids[i:i + 1], adapter)[0], rtol=1e-4, atol=1e-5)
+
+
 def test_attach_then_detach_is_bit_identical(family):
     _kind, base, dirs = family
     params = {k: v.detach().clone() for k, v in base.state_dict().items()}

@@ -8,7 +8,7 @@ import pytest
 
 from lora_cupy import kernels
 from lora_cupy.backends import cupy as cb
-from lora_cupy.backends.base import LayerWeights
+from lora_cupy.backends.base import LayerWeights, member_offsets
 from lora_cupy.bench import kernels as bench
 from lora_cupy.spec import DEFAULT_CAPTURE_BUCKETS, LoraSlice, LoraSpec, LoraTarget
 
@@ -317,6 +317,34 @@ def test_no_positions_is_no_launch():
 def test_bad_arguments_are_refused(over, err, match):
     with pytest.raises(err, match=match):
         _call(**over)
+
+
+def test_one_slice_of_a_fused_b_is_a_slot_strided_view():
+    """A call serving one slice of a fused target reads that slice's rows of the fused B in place:
+    its slot stride is the fused B's, passed to the kernels (b_slot, the last argument); a B laid
+    out any other way is refused; the member's slice offsets give the other slices no columns."""
+    assert member_offsets((0, 64, 80, 96), 0) == (0, 64, 64, 64)
+    assert member_offsets((0, 64, 80, 96), 1) == (0, 0, 16, 16)
+    assert member_offsets((0, 64, 80, 96), 2) == (0, 0, 0, 16)
+    S, out, R = 5, 96, 16
+    # slice 1 (columns 64:80) of a [5, 96, 16] bfloat16 B: strides (96 * 16, 16, 1) elements
+    view = FakeDeviceArray((S, 16, R), "<u2", strides=(2 * out * R, 2 * R, 2), ptr=(1 << 30) + 2 * 64 * R)
+    limits_offs = member_offsets((0, 64, 80, 96), 1)
+    spec = LoraSpec((LoraTarget("t", 64, out, 1, tuple(LoraSlice(f"s{j}", w) for j, w in enumerate((64, 16, 16)))),),
+                    num_slots=S, max_rank=R, dtype="bfloat16")
+    floats, ints = cb.plan_workspace(spec)
+    limits = cb.CallLimits(spec, 0, cb.DEFAULT_SMS, floats, ints, {limits_offs: 4096})
+    w = LayerWeights(FakeDeviceArray((S, 3, R, 64), "<u2"), view, FakeDeviceArray((S, 3), "<f4"),
+                     FakeDeviceArray((S, 3), "<i4"), limits_offs)
+    call = cb.check_call(limits, FakeDeviceArray((10, 16), "<u2"), FakeDeviceArray((10, 64), "<u2"), w,
+                         FakeDeviceArray((10,), "<i4"), FakeDeviceArray((S + 1,), "<i4"))
+    assert call.b_slot == out * R and call.dims == (S, 3, R, 64, 16) and call.flags == 7
+    assert cb.check_weights(limits, w).b_slot == out * R
+    assert _call(out=96, R=16).b_slot == 96 * 16  # a C-contiguous B: out * R
+    for strides in ((2 * out * R, 2, 2 * S), (2 * 8 * R, 2 * R, 2)):  # columns not rows; slots overlapping
+        bad = LayerWeights(w.a, FakeDeviceArray((S, 16, R), "<u2", strides=strides), w.scaling, w.ranks, limits_offs)
+        with pytest.raises(ValueError, match="w.b must be C-contiguous, or one slice"):
+            cb.check_weights(limits, bad)
 
 
 def test_unknown_slices_and_oversized_weights_are_refused():

@@ -46,3 +46,19 @@ class LoraBackend(Protocol):
         object step after step); ``rows``: how many rows of x the step addresses (x may have
         more, never fewer)."""
         ...
+
+
+def member_offsets(offsets: tuple[int, ...], j: int) -> tuple[int, ...]:
+    """The slice offsets of a call that serves slice ``j`` of a fused target alone, into an output
+    of that slice's width: every other slice has no columns, slice ``j`` all of them."""
+    width = offsets[j + 1] - offsets[j]
+    return tuple(0 if i <= j else width for i in range(len(offsets)))
+
+
+def member_weights(w: LayerWeights, j: int) -> LayerWeights:
+    """Slice ``j`` of a fused target's weights, for a call into that slice's own output: ``a``,
+    ``scaling`` and ``ranks`` as they are (the other slices have no columns, so nothing is
+    computed for them), ``b`` the view of slice ``j``'s rows (each slot's rows contiguous, slots
+    ``out * R`` elements apart: no copy)."""
+    o0, o1 = w.out_offsets[j], w.out_offsets[j + 1]
+    return LayerWeights(w.a, w.b[:, o0:o1], w.scaling, w.ranks, member_offsets(w.out_offsets, j))

@@ -31,7 +31,7 @@ from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module,
                        mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
-from .base import LayerWeights
+from .base import LayerWeights, member_offsets
 
 #: Threads per block of every tensor-core kernel.
 THREADS = 128
@@ -298,6 +298,27 @@ def inspect_arg(name: str, a) -> DeviceArg:
     return DeviceArg(int(cai["data"][0]), shape, dt, None, contiguous, False)
 
 
+def slot_stride(name: str, b, d: DeviceArg) -> int:
+    """Elements from one slot's rows of ``b`` ``[S, out, R]`` to the next: ``out * R`` for a
+    C-contiguous array; more for one slice's columns of a fused target's ``[S, out_total, R]``
+    (each slot's rows contiguous, slots further apart). ValueError for any other layout."""
+    S, out, R = d.shape
+    if d.contiguous:
+        return out * R
+    if d.is_torch:
+        strides = tuple(b.stride())
+    elif type(b).__module__.startswith("cupy"):
+        strides = tuple(st // b.itemsize for st in b.strides)
+    else:
+        cai = b.__cuda_array_interface__
+        size = int(cai["typestr"][2:])
+        strides = tuple(st // size for st in (cai.get("strides") or ()))
+    if len(strides) == 3 and strides[2] == 1 and strides[1] == R and (S == 1 or strides[0] >= out * R):
+        return int(strides[0]) if S > 1 else out * R
+    raise ValueError(f"{name} must be C-contiguous, or one slice's columns of a C-contiguous [S, out, R] "
+                     f"array (strides {strides})")
+
+
 def _check_placed(limits: "CallLimits", named) -> None:
     for nm, d in named:
         if d.device is not None and d.device != limits.device_id:
@@ -331,20 +352,21 @@ class CallLimits:
 @dataclass(frozen=True)
 class WeightArgs:
     """One layer's slot weights as the kernels see them, checked once: their dtype, pointers
-    ``(a, b, scaling, ranks, out_offsets)``, dims ``(S, n, R, in, out)`` and the 16-byte access
-    flags they allow (``flags`` before x's and y's own alignment is known)."""
+    ``(a, b, scaling, ranks, out_offsets)``, dims ``(S, n, R, in, out)``, the 16-byte access
+    flags they allow (``flags`` before x's and y's own alignment is known) and ``b``'s slot stride."""
 
     dtype: str
     ptrs: tuple[int, int, int, int, int]
     dims: tuple[int, int, int, int, int]
     flags: int
+    b_slot: int  # w.b's elements from one slot to the next (slot_stride)
 
 
 def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
     """Validate one layer's weights (TypeError / ValueError): what every call of it reuses."""
     A, B = inspect_arg("w.a", w.a), inspect_arg("w.b", w.b)
     SC, RK = inspect_arg("w.scaling", w.scaling), inspect_arg("w.ranks", w.ranks)
-    _check_placed(limits, (("w.a", A), ("w.b", B), ("w.scaling", SC), ("w.ranks", RK)))
+    _check_placed(limits, (("w.a", A), ("w.b", B._replace(contiguous=True)), ("w.scaling", SC), ("w.ranks", RK)))
     if A.dtype not in CUDA_TYPES:
         raise TypeError(f"w.a has dtype {A.dtype}; use float16, bfloat16 or float32")
     if B.dtype != A.dtype:
@@ -358,6 +380,7 @@ def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
     if len(B.shape) != 3 or B.shape[0] != S or B.shape[2] != R:
         raise ValueError(f"w.b must be [S, out, R] = {(S, 'out', R)}, got {B.shape}")
     out = B.shape[1]  # y's columns; the slices' offsets must end there
+    b_slot = slot_stride("w.b", w.b, B)
     if SC.shape != (S, n) or RK.shape != (S, n):
         raise ValueError(f"w.scaling and w.ranks must be [S, n] = {(S, n)}, got {SC.shape} and {RK.shape}")
     if not 1 <= S <= MAX_SLOTS:
@@ -383,7 +406,7 @@ def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
     ch = 16 // _ITEMSIZE[A.dtype]
     flags = ((1 if in_f % ch == 0 and A.ptr % 16 == 0 else 0) | (2 if R % ch == 0 and B.ptr % 16 == 0 else 0)
              | (4 if out % ch == 0 else 0))
-    return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags)
+    return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags, b_slot)
 
 
 def _xy_flags(flags: int, x_ptr: int, y_ptr: int) -> int:
@@ -408,6 +431,7 @@ class LaunchArgs:
     dims: tuple[int, int, int, int, int]
     positions: int
     torch: bool
+    b_slot: int = 0  # w.b's elements from one slot to the next; 0: out * R
 
 
 def _check_xy(limits: CallLimits, wa: WeightArgs, Y: DeviceArg, X: DeviceArg) -> None:
@@ -446,7 +470,7 @@ def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO:
     a, b, sc, rk, offs = wa.ptrs
     return LaunchArgs(dtype=wa.dtype, plan=plan, rw=rank_width(R), flags=_xy_flags(wa.flags, x_ptr, y_ptr),
                       ptrs=(y_ptr, x_ptr, a, b, sc, rk, offs, TO.ptr, IP.ptr), dims=wa.dims, positions=T,
-                      torch=torch)
+                      torch=torch, b_slot=wa.b_slot)
 
 
 def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indptr) -> LaunchArgs | None:
@@ -632,8 +656,15 @@ class CupyBackend:
             self._load(spec.dtype)
 
     def _offset_table(self, cupy):
-        """One device array holding the slice offsets of every multi-slice target of the spec."""
-        tuples = sorted({t.out_offsets(self.spec.tp_size) for t in self.spec.targets if t.num_slices > 1})
+        """One device array holding the slice offsets of every multi-slice target of the spec, and
+        of each of its slices served alone (:func:`member_offsets`)."""
+        tuples = set()
+        for t in self.spec.targets:
+            if t.num_slices > 1:
+                offs = t.out_offsets(self.spec.tp_size)
+                tuples.add(offs)
+                tuples.update(member_offsets(offs, j) for j in range(t.num_slices))
+        tuples = sorted(tuples)
         table = cupy.asarray(np.asarray([v for tup in tuples for v in tup] or [0], np.int32))
         ptrs, at = {}, 0
         for tup in tuples:
@@ -731,6 +762,7 @@ class CupyBackend:
         dtype, plan = call.dtype, call.plan
         S, n, R, in_f, out = call.dims
         y, x, a, b, sc, rk, offs, to, ip = (np.uint64(p) for p in call.ptrs)
+        b_slot = np.int64(call.b_slot or call.dims[4] * call.dims[2])
         ws, ctr = np.uint64(self.workspace.data.ptr), np.uint64(self.counters.data.ptr)
         i32 = np.int32
         if self.kernel == "simt":
@@ -741,14 +773,14 @@ class CupyBackend:
                                               i32(plan.bucket), i32(call.rw)), None, 1, None),
                 KernelCall("expand simt", self._kernel_fn(dtype, ("expand",)), (_ceil(out, 128), _ceil(plan.bucket, per), 1),
                            (128, 1, 1), 0, (y, ws, b, sc, rk, offs, to, ip, i32(S), i32(n), i32(R), i32(out),
-                                            i32(plan.bucket), i32(call.rw), i32(per)), 0, None, None)]
+                                            i32(plan.bucket), i32(call.rw), i32(per), b_slot), 0, None, None)]
         args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
-                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags))
+                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags), b_slot)
         extra = 4 * (S + 1)  # slot_indptr, after the stages
         mma = lambda name, key, blocks, smem: KernelCall(  # noqa: E731
             name, self._kernel_fn(dtype, (*key, False)), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
-            len(args) - 1, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)))
+            len(args) - 2, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)))
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]

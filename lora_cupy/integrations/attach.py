@@ -12,8 +12,12 @@ A fused target whose slices are separate linears of the model reading the same i
 (``q_proj``/``k_proj``/``v_proj`` for a ``qkv_proj`` target, ``gate_proj``/``up_proj`` for
 ``gate_up_proj``: a spec from ``LoraSpec.from_model(..., fuse=True)``) runs as one fused-slice
 launch: the first member called computes the whole target's delta on the shared input into a
-scratch ``[T, out]`` and every member adds its column range. A model that fuses them itself
-(Phi-3's ``qkv_proj``) is one linear, one hook.
+scratch ``[T, out]`` and every member adds its column range. A step of at least
+``Attachment.members_in_place_rows`` rows (a prefill) instead runs one launch per member, straight
+into that member's output (:meth:`~lora_cupy.pool.LoraPool.layer_delta` with ``member``): the
+scratch's zeroing, its write, its read and the members' adds cost more than a launch per slice
+there (at 4096 rows, gate/up's scratch is 235 MB). A model that fuses them itself (Phi-3's
+``qkv_proj``) is one linear, one hook.
 
 Overlap (CUDA): a delta need not wait for the linear it adds to, only for its input. A
 pre-hook forks a side stream off torch's current stream as the linear is called; on it the delta
@@ -47,6 +51,9 @@ from ..errors import ShapeMismatchError, TargetMismatchError
 from ..spec import layer_index
 
 _ATTACHED: "weakref.WeakSet" = weakref.WeakSet()
+#: Rows of a step from which each member of a fused group runs its own slice, in place (the
+#: default of ``Attachment.members_in_place_rows``).
+MEMBERS_IN_PLACE_ROWS = 512
 
 
 def torch_dtype_name(dtype) -> str:
@@ -115,6 +122,7 @@ class _FusedGroup:
     def __init__(self, attachment: "Attachment", target: str, layer: int, members: int):
         self.attachment = attachment
         self.delta = attachment.pool.layer_delta(target, layer)
+        self.target, self.layer = target, layer
         self.members = members
         self._x = None
         self._x2d = None  # the forked delta's input rows: alive until the join
@@ -161,6 +169,10 @@ class _FusedGroup:
             self._joined = True
         return self._served_one()
 
+    def member(self, j: int):
+        """Slice ``j``'s delta alone, into that member's own output (large steps)."""
+        return self.attachment.pool.layer_delta(self.target, self.layer, member=j)
+
     def _drop_stale(self) -> None:
         """Forget a fork no member took (a forward that raised after its pre-hook), once the side
         stream is done with its tensors: added to a later input, it would be a wrong delta."""
@@ -204,6 +216,9 @@ class Attachment:
         self._modules = []
         self.enabled = True
         self._num_groups = 0
+        #: Rows of a step from which a fused group's members each run their own slice into their
+        #: own output instead of sharing one launch into a scratch (module docstring).
+        self.members_in_place_rows = MEMBERS_IN_PLACE_ROWS
         plan = _plan_sites(model, pool.spec)
         for path, mod, _t, _l, _c0, _c1, _g in plan:
             if mod in _ATTACHED:
@@ -220,7 +235,9 @@ class Attachment:
                 else:
                     if g not in groups:
                         groups[g] = _FusedGroup(self, t.name, layer, members[g])
-                    pre, hook = self._fused_hooks(groups[g], c0, c1)
+                    offs = t.out_offsets(pool.spec.tp_size)
+                    j = next(i for i in range(t.num_slices) if (offs[i], offs[i + 1]) == (c0, c1))
+                    pre, hook = self._fused_hooks(groups[g], j, c0, c1)
                 if pre is not None:
                     self._handles.append(mod.register_forward_pre_hook(pre))
                 self._handles.append(mod.register_forward_hook(hook))
@@ -301,9 +318,10 @@ class Attachment:
 
         return (pre if self.overlap else None), hook
 
-    def _fused_hooks(self, group: _FusedGroup, c0: int, c1: int):
-        """(pre-hook or None, forward hook) of one member of a fused group."""
+    def _fused_hooks(self, group: _FusedGroup, j: int, c0: int, c1: int):
+        """(pre-hook or None, forward hook) of member ``j`` (columns ``c0:c1``) of a fused group."""
         in_f = group.delta.in_features
+        cuda = self.pool.device.is_cuda
 
         def pre(_mod, args):
             if group._x is not args[0] and self._forking() and self._active():
@@ -311,13 +329,19 @@ class Attachment:
             return None
 
         def hook(_mod, args, out):
+            import torch
+
             d = group.take(args[0])
             if d is None:
                 if not self._active():
                     return None
-                d = group.part(args[0], self._rows(args, in_f))
-            import torch
-
+                x2d = self._rows(args, in_f)
+                if x2d.shape[0] >= self.members_in_place_rows:  # a large step: this slice alone, in place
+                    if torch.is_grad_enabled() or not out.is_contiguous():
+                        out = out.clone()
+                    group.member(j)(as_backend_array(out.view(-1, c1 - c0), cuda), as_backend_array(x2d, cuda))
+                    return out
+                d = group.part(args[0], x2d)
             if torch.is_grad_enabled():
                 out = out.clone()
             out.view(-1, c1 - c0).add_(d[:, c0:c1])

@@ -103,7 +103,7 @@ template <typename T> static lora::Args<T> args() {
   return lora::Args<T>{(T*)L.y, (const T*)L.x, (const T*)L.A, (const T*)L.B, L.scaling, L.ranks, L.out_offsets,
                        L.token_order, L.slot_indptr, L.ws, L.counters, L.num_slots, L.n_slices, L.max_rank,
                        L.in_features, L.out_features, L.bucket, L.positions, L.rw, L.splits, L.k_split,
-                       L.col_blocks, L.cpb, L.flags, L.chunked};
+                       L.col_blocks, L.cpb, L.flags, (long long)L.out_features * L.max_rank, L.chunked};
 }
 template <typename T, int BM, bool AL> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;

@@ -138,7 +138,7 @@ def test_overlap_matches_in_line_float32(adapters):
     """The deltas on a side stream beside their linears are as exact as the in-line deltas,
     eagerly and replayed from a CUDA graph captured with the fork and join inside, for
     ``overlap=True`` and for the default ``"graphs"`` (in line when eager, forked in a capture);
-    fused q/k/v and gate/up groups too. Yardstick: each row's float32 logits against PEFT's float32 logits for
+    fused q/k/v and gate/up groups too, and their members each run in place (a large step's way). Yardstick: each row's float32 logits against PEFT's float32 logits for
     that row's adapter alone (relative norm); the side stream's delta is rounded once more (into
     its scratch) and the split-K sums are not ordered, so it may differ from in line by rounding."""
     base, dirs = adapters
@@ -171,6 +171,9 @@ def test_overlap_matches_in_line_float32(adapters):
                     graph.replay()
                     torch.cuda.synchronize()
                     got[f"graph {overlap}"] = static.clone()
+            with attach(model, pool, overlap=False) as att:  # each q/k/v and gate/up member in place
+                att.members_in_place_rows = 1
+                got["members in place"] = model(input_ids=ids).logits.clone()
     for i, (_rid, adapter) in enumerate(rows):
         want = ref.logits(ids[i:i + 1], adapter)[0].float()
         err = {k: float((got[k][i] - want).norm() / want.norm()) for k in got}

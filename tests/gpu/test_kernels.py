@@ -392,3 +392,34 @@ def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
         # 128 threads a block: at most 16 blocks, at least one (else the launch would fail)
         assert 1 <= o["blocks_per_sm"] <= 16 and 1 <= o["registers"] <= 255 and o["local_bytes"] >= 0
         assert o["smem"] >= 4 * (case.spec.num_slots + 1)
+
+
+@pytest.mark.parametrize("T,launch", [(7, "fused_chunks"), (45, "fused_tiles"), (300, "expand"),
+                                      (300, "expand_stream"), (1000, "expand")])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_slice_of_a_fused_target_into_its_own_output(make_case, check, dtype, T, launch):
+    """Each slice of a fused target served alone, into an output of that slice's width (a
+    separate q/k/v linear's), reading its rows of the fused B in place (a view whose slots are the
+    fused B's apart) and computing nothing for the other slices: the slices' outputs side by side
+    match the oracle; slices ending inside a column block, odd ranks, rank 0, NaN past each rank."""
+    from lora_cupy.backends.base import member_weights
+
+    case = make_case(T=T, dtype=dtype, mix="zipf", num_slots=17, active=9, **_aligned_shape(dtype))
+    be = backend_for(case.spec, **LAUNCHES[launch])
+    w = dev_weights(case.w)
+    offs = case.w.out_offsets
+    x, to, ip = dev(case.x), dev(case.token_order), dev(case.slot_indptr)
+    got = np.empty_like(case.y0)
+    for j in range(len(offs) - 1):
+        mw = member_weights(w, j)
+        assert mw.b.shape[1] == offs[j + 1] - offs[j] and not mw.b.flags.c_contiguous
+        y = dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]))
+        if j == 1:  # the engine's path: a prepared layer
+            layer = be.prepare(mw)
+            layer(y, x, LaunchViews(case.token_order.shape[0], 0, to, ip), case.x.shape[0])
+        else:
+            be.delta(y, x, mw, to, ip)
+        cp().cuda.get_current_stream().synchronize()
+        check_clean(be)
+        got[:, offs[j]:offs[j + 1]] = host(y, dtype)
+    check(case, got, dtype)
