@@ -341,6 +341,9 @@ def test_one_slice_of_a_fused_b_is_a_slot_strided_view():
     assert call.b_slot == out * R and call.dims == (S, 3, R, 64, 16) and call.flags == 7
     assert cb.check_weights(limits, w).b_slot == out * R
     assert _call(out=96, R=16).b_slot == 96 * 16  # a C-contiguous B: out * R
+    # slots apart by no multiple of 16 bytes: B's 16-byte paths (flag 2) are not taken
+    odd = FakeDeviceArray((S, 16, R), "<u2", strides=(2 * (out * R + 4), 2 * R, 2), ptr=1 << 30)
+    assert cb.check_weights(limits, LayerWeights(w.a, odd, w.scaling, w.ranks, limits_offs)).flags == 5
     for strides in ((2 * out * R, 2, 2 * S), (2 * 8 * R, 2 * R, 2)):  # columns not rows; slots overlapping
         bad = LayerWeights(w.a, FakeDeviceArray((S, 16, R), "<u2", strides=strides), w.scaling, w.ranks, limits_offs)
         with pytest.raises(ValueError, match="w.b must be C-contiguous, or one slice"):

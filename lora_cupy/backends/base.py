@@ -57,8 +57,8 @@ def member_offsets(offsets: tuple[int, ...], j: int) -> tuple[int, ...]:
 
 def member_weights(w: LayerWeights, j: int) -> LayerWeights:
     """Slice ``j`` of a fused target's weights, for a call into that slice's own output: ``a``,
-    ``scaling`` and ``ranks`` as they are (the other slices have no columns, so nothing is
-    computed for them), ``b`` the view of slice ``j``'s rows (each slot's rows contiguous, slots
-    ``out * R`` elements apart: no copy)."""
+    ``scaling`` and ``ranks`` as they are (the other slices have no columns: the tensor-core
+    kernels and the NumPy reference compute nothing for them), ``b`` the view of slice ``j``'s
+    rows (each slot's rows contiguous, slots ``out * R`` elements apart: no copy)."""
     o0, o1 = w.out_offsets[j], w.out_offsets[j + 1]
     return LayerWeights(w.a, w.b[:, o0:o1], w.scaling, w.ranks, member_offsets(w.out_offsets, j))

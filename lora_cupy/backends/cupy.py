@@ -404,8 +404,8 @@ def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
                          f"(max_rank {limits.spec.max_rank}, "
                          f"{max(t.num_slices for t in limits.spec.targets)} slices)")
     ch = 16 // _ITEMSIZE[A.dtype]
-    flags = ((1 if in_f % ch == 0 and A.ptr % 16 == 0 else 0) | (2 if R % ch == 0 and B.ptr % 16 == 0 else 0)
-             | (4 if out % ch == 0 else 0))
+    flags = ((1 if in_f % ch == 0 and A.ptr % 16 == 0 else 0)
+             | (2 if R % ch == 0 and b_slot % ch == 0 and B.ptr % 16 == 0 else 0) | (4 if out % ch == 0 else 0))
     return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags, b_slot)
 
 

@@ -29,9 +29,9 @@ def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, 
         acc = y[rows].astype(np.float32)  # [m, out]
         for j in range(len(offs) - 1):
             r = int(ranks[s, j])
-            if r == 0:
-                continue
             c0, c1 = offs[j], offs[j + 1]
+            if r == 0 or c1 == c0:  # nothing to add: rank 0, or a slice with no columns here
+                continue
             v = xs @ w.a[s, j, :r].astype(np.float32).T  # [m, r]
             acc[:, c0:c1] += scaling[s, j] * (v @ w.b[s, c0:c1, :r].astype(np.float32).T)
         y[rows] = acc.astype(y.dtype)

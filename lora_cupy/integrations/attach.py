@@ -13,8 +13,9 @@ A fused target whose slices are separate linears of the model reading the same i
 ``gate_up_proj``: a spec from ``LoraSpec.from_model(..., fuse=True)``) runs as one fused-slice
 launch: the first member called computes the whole target's delta on the shared input into a
 scratch ``[T, out]`` and every member adds its column range. A step of at least
-``Attachment.members_in_place_rows`` rows (a prefill) instead runs one launch per member, straight
-into that member's output (:meth:`~lora_cupy.pool.LoraPool.layer_delta` with ``member``): the
+``Attachment.members_in_place_rows`` rows (a prefill) whose deltas run in line (not forked to the
+side stream, below) instead runs one launch per member, straight into that member's output
+(:meth:`~lora_cupy.pool.LoraAdapterPool.layer_delta` with ``member``): the
 scratch's zeroing, its write, its read and the members' adds cost more than a launch per slice
 there (at 4096 rows, gate/up's scratch is 235 MB). A model that fuses them itself (Phi-3's
 ``qkv_proj``) is one linear, one hook.
@@ -220,23 +221,21 @@ class Attachment:
         #: own output instead of sharing one launch into a scratch (module docstring).
         self.members_in_place_rows = MEMBERS_IN_PLACE_ROWS
         plan = _plan_sites(model, pool.spec)
-        for path, mod, _t, _l, _c0, _c1, _g in plan:
+        for path, mod, *_ in plan:
             if mod in _ATTACHED:
                 raise ValueError(f"linear {path!r} is attached to a pool already: detach that one first")
         groups: dict[tuple, _FusedGroup] = {}
         members: dict[tuple, int] = {}
-        for *_, g in plan:
+        for *_, g, _j in plan:
             if g is not None:
                 members[g] = members.get(g, 0) + 1
         try:
-            for path, mod, t, layer, c0, c1, g in plan:
+            for path, mod, t, layer, c0, c1, g, j in plan:
                 if g is None:
                     pre, hook = self._direct_hooks(pool.layer_delta(t.name, layer))
                 else:
                     if g not in groups:
                         groups[g] = _FusedGroup(self, t.name, layer, members[g])
-                    offs = t.out_offsets(pool.spec.tp_size)
-                    j = next(i for i in range(t.num_slices) if (offs[i], offs[i + 1]) == (c0, c1))
                     pre, hook = self._fused_hooks(groups[g], j, c0, c1)
                 if pre is not None:
                     self._handles.append(mod.register_forward_pre_hook(pre))
@@ -388,8 +387,9 @@ class Attachment:
 
 
 def _plan_sites(model, spec) -> list[tuple]:
-    """Each linear to hook: ``(path, module, target, layer, col0, col1, group)``, ``group`` the
-    key of the separate linears sharing one fused-slice launch (None: the target's own linear).
+    """Each linear to hook: ``(path, module, target, layer, col0, col1, group, slice)``, ``group``
+    the key of the separate linears sharing one fused-slice launch and ``slice`` the linear's
+    slice of the target (both None: the target's own linear).
     Checks every target has a linear of the right shape and dtype at each of its layers."""
     import torch
 
@@ -405,17 +405,17 @@ def _plan_sites(model, spec) -> list[tuple]:
         in_f, out_f = t.local_in_features(tp), t.local_out_features(tp)
         mine = []
         if t.name in by_leaf:
-            mine = [(path, linears[path], t, layer_index(path), 0, out_f, None) for path in by_leaf[t.name]]
+            mine = [(path, linears[path], t, layer_index(path), 0, out_f, None, None) for path in by_leaf[t.name]]
         elif t.num_slices > 1 and all(s.name in by_leaf for s in t.slices):
             for j, s in enumerate(t.slices):
                 for path in by_leaf[s.name]:
                     group = (path.rsplit(".", 1)[0], t.name, layer_index(path))
-                    mine.append((path, linears[path], t, layer_index(path), offs[j], offs[j + 1], group))
+                    mine.append((path, linears[path], t, layer_index(path), offs[j], offs[j + 1], group, j))
         else:
             want = [t.name] + ([s.name for s in t.slices] if t.num_slices > 1 else [])
             raise TargetMismatchError(f"target {t.name!r}: the model has no linear named "
                                       f"{' or '.join(repr(w) for w in want)} inside a 'layers.<i>.' stack")
-        for path, mod, _t, layer, c0, c1, _g in mine:
+        for path, mod, _t, layer, c0, c1, *_ in mine:
             if layer >= t.num_layers:
                 raise TargetMismatchError(f"linear {path!r}: stack layer {layer} is outside target "
                                           f"{t.name!r}'s {t.num_layers} layers")
