@@ -8,7 +8,7 @@ and v and the counters are back at zero. This checks indexing, masks, fragment l
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
     python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream] [--tiles-only | --chunks]
-        [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never]
+        [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
@@ -16,7 +16,9 @@ run python with ``LD_PRELOAD`` of libasan so numpy's arrays get red zones); ``--
 each emulated cp.async land at the wait that retires it (late, the default: a read before its wait
 sees stale data) or when issued (early: a stage overwritten while still read shows);
 ``--aligned`` picks the kernels' instantiation as the backend does (auto: ``ALIGNED`` where the
-access flags are ``ALIGNED_FLAGS``, the one reading the flags elsewhere) or never the ``ALIGNED`` one.
+access flags are ``ALIGNED_FLAGS``, the one reading the flags elsewhere) or never the ``ALIGNED`` one;
+``--members`` serves each slice of a multi-slice case alone, into an output of its own width, with
+B's rows of that slice read as a view (the kernels' ``b_slot``), as a prefill's q/k/v members run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 from conftest import build_case, check_result  # noqa: E402
 
 from lora_cupy.backends import cupy as cb  # noqa: E402
+from lora_cupy.backends.base import member_offsets  # noqa: E402
 from lora_cupy.kernels import ALIGNED_FLAGS, cuda_include_dirs  # noqa: E402
 
 #: common.cuh functions made of inline PTX, replaced by host_cuda.h (the last one by a macro that
@@ -107,43 +110,53 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
 
 
 def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
-             chunks: bool | None = None) -> cb.LaunchPlan:
-    """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``)."""
+             chunks: bool | None = None, out: int | None = None) -> cb.LaunchPlan:
+    """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``); ``out``: y's
+    columns where a call serves one slice alone."""
     S, n, R, in_f = case.w.a.shape
-    return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, case.y0.shape[1], n, R,
+    return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, out or case.y0.shape[1], n, R,
                           case.spec.dtype, num_slots=S, tile=tile, fused=fused, expand=None if fused else expand,
                           chunks=chunks, num_sms=sms)
 
 
-def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto") -> tuple[np.ndarray, int, bool]:
+def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto",
+        member: int | None = None) -> tuple[np.ndarray, int, bool]:
     """One delta of ``case`` on the host under ``plan``: (y, flags, whether the ``ALIGNED``
-    instantiation ran); v and counters checked at zero."""
+    instantiation ran); v and counters checked at zero. ``member``: slice ``member`` alone, into
+    an output of its width, reading its rows of B as a view (slots ``out * R`` elements apart,
+    the kernels' ``b_slot``); y is then that slice's columns."""
     w, dtype = case.w, case.spec.dtype
     S, n, R, in_f = w.a.shape
-    out, T = case.y0.shape[1], case.token_order.shape[0]
-    x, y = case.x, case.y0.copy()
+    T = case.token_order.shape[0]
+    b, offsets, y0, b_slot = w.b, w.out_offsets, case.y0, 0
+    if member is not None:
+        o0, o1 = w.out_offsets[member], w.out_offsets[member + 1]
+        b, offsets, y0 = w.b[:, o0:o1], member_offsets(w.out_offsets, member), case.y0[:, o0:o1]
+        b_slot = w.b.shape[1] * R
+    out = y0.shape[1]
+    x, y = case.x, np.array(y0, copy=True, order="C")  # never the case's own y0
     if misalign:
         x, y = _misaligned(x), _misaligned(y)
     ch = 16 // x.itemsize
     flags = ((1 if in_f % ch == 0 and x.ctypes.data % 16 == 0 and w.a.ctypes.data % 16 == 0 else 0)
-             | (2 if R % ch == 0 and w.b.ctypes.data % 16 == 0 else 0)
+             | (2 if R % ch == 0 and b.ctypes.data % 16 == 0 else 0)
              | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
     use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
     rw = cb.rank_width(R)
     ws = np.zeros(plan.bucket * n * rw, np.float32)
     counters = np.zeros(plan.counter_ints(), np.int32)
-    offs = np.asarray(w.out_offsets, np.int32) if n > 1 else None
+    offs = np.asarray(offsets, np.int32) if n > 1 else None
     scaling = np.ascontiguousarray(w.scaling, np.float32)
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     dims = np.asarray([S, n, R, in_f, out, plan.bucket, T, rw, plan.splits, plan.k_split, plan.col_blocks,
-                       plan.cpb, int(plan.chunks), flags, int(use_aligned)], np.int32)
+                       plan.cpb, int(plan.chunks), flags, int(use_aligned), b_slot], np.int32)
 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
     code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4}[plan.expand]
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, plan.shrink_blocks,
-                       plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(w.b), ptr(scaling), ptr(ranks), ptr(offs),
+                       plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
     assert rc == 0, f"no kernel for tile {plan.bm}" if rc == 2 else f"ALIGNED asked with flags {flags}"
     assert not ws.any(), "v not zeroed after the launch"
@@ -167,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--asan", action="store_true")
     ap.add_argument("--aligned", default="auto", choices=("auto", "never"),
                     help="the ALIGNED instantiation where the flags allow it (as the backend), or never")
+    ap.add_argument("--members", action="store_true",
+                    help="each slice of a multi-slice case alone, into its own output, B read as a view")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,11 +193,23 @@ def main(argv=None) -> int:
             for dt in args.dtypes.split(","):
                 for tile in (int(t) for t in args.tiles.split(",")):
                     case = build_case(rng, dtype=dt, **CASES[name])
-                    plan = plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
-                                    chunks=False if args.tiles_only else True if args.chunks else None)
+                    offs = case.w.out_offsets
+                    members = range(len(offs) - 1) if args.members else [None]
+                    if args.members and len(offs) < 3:
+                        continue  # one slice: nothing to serve apart
+                    plans = [plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
+                                      chunks=False if args.tiles_only else True if args.chunks else None,
+                                      out=None if j is None else offs[j + 1] - offs[j]) for j in members]
+                    plan = plans[0]
                     t0 = time.time()
                     try:
-                        y, flags, al = run(lib, case, plan, misalign=args.misalign, aligned=args.aligned)
+                        y = np.empty_like(case.y0)
+                        for j, p in zip(members, plans):
+                            yj, flags, al = run(lib, case, p, misalign=args.misalign, aligned=args.aligned, member=j)
+                            if j is None:
+                                y = yj
+                            else:
+                                y[:, offs[j]:offs[j + 1]] = yj
                         check_result(case, y, dt)
                         status = f"flags {flags}{' ALIGNED' if al else ''}: ok"
                     except AssertionError as e:

@@ -93,7 +93,7 @@ struct Launch {
   float* ws;
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
-      col_blocks, cpb, chunked, flags, aligned;
+      col_blocks, cpb, chunked, flags, aligned, b_slot;  // b_slot: 0 for out * R
 };
 static Launch L;
 static std::vector<char> dsm(256 * 1024);
@@ -103,7 +103,8 @@ template <typename T> static lora::Args<T> args() {
   return lora::Args<T>{(T*)L.y, (const T*)L.x, (const T*)L.A, (const T*)L.B, L.scaling, L.ranks, L.out_offsets,
                        L.token_order, L.slot_indptr, L.ws, L.counters, L.num_slots, L.n_slices, L.max_rank,
                        L.in_features, L.out_features, L.bucket, L.positions, L.rw, L.splits, L.k_split,
-                       L.col_blocks, L.cpb, L.flags, (long long)L.out_features * L.max_rank, L.chunked};
+                       L.col_blocks, L.cpb, L.flags,
+                       L.b_slot ? (long long)L.b_slot : (long long)L.out_features * L.max_rank, L.chunked};
 }
 template <typename T, int BM, bool AL> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;
@@ -157,14 +158,14 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 0 / 1 (the fused
 // launch on tiles / chunks);
-// dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned
+// dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
                          const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,
                          const int* token_order, const int* slot_indptr, float* ws, int* counters, const int* dims) {
   L = Launch{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0], dims[1],
              dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11], dims[12],
-             dims[13], dims[14]};
+             dims[13], dims[14], dims[15]};
   if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
   if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
   return run_t<float>(bm, expand, shrink_blocks, expand_blocks);
