@@ -421,7 +421,7 @@ def _xy_flags(flags: int, x_ptr: int, y_ptr: int) -> int:
 @dataclass(frozen=True)
 class LaunchArgs:
     """One checked call: its plan, pointers (y, x, a, b, scaling, ranks, out_offsets, token_order,
-    slot_indptr), dims ``(S, n, R, in, out)`` and the 16-byte access flags."""
+    slot_indptr), dims ``(S, n, R, in, out)``, the 16-byte access flags and w.b's slot stride."""
 
     dtype: str
     plan: LaunchPlan
@@ -431,7 +431,7 @@ class LaunchArgs:
     dims: tuple[int, int, int, int, int]
     positions: int
     torch: bool
-    b_slot: int = 0  # w.b's elements from one slot to the next; 0: out * R
+    b_slot: int  # w.b's elements from one slot to the next (WeightArgs.b_slot)
 
 
 def _check_xy(limits: CallLimits, wa: WeightArgs, Y: DeviceArg, X: DeviceArg) -> None:
@@ -762,7 +762,7 @@ class CupyBackend:
         dtype, plan = call.dtype, call.plan
         S, n, R, in_f, out = call.dims
         y, x, a, b, sc, rk, offs, to, ip = (np.uint64(p) for p in call.ptrs)
-        b_slot = np.int64(call.b_slot or call.dims[4] * call.dims[2])
+        b_slot = np.int64(call.b_slot)
         ws, ctr = np.uint64(self.workspace.data.ptr), np.uint64(self.counters.data.ptr)
         i32 = np.int32
         if self.kernel == "simt":
