@@ -49,9 +49,13 @@ MMA_TILES = ((16, 64), (32, 128), (64, 128))
 #: Columns of one pass of ``lora_expand_stream``, ``Stream<T>::BN`` in expand_stream.cuh.
 STREAM_BN = 32
 #: The expand kernels an unfused plan may pick, by their CUDA names less ``lora_``: ``expand``
-#: (tiles of y through shared memory) and ``expand_stream`` (y streamed by each warp through its
-#: registers). There is one shrink (``lora_shrink``) and one fused kernel (``lora_fused``).
-EXPAND_KERNELS = ("expand", "expand_stream")
+#: (tiles of y through shared memory), ``expand_stream`` (y streamed by each warp through its
+#: registers) and ``expand_ring`` (tiles of 64 positions, y and B through a ring of cp.async stages,
+#: v in registers). There is one shrink (``lora_shrink``) and one fused kernel (``lora_fused``).
+EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring")
+#: Tile height and column block of ``lora_expand_ring`` (``Ring<T>`` in expand_ring.cuh).
+RING_BM = 64
+RING_BN = 64
 
 
 #: Access flags (``flags`` of every tensor-core kernel: 1 = x and A, 2 = B, 4 = y take 16-byte
@@ -68,7 +72,7 @@ def _cbool(v: bool) -> str:
 def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None = None,
              chunks: bool = False) -> str:
     """The name expression of one tensor-core kernel: ``kernel`` is ``shrink``, ``expand``,
-    ``expand_stream`` or ``fused``; ``aligned`` picks its ``ALIGNED`` instantiation."""
+    ``expand_stream``, ``expand_ring`` or ``fused``; ``aligned`` picks its ``ALIGNED`` instantiation."""
     a = _cbool(aligned)
     if kernel == "shrink":
         return f"lora_shrink<{ctype}, {bm}, {a}>"
@@ -78,6 +82,8 @@ def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None 
         return f"lora_fused<{ctype}, {bm}, {bn}, {_cbool(chunks)}, {a}>"
     if kernel == "expand_stream":
         return f"lora_expand_stream<{ctype}, {bm}, {a}>"
+    if kernel == "expand_ring":
+        return f"lora_expand_ring<{ctype}, {a}>"
     raise ValueError(f"no tensor-core kernel {kernel!r}")
 
 
@@ -92,6 +98,7 @@ def mma_kernels():
         for chunks in (False, True):
             yield "fused", bm, bn, chunks
         yield "expand_stream", bm, None, False
+    yield "expand_ring", RING_BM, RING_BN, False
 
 
 def _mma_names(ctype: str) -> tuple[str, ...]:

@@ -24,9 +24,11 @@
 //     starts from a zero v and zero counters.
 // The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
 //   lora_shrink  (one shrink task a block): every unfused launch.
-//   lora_expand  (one expand task a block): unfused launches but those of expand_stream's buckets.
+//   lora_expand  (one expand task a block): unfused launches of 128 and 512 positions.
 //   lora_expand_stream (expand_stream.cuh): the same expand tasks with y streamed through registers
 //     by each warp on its own; chosen for the buckets where it measured fastest (256 positions).
+//   lora_expand_ring (expand_ring.cuh): tiles of 64 positions, y and B through a ring of cp.async
+//     stages with v in registers; unfused launches from 1024 positions on.
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
 //     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink
@@ -535,6 +537,59 @@ struct ExpandWalk {
   bool first, done;                 // first: the first step of its column block
 };
 
+// The slices j0 .. j1 meeting columns [cb * bn, cb * bn + bn) of a target of `out` columns.
+__device__ __forceinline__ void slices_meeting(const int* s_off, int n, int out, int bn, int cb, int& j0, int& j1) {
+  const int c0 = cb * bn, c1 = min(c0 + bn, out);
+  j0 = 0;
+  while (j0 + 1 < n && s_off[j0 + 1] <= c0) ++j0;
+  j1 = j0;
+  while (j1 + 1 < n && s_off[j1 + 1] < c1) ++j1;
+}
+
+// w to the next step that has ranks, column blocks up to cb1 of bn columns: the next chunk of kc
+// ranks of its run, else the next run (then slice, then column block) whose rank is not zero.
+template <int BM>
+__device__ __forceinline__ void walk_step(ExpandWalk& w, bool newcb, const RunMeta<BM>& rm, int n, int nrun,
+                                          int out, int bn, int cb1, int kc) {
+  if (!newcb && ++w.kc < w.nc) {
+    w.first = false;
+    return;
+  }
+  w.kc = 0;
+  while (true) {
+    if (++w.run >= nrun) {
+      w.run = 0;
+      if (++w.j > w.jl) {
+        if (++w.cb >= cb1) {
+          w.done = true;
+          return;
+        }
+        slices_meeting(rm.s_off, n, out, bn, w.cb, w.j, w.jl);
+        newcb = true;
+      }
+    }
+    w.nc = (rm.pr[w.j][w.run] + kc - 1) / kc;
+    if (w.nc > 0) break;
+  }
+  w.first = newcb;
+  if (newcb) ++w.vis;
+}
+
+// The walk of column blocks [cb0, cb1) at its first step (done at once where none has work).
+template <int BM>
+__device__ __forceinline__ ExpandWalk walk_start(const RunMeta<BM>& rm, int n, int nrun, int out, int bn, int cb0,
+                                                 int cb1, int kc) {
+  ExpandWalk w;
+  w.cb = cb0;
+  slices_meeting(rm.s_off, n, out, bn, cb0, w.j, w.jl);
+  w.run = -1;
+  w.kc = w.nc = 0;
+  w.vis = -1;
+  w.first = w.done = false;
+  walk_step<BM>(w, true, rm, n, nrun, out, bn, cb1, kc);
+  return w;
+}
+
 template <typename T, int BM, int BN, bool CHUNKED, bool ALIGNED>
 __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM>& tr, int u,
                             bool fused) {
@@ -571,38 +626,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   auto y_tile = [&](int vis) {
     return reinterpret_cast<T*>(dsmem + C::STAGES * C::STAGE_BYTES + (vis % C::STAGES) * C::Y_BYTES);
   };
-  auto slices_of = [&](int cb, int& j0, int& j1) {  // slices meeting columns [cb * BN, cb * BN + BN)
-    const int c0 = cb * BN, c1 = min(c0 + BN, out);
-    j0 = 0;
-    while (j0 + 1 < n && s_off[j0 + 1] <= c0) ++j0;
-    j1 = j0;
-    while (j1 + 1 < n && s_off[j1 + 1] < c1) ++j1;
-  };
-  auto chunks = [&](int jj, int run) { return (pr[jj][run] + C::KC - 1) / C::KC; };
-  auto step = [&](ExpandWalk& w, bool newcb) {  // to the next step that has rank chunks
-    if (!newcb && ++w.kc < w.nc) {
-      w.first = false;
-      return;
-    }
-    w.kc = 0;
-    while (true) {
-      if (++w.run >= nrun) {
-        w.run = 0;
-        if (++w.j > w.jl) {
-          if (++w.cb >= cb1) {
-            w.done = true;
-            return;
-          }
-          slices_of(w.cb, w.j, w.jl);
-          newcb = true;
-        }
-      }
-      w.nc = chunks(w.j, w.run);
-      if (w.nc > 0) break;
-    }
-    w.first = newcb;
-    if (newcb) ++w.vis;
-  };
+  auto step = [&](ExpandWalk& w, bool newcb) { walk_step<BM>(w, newcb, rm, n, nrun, out, BN, cb1, C::KC); };
 
   // loads of one step: part 1 = its y tile (first step of a column block) and B, part 2 = its v
   auto load = [&](const ExpandWalk& w, int st, int part) {
@@ -671,14 +695,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   clear();
   const int wm0 = (warp / C::WN) * (BM / C::WM), wn0 = (warp % C::WN) * (BN / C::WN);
 
-  ExpandWalk wp;
-  wp.cb = cb0;
-  slices_of(cb0, wp.j, wp.jl);
-  wp.run = -1;
-  wp.kc = wp.nc = 0;
-  wp.vis = -1;
-  wp.done = false;
-  step(wp, true);
+  ExpandWalk wp = walk_start<BM>(rm, n, nrun, out, BN, cb0, cb1, C::KC);
   ExpandWalk wc = wp, wb = wp;
   // y and B of the first steps do not depend on v: issue them before waiting for the shrink
 #pragma unroll
@@ -800,6 +817,7 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 }  // namespace lora
 
 #include "expand_stream.cuh"
+#include "expand_ring.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -865,4 +883,15 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   LORA_ARGS;
   lora::require_smem(4 * (num_slots + 1));
   lora::expand_stream_task<T, BM, ALIGNED>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
+}
+
+// lora_expand_ring (expand_ring.cuh): tiles of 64 positions; registers capped for 3 blocks per
+// multiprocessor, as its shared memory allows for 16-bit types.
+template <typename T, bool ALIGNED>
+__global__ void __launch_bounds__(128, 3) lora_expand_ring(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::TileRows<64> tr;
+  LORA_ARGS;
+  lora::require_smem(lora::Ring<T>::SMEM + 4 * (num_slots + 1));
+  lora::expand_ring_task<T, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Ring<T>::SMEM), tr, blockIdx.x);
 }

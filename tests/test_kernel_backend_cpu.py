@@ -37,6 +37,7 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
         wanted |= {f"lora_expand<{ct}, {bm}, {bn}, {al}>" for bm, bn in kernels.MMA_TILES}
         wanted |= {f"lora_fused<{ct}, {bm}, {bn}, {c}, {al}>" for bm, bn in kernels.MMA_TILES for c in ("false", "true")}
         wanted |= {f"lora_expand_stream<{ct}, {bm}, {al}>" for bm, _ in kernels.MMA_TILES}
+        wanted.add(f"lora_expand_ring<{ct}, {al}>")
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -68,6 +69,9 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
             lines.append(f"static_assert(lora::fused_smem<{ct}, {bm}, {bn}>() == "
                          f"{cb.fused_smem(dtype, bm, bn)}, \"fused {dtype} {bm}\");")
         lines.append(f"static_assert(lora::Stream<{ct}>::BN == {kernels.STREAM_BN}, \"expand_stream {dtype}\");")
+        lines.append(f"static_assert(lora::Ring<{ct}>::SMEM == {cb.ring_smem(dtype)}, \"expand_ring {dtype}\");")
+        lines.append(f"static_assert(lora::Ring<{ct}>::BM == {kernels.RING_BM} && lora::Ring<{ct}>::BN == "
+                     f"{kernels.RING_BN}, \"expand_ring tile {dtype}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
@@ -79,6 +83,7 @@ def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
     for bm, bn in kernels.MMA_TILES:
         assert cb.fused_smem(dtype, bm, bn) + extra <= 227 * 1024
         assert cb.fused_smem(dtype, bm, bn) >= max(cb.shrink_smem(dtype, bm), cb.expand_smem(dtype, bm, bn))
+    assert cb.ring_smem(dtype) + extra <= 227 * 1024
 
 
 # -- plans -------------------------------------------------------------------------------------------
@@ -110,6 +115,10 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
                                       fused=fused).counter_ints() <= ints
         assert p.rank_blocks == -(-R // cb.RANK_BLOCK)
         assert p.fused or p.expand == cb.default_expand(b)
+        if not p.fused and p.expand == "expand_ring":  # a forced tile it does not take runs lora_expand
+            assert cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=spec.num_slots, tile=16).expand == "expand"
+            with pytest.raises(ValueError, match="expand_ring takes tiles of 64"):
+                cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=spec.num_slots, tile=16, expand="expand_ring")
 
 
 def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
@@ -179,6 +188,8 @@ def test_each_shipped_kernel_is_a_default_somewhere_and_a_pools_rank_changes_non
         p = plans[0]
         chosen.add("fused" if p.fused else p.expand)
         assert p.fused or (p.expand == "expand_stream") == (b in cb.STREAM_EXPAND_BUCKETS)
+        assert p.fused or (p.expand == "expand_ring") == (b >= cb.RING_EXPAND_FROM)
+        assert p.expand != "expand_ring" or p.bm == kernels.RING_BM
     assert chosen == {"fused", *kernels.EXPAND_KERNELS}
 
 
@@ -395,12 +406,12 @@ def test_versions_table_picks_the_fastest_correct_launch():
     lines = bench._versions_table([res]).splitlines()
     assert len(lines) == 3 and lines[2].startswith(row.label[:40])
     cells = lines[2][40:].split()
-    assert cells[2] == "ERR" and cells[6] == "default"  # over tolerance never wins
+    assert cells[2] == "ERR" and cells[7] == "default"  # over tolerance never wins
     assert cells[cells.index("|") - 1] == "no"  # 73 us: 36% of a 26 us floor
-    assert lines[2].endswith("| 20.0 50.0 -")  # shrink and expand alone; expand_stream not timed alone
+    assert lines[2].endswith("| 20.0 50.0 - -")  # shrink and expand alone; the other expands not timed alone
     res["kernels"]["expand_stream"] = k(36.0)
     cells = bench._versions_table([res]).splitlines()[2][40:].split()
-    assert cells[6] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
+    assert cells[7] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
     alone = {**res, "kernels": {"default": k(9.0)}}
     assert len(bench._versions_table([alone]).splitlines()) == 2  # a row timed alone is left out
 

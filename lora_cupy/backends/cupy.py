@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, STREAM_BN, load_module,
-                       mma_family, mma_kernels, mma_name)
+from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
+                       STREAM_BN, load_module, mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, member_offsets
 
@@ -77,6 +77,19 @@ def expand_smem(dtype: str, bm: int, bn: int) -> int:
 
 def fused_smem(dtype: str, bm: int, bn: int) -> int:
     return max(shrink_smem(dtype, bm), expand_smem(dtype, bm, bn))
+
+
+def ring_smem(dtype: str) -> int:
+    """``Ring<T>::SMEM`` of expand_ring.cuh: 3 stages of a y tile (64 x 64 columns, rows padded by
+    8) and a B tile (64 columns x 64 ranks, fp32 32, padded by 16)."""
+    size = _ITEMSIZE[dtype]
+    rk = 32 if size == 4 else 64
+    return 3 * (RING_BM * (RING_BN + 8) + RING_BN * (rk + 16)) * size
+
+
+#: Blocks per multiprocessor ``lora_expand_ring`` is built for (``__launch_bounds__(128, 3)``; its
+#: shared memory allows 3 for 16-bit types, 2 for fp32): a plan gives it about one wave of them.
+RING_BLOCKS_PER_SM = 3
 
 
 #: Blocks per multiprocessor ``lora_expand_stream`` is built for (``__launch_bounds__(128, 4)``).
@@ -169,11 +182,19 @@ def default_fused(bucket: int) -> bool:
 #: 7-23% faster. Elsewhere ``lora_expand`` was as fast or faster (up to 2x at 4096 tokens, rank 64):
 #: raw_kernels/NOTES.md says why.
 STREAM_EXPAND_BUCKETS = frozenset({256})
+#: From this many positions an unfused launch runs ``lora_expand_ring``. On an H200 (NOTES.md,
+#: "lora_expand_ring") it beat ``lora_expand`` on every core, shapes, mixed-rank, fp16 / fp32 and
+#: pool-rank row of 1024 and 4096 tokens (rank 64 at 4096 tokens: 67-71 against 88-93 us the call)
+#: and lost one: a zipf-skewed step of 4096 tokens over 32 adapters, 123 against 99 us.
+RING_EXPAND_FROM = 1024
 
 
 def default_expand(bucket: int) -> str:
-    """The expand kernel of an unfused launch: ``expand_stream`` in ``STREAM_EXPAND_BUCKETS``."""
-    return "expand_stream" if bucket in STREAM_EXPAND_BUCKETS else "expand"
+    """The expand kernel of an unfused launch: ``expand_stream`` in ``STREAM_EXPAND_BUCKETS``,
+    ``expand_ring`` from ``RING_EXPAND_FROM`` positions, else ``expand``."""
+    if bucket in STREAM_EXPAND_BUCKETS:
+        return "expand_stream"
+    return "expand_ring" if bucket >= RING_EXPAND_FROM else "expand"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -195,17 +216,29 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     block's fixed start is spread over more of y. ``expand_stream`` takes as many column blocks
     per block (a multiple of the warps sharing an
     m-tile, ``64 // bm``) as fit every block in one wave of ``STREAM_BLOCKS_PER_SM`` blocks per
-    multiprocessor, so each warp streams a long run of y.
+    multiprocessor, so each warp streams a long run of y. ``expand_ring`` runs tiles of
+    ``RING_BM`` positions (its default tile; a forced other tile runs ``expand`` where the ring
+    is only the bucket's default) and one wave of ``RING_BLOCKS_PER_SM`` blocks per
+    multiprocessor: each block's start (tile, ranks, first stages) is a few microseconds, and four
+    waves measured 11-21% slower on uniform steps of 1024-4096 tokens.
     """
     dtype = normalize_dtype(dtype)
-    bm = default_tile(bucket) if tile is None else int(tile)
+    fused = default_fused(bucket) if fused is None else bool(fused)
+    if fused:
+        expand = "expand"
+    elif expand is None:  # the bucket's default, unless a tile is forced that it does not take
+        expand = default_expand(bucket)
+        if expand == "expand_ring" and tile is not None and int(tile) != RING_BM:
+            expand = "expand"
+    expand = str(expand)
+    if expand not in EXPAND_KERNELS:
+        raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
+    bm = (RING_BM if expand == "expand_ring" else default_tile(bucket)) if tile is None else int(tile)
     bn = dict(MMA_TILES).get(bm)
     if bn is None:
         raise ValueError(f"tile {bm} is not one of {[t for t, _ in MMA_TILES]}")
-    fused = default_fused(bucket) if fused is None else bool(fused)
-    expand = "expand" if fused else (default_expand(bucket) if expand is None else str(expand))
-    if expand not in EXPAND_KERNELS:
-        raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
+    if expand == "expand_ring" and bm != RING_BM:
+        raise ValueError(f"expand_ring takes tiles of {RING_BM} positions, not {bm}")
     if not fused:
         chunks = False  # lora_shrink and lora_expand run tiles only
     elif chunks is None:
@@ -221,6 +254,10 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if chunks:
         col_blocks = _ceil(out_features, bn)
         cpb = _ceil(col_blocks, max(1, (FUSED_EXPAND_PER_SM * num_sms) // tiles))
+    elif expand == "expand_ring":
+        bn = RING_BN
+        col_blocks = _ceil(out_features, bn)
+        cpb = max(1, min(col_blocks, _ceil(tiles * col_blocks, RING_BLOCKS_PER_SM * num_sms)))
     elif expand == "expand_stream":
         bn = STREAM_BN
         col_blocks = _ceil(out_features, bn)
@@ -685,7 +722,8 @@ class CupyBackend:
 
         smem = {"shrink": lambda bm, bn: shrink_smem(dtype, bm), "expand": lambda bm, bn: expand_smem(dtype, bm, bn),
                 "fused": lambda bm, bn: fused_smem(dtype, bm, bn),
-                "expand_stream": lambda bm, bn: 0}  # expand_stream: slot_indptr alone
+                "expand_stream": lambda bm, bn: 0,  # expand_stream: slot_indptr alone
+                "expand_ring": lambda bm, bn: ring_smem(dtype)}
         for kind, bm, bn, chunks in mma_kernels():  # both instantiations; the key ends in `aligned`
             key = (kind, bm, chunks) if kind == "fused" else (kind, bm)
             for aligned in (False, True):
@@ -789,7 +827,7 @@ class CupyBackend:
             out_calls.append(mma("shrink", ("shrink", plan.bm), plan.shrink_blocks, shrink_smem(dtype, plan.bm)))
         if "expand" in parts:
             key = (plan.expand, plan.bm)
-            smem = expand_smem(dtype, plan.bm, plan.bn) if plan.expand == "expand" else 0
+            smem = {"expand": expand_smem(dtype, plan.bm, plan.bn), "expand_ring": ring_smem(dtype)}.get(plan.expand, 0)
             out_calls.append(mma(plan.expand, key, plan.expand_blocks, smem))
         return out_calls
 

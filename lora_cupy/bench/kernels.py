@@ -515,7 +515,8 @@ VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
 #: Launches timed side by side with the default, by the names of what they run: on rows whose
 #: bucket launches shrink and expand apart, each expand kernel; on decode rows (a fused launch by
 #: default), the fused kernel on chunks and on tiles, and the unfused pair.
-VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream")}
+VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
+            "expand_ring": dict(expand="expand_ring")}
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
                    "unfused": dict(fused=False)}
 
@@ -616,7 +617,7 @@ def _versions_table(results: list[dict]) -> str:
     issue's bars."""
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
     alone_keys = ["shrink", *VERSIONS]
-    short = {"default": "default", "expand": "expand", "expand_stream": "stream", "fused_chunks": "chunks",
+    short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring", "fused_chunks": "chunks",
              "fused_tiles": "tiles", "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))

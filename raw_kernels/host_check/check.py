@@ -7,8 +7,8 @@ the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poiso
 and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
-    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream] [--tiles-only | --chunks]
-        [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members]
+    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring]
+        [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
@@ -154,7 +154,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
-    code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4}[plan.expand]
+    code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4, "expand_ring": 5}[plan.expand]
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, plan.shrink_blocks,
                        plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(b), ptr(scaling), ptr(ranks), ptr(offs),
                        ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
@@ -191,7 +191,8 @@ def main(argv=None) -> int:
         fails = 0
         for name in args.cases.split(","):
             for dt in args.dtypes.split(","):
-                for tile in (int(t) for t in args.tiles.split(",")):
+                tiles = [cb.RING_BM] if args.expand == "expand_ring" and not args.fused else args.tiles.split(",")
+                for tile in (int(t) for t in tiles):
                     case = build_case(rng, dtype=dt, **CASES[name])
                     offs = case.w.out_offsets
                     members = range(len(offs) - 1) if args.members else [None]

@@ -122,6 +122,12 @@ template <typename T, int BM, bool AL> static void stream_block(int u) {
   lora::expand_stream_task<T, BM, AL>(g, s_indptr, tr, u);
 }
 
+template <typename T, bool AL> static void ring_block(int u) {
+  static lora::TileRows<64> tr;
+  auto g = args<T>();
+  lora::expand_ring_task<T, AL>(g, dsm.data(), s_indptr, tr, u);
+}
+
 static int g_blocks = 0;
 template <typename T, int BM, int BN, bool CHUNKED, bool AL> static void fused_block(int u) {
   static lora::TileRows<BM> tr;
@@ -140,6 +146,11 @@ template <typename T, int BM, int BN, bool AL> static void run(int expand, int s
     return;
   }
   for (int u = 0; u < shrink_blocks; ++u) emu::run_block(shrink_block<T, BM, AL>, u);
+  if (expand == 5) {  // lora_expand_ring: tiles of 64 positions only
+    if constexpr (BM == 64)
+      for (int u = 0; u < expand_blocks; ++u) emu::run_block(ring_block<T, AL>, u);
+    return;
+  }
   for (int u = 0; u < expand_blocks; ++u)
     emu::run_block(expand == 4 ? stream_block<T, BM, AL> : expand_block<T, BM, BN, AL>, u);
 }
@@ -156,8 +167,8 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
-// dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 0 / 1 (the fused
-// launch on tiles / chunks);
+// dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 5 (lora_expand_ring),
+// 0 / 1 (the fused launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,

@@ -1,5 +1,5 @@
 """The CUDA backend against the float64 oracle: every shipped kernel (shrink, expand, expand_stream,
-fused; chunks and tiles; SIMT) in both instantiations (ALIGNED, for calls whose x, y and weights allow
+expand_ring, fused; chunks and tiles; SIMT) in both instantiations (ALIGNED, for calls whose x, y and weights allow
 every 16-byte path, and the one reading the access flags),
 dtype, awkward size and mix, torch tensors and CuPy arrays alike, and CUDA graphs replayed under new
 addressing."""
@@ -27,13 +27,16 @@ def _gpu_count() -> int:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
 DTYPES = ("bfloat16", "float16", "float32")
-#: the expand kernel of an unfused launch, by its name (lora_expand / lora_expand_stream)
-VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream")}
+#: the expand kernel of an unfused launch, by its name (lora_expand / lora_expand_stream / lora_expand_ring)
+VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
+            "expand_ring": dict(expand="expand_ring")}
+#: lora_expand_ring runs tiles of 64 positions only
+RING_TILE = 64
 VARIANTS = {f"mma{t}-fused": dict(kernel="mma", tile=t, fused=True) for t in (16, 32, 64)}
 VARIANTS.update({f"mma{t}-fused-{c}": dict(kernel="mma", tile=t, fused=True, chunks=c == "chunks")
                  for t in (16, 64) for c in ("chunks", "tiles")})
 VARIANTS.update({f"mma{t}-{v}": dict(kernel="mma", tile=t, fused=False, **VERSIONS[v])
-                 for t in (16, 32, 64) for v in VERSIONS})
+                 for t in (16, 32, 64) for v in VERSIONS if v != "expand_ring" or t == RING_TILE})
 VARIANTS["simt"] = dict(kernel="simt")
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -124,14 +127,16 @@ def test_delta_matches_oracle(make_case, check, name, dtype, variant):
 
 @pytest.mark.parametrize("mix", ["distinct", "uniform", "zipf", "identical", "skewed"])
 @pytest.mark.parametrize("T,version", [(16, None), (64, None), (300, "expand"), (300, "expand_stream"),
-                                       (4096, "expand"), (4096, "expand_stream")])
+                                       (300, "expand_ring"), (4096, "expand"), (4096, "expand_stream"),
+                                       (4096, "expand_ring")])
 def test_popularity_mixes(make_case, check, mix, T, version):
     case = make_case(T=T, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), dtype="bfloat16",
                      mix=mix, num_slots=33, active=min(32, T))
     check(case, run_cupy(backend_for(case.spec, **VERSIONS.get(version, {})), case), "bfloat16")
 
 
-@pytest.mark.parametrize("T,version", [(64, None), (300, "expand"), (300, "expand_stream"), (4096, "expand")])
+@pytest.mark.parametrize("T,version", [(64, None), (300, "expand"), (300, "expand_stream"), (4096, "expand"),
+                                       (4096, "expand_ring")])
 def test_rank16_adapters_in_rank128_pool(make_case, check, T, version):
     """Rank-16 adapters in a pool of max rank 128, the rest of every slot poisoned with NaN."""
     case = make_case(T=T, in_f=512, slices=(256,), max_rank=128, ranks=(16,), dtype="bfloat16",
@@ -215,7 +220,7 @@ def _new_addressing(make_case, spec_case, T, mix):
                      pad_to=bucket if T < bucket else None)
 
 
-LAUNCHES = {"expand": dict(fused=False, **VERSIONS["expand"]), "expand_stream": dict(fused=False, **VERSIONS["expand_stream"]),
+LAUNCHES = {**{v: dict(fused=False, **kw) for v, kw in VERSIONS.items()},
             "fused_tiles": dict(fused=True, chunks=False), "fused_chunks": dict(fused=True, chunks=True)}
 
 
@@ -232,8 +237,8 @@ ROUTES = ("aligned", "x_misaligned", "y_misaligned", "aligned_off")
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("launch", list(LAUNCHES))
-@pytest.mark.parametrize("tile", [16, 64])
+@pytest.mark.parametrize("tile,launch", [(t, v) for t in (16, 64) for v in LAUNCHES
+                                         if v != "expand_ring" or t == RING_TILE])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_aligned_and_unaligned_instantiations(make_case, check, dtype, tile, launch, route):
     """Through a layer's packed launch (the engine's path): x, y and weights that allow every
@@ -376,7 +381,8 @@ def test_bad_arguments_refused_before_launch(make_case):
 
 
 @pytest.mark.parametrize("T,version,kernels", [(16, None, ["fused"]), (300, "expand", ["shrink", "expand"]),
-                                               (300, "expand_stream", ["shrink", "expand_stream"])])
+                                               (300, "expand_stream", ["shrink", "expand_stream"]),
+                                               (300, "expand_ring", ["shrink", "expand_ring"])])
 def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
     from lora_cupy.backends.cupy import check_call
 
@@ -395,7 +401,7 @@ def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
 
 
 @pytest.mark.parametrize("T,launch", [(7, "fused_chunks"), (45, "fused_tiles"), (300, "expand"),
-                                      (300, "expand_stream"), (1000, "expand")])
+                                      (300, "expand_stream"), (1000, "expand"), (1000, "expand_ring")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_slice_of_a_fused_target_into_its_own_output(make_case, check, dtype, T, launch):
     """Each slice of a fused target served alone, into an output of that slice's width (a

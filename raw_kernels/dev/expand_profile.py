@@ -1,0 +1,39 @@
+"""One unfused delta call of a bench row, for Nsight Compute: each expand kernel once, after a warm-up.
+
+    ncu --kernel-name regex:lora_expand --launch-skip 3 --launch-count 3 --section SpeedOfLight \
+        --section WarpStateStats python raw_kernels/dev/expand_profile.py --T 4096 --ranks 16 --slots 1
+
+Runs ``expand``, ``expand_stream`` and ``expand_ring`` in that order, each twice (a warm-up, then the
+call to profile), on the bench's data of the row (core group, 4096 -> ``--out``, bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lora_cupy.backends.base import LayerWeights
+from lora_cupy.backends.cupy import CupyBackend
+from lora_cupy.bench.kernels import Row, build
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=4096)
+    ap.add_argument("--out", type=int, default=4096)
+    ap.add_argument("--ranks", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=1)
+    args = ap.parse_args()
+    row = Row("core", args.T, 4096, (args.out,), (args.ranks,) * args.slots, args.ranks)
+    d = build(row, 0)
+    w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
+    for expand in ("expand", "expand_stream", "expand_ring"):
+        be = CupyBackend(d.spec, fused=False, expand=expand)
+        for _ in range(2):
+            be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
