@@ -142,6 +142,22 @@ def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
         assert p128.rank_blocks == 128 // rb and p128.splits * (128 // rb) >= p16.splits
 
 
+def test_a_member_call_splits_in_for_its_one_slice():
+    """One slice of a fused target served alone (its offsets give the other slices no columns)
+    splits ``in`` as a one-slice target does, not as the whole target's three slices would; a
+    fused launch spreads its grid in the kernel and keeps the whole target's plan."""
+    assert cb.live_slices((0, 4096, 5120, 6144)) == 3
+    assert cb.live_slices((0, 0, 1024, 1024)) == 1
+    for b in (512, 1024, 4096):
+        member = cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9, live_slices=1)
+        one = cb.plan_launch(b, 4096, 1024, 1, 16, "bfloat16", num_slots=9)
+        whole = cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9)
+        assert not member.fused and member.splits == one.splits > whole.splits
+        assert member.shrink_blocks == 3 * one.shrink_blocks  # the other slices' tasks are launched, and stop
+        fused = cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9, fused=True, live_slices=1)
+        assert fused == cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9, fused=True)
+
+
 def test_workspace_is_v_at_the_largest_bucket():
     qkv = LoraTarget("qkv", 4096, 6144, 32, (LoraSlice("q", 4096), LoraSlice("k", 1024), LoraSlice("v", 1024)))
     down = LoraTarget("down", 14336, 4096, 32)

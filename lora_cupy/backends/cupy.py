@@ -201,9 +201,14 @@ def default_expand(bucket: int) -> str:
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
-                chunks: bool | None = None) -> LaunchPlan:
+                chunks: bool | None = None, live_slices: int | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it).
+
+    ``live_slices``: how many of the ``n_slices`` have columns (one slice of a fused target served
+    into its own output: the others have none, and their shrink tasks stop at once); an unfused
+    launch splits ``in`` for those alone, so the member's shrink fills the device as a one-slice
+    target's does. None: every slice.
 
     A chunked launch (fused only: ``chunks``, by default ``default_chunks``) sizes its grid at
     about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM`` expand blocks per
@@ -247,7 +252,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     rank_blocks = _ceil(max_rank, RANK_BLOCK)
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
-    base = tiles * n_slices  # rank blocks past an adapter's rank stop at once: they do not count
+    live = n_slices if fused or live_slices is None else max(1, min(int(live_slices), n_slices))
+    base = tiles * live  # rank blocks past an adapter's rank stop at once: they do not count
     want = max(1, min(nchunks, _ceil((FUSED_SHRINK_PER_SM if chunks else 4) * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
@@ -380,23 +386,25 @@ class CallLimits:
     chunks: bool | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
-             dtype: str, num_slots: int) -> LaunchPlan:
+             dtype: str, num_slots: int, live_slices: int | None = None) -> LaunchPlan:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
-                           fused=self.fused, expand=self.expand, chunks=self.chunks)
+                           fused=self.fused, expand=self.expand, chunks=self.chunks, live_slices=live_slices)
 
 
 @dataclass(frozen=True)
 class WeightArgs:
     """One layer's slot weights as the kernels see them, checked once: their dtype, pointers
     ``(a, b, scaling, ranks, out_offsets)``, dims ``(S, n, R, in, out)``, the 16-byte access
-    flags they allow (``flags`` before x's and y's own alignment is known) and ``b``'s slot stride."""
+    flags they allow (``flags`` before x's and y's own alignment is known), ``b``'s slot stride
+    and how many slices have columns."""
 
     dtype: str
     ptrs: tuple[int, int, int, int, int]
     dims: tuple[int, int, int, int, int]
     flags: int
     b_slot: int  # w.b's elements from one slot to the next (slot_stride)
+    live: int  # slices with columns (n, or 1 for one slice of a fused target served alone)
 
 
 def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
@@ -443,7 +451,14 @@ def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
     ch = 16 // _ITEMSIZE[A.dtype]
     flags = ((1 if in_f % ch == 0 and A.ptr % 16 == 0 else 0)
              | (2 if R % ch == 0 and b_slot % ch == 0 and B.ptr % 16 == 0 else 0) | (4 if out % ch == 0 else 0))
-    return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags, b_slot)
+    return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags, b_slot,
+                      live_slices(offs))
+
+
+def live_slices(out_offsets) -> int:
+    """How many slices of ``out_offsets`` (``n + 1`` rising offsets) have columns."""
+    offs = [int(o) for o in out_offsets]
+    return sum(b > a for a, b in zip(offs, offs[1:]))
 
 
 def _xy_flags(flags: int, x_ptr: int, y_ptr: int) -> int:
@@ -501,7 +516,7 @@ def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO:
         return None
     if T > limits.spec.max_tokens:
         raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
-    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S)
+    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S, wa.live)
     if plan.counter_ints() > limits.counter_ints:
         raise ValueError(f"{plan.tiles} work units exceed the counters built for the spec")
     a, b, sc, rk, offs = wa.ptrs
@@ -734,7 +749,8 @@ class CupyBackend:
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
         S, n, R, in_f = w.a.shape
-        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, R, normalize_dtype(dtype or self.spec.dtype), S)
+        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, R, normalize_dtype(dtype or self.spec.dtype), S,
+                                live_slices(w.out_offsets))
 
     def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
         """``y[t, cols_j] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T`` for each

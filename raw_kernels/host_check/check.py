@@ -116,7 +116,7 @@ def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
     S, n, R, in_f = case.w.a.shape
     return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, out or case.y0.shape[1], n, R,
                           case.spec.dtype, num_slots=S, tile=tile, fused=fused, expand=None if fused else expand,
-                          chunks=chunks, num_sms=sms)
+                          chunks=chunks, num_sms=sms, live_slices=None if out is None else 1)
 
 
 def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto",
