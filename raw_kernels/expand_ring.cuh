@@ -10,14 +10,17 @@
 // which is all the MMAs read; zero past the rank and outside the slice) and, at a column block's
 // first step, its y tile (64 rows x 64 columns: whole 128-byte lines of a 16-bit y), in a ring of
 // its own.
-//   - v * scaling is read by each warp into registers as MMA fragments once per slice (a rank
-//     chunk's worth; another chunk reads them again), each row scaled by its own run's scaling, so a
-//     step moves y and B only; rows of other runs are masked out of the fragments per run.
+//   - v * scaling is read by each warp into registers as MMA fragments, one rank chunk's worth, each
+//     row scaled by its own run's scaling, and read again only when the step's slice or chunk
+//     changes: once per slice where ranks fit one chunk, so such a step moves y and B only (a run
+//     of rank > 64, fp32 > 32, reads v again at every step, its chunks alternating); rows of other
+//     runs are masked out of the fragments per run.
 //   - B fragments come from the shared B tile with ranks permuted inside each k-step as the v
 //     fragments are (common.cuh): one 8-byte shared load per n-tile (fp32: 16 bytes).
 //   - At a column block's last step each warp adds its rows' sums into the y tile (fp32, rounded
 //     once; an element whose delta is exactly zero keeps its bits) and writes its 16 rows back
-//     with 16-byte stores: no block barrier besides the ring's one per step.
+//     (16-byte stores where y allows them, else element by element): no block barrier besides the
+//     ring's one per step.
 // The last column group of a tile to finish zeroes the tile's v, as lora_expand does. Shared
 // memory: 3 stages of (y tile + B tile), 57 KB for 16-bit types (3 blocks per multiprocessor), 90 KB
 // for fp32. Chosen by the plan (backends/cupy.py, default_expand) for the buckets where

@@ -24,7 +24,8 @@
 //     starts from a zero v and zero counters.
 // The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
 //   lora_shrink  (one shrink task a block): every unfused launch.
-//   lora_expand  (one expand task a block): unfused launches of 128 and 512 positions.
+//   lora_expand  (one expand task a block): unfused launches of fewer than 1024 positions but those of
+//     expand_stream's buckets (of the default capture buckets: 128 and 512).
 //   lora_expand_stream (expand_stream.cuh): the same expand tasks with y streamed through registers
 //     by each warp on its own; chosen for the buckets where it measured fastest (256 positions).
 //   lora_expand_ring (expand_ring.cuh): tiles of 64 positions, y and B through a ring of cp.async

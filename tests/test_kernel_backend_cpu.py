@@ -190,6 +190,24 @@ def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R
             assert (f.expand, f.chunks) == ("expand", cb.default_chunks(b))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_f,out,n,R", SHAPES)
+def test_ring_plans_take_tiles_of_64_and_one_wave(in_f, out, n, R, dtype):
+    """``expand_ring``: tiles of RING_BM positions whatever the bucket's own tile, column blocks of
+    RING_BN covering ``out``, at most one wave of RING_BLOCKS_PER_SM expand blocks per
+    multiprocessor once y is large; a fused launch runs lora_fused whatever is asked."""
+    for b in (128, 256, 1024, 4096):
+        p = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, fused=False, expand="expand_ring")
+        assert (p.expand, p.bm, p.bn, p.chunks) == ("expand_ring", kernels.RING_BM, kernels.RING_BN, False)
+        assert p.tiles == -(-b // kernels.RING_BM)
+        assert p.col_blocks * p.bn >= out > (p.col_blocks - 1) * p.bn and 1 <= p.cpb <= p.col_blocks
+        assert p.expand_blocks <= max(p.tiles, cb.RING_BLOCKS_PER_SM * cb.DEFAULT_SMS)
+        if p.tiles * p.col_blocks >= 2 * cb.RING_BLOCKS_PER_SM * cb.DEFAULT_SMS:  # y large: about one wave
+            assert p.expand_blocks > cb.RING_BLOCKS_PER_SM * cb.DEFAULT_SMS // 2
+        f = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, fused=True, expand="expand_ring")
+        assert f.fused and f.expand == "expand"
+
+
 def test_each_shipped_kernel_is_a_default_somewhere_and_a_pools_rank_changes_none():
     """Every expand kernel is some bucket's default (a bucket listed for expand_stream launches
     unfused: a fused launch would ignore it), the fused kernel is, and the choice is the bucket's

@@ -263,7 +263,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     elif expand == "expand_ring":
         bn = RING_BN
         col_blocks = _ceil(out_features, bn)
-        cpb = max(1, min(col_blocks, _ceil(tiles * col_blocks, RING_BLOCKS_PER_SM * num_sms)))
+        groups = max(1, (RING_BLOCKS_PER_SM * num_sms) // tiles)  # column groups per tile, at most
+        cpb = _ceil(col_blocks, groups)
     elif expand == "expand_stream":
         bn = STREAM_BN
         col_blocks = _ceil(out_features, bn)
