@@ -88,7 +88,7 @@ def ring_smem(dtype: str) -> int:
 
 
 #: Blocks per multiprocessor ``lora_expand_ring`` is built for (``__launch_bounds__(128, 3)``; its
-#: shared memory allows 3 for 16-bit types, 2 for fp32): a plan gives it about one wave of them.
+#: shared memory allows 3 for 16-bit types, 2 for fp32): a plan gives it at most one wave of them.
 RING_BLOCKS_PER_SM = 3
 
 

@@ -617,8 +617,8 @@ def _versions_table(results: list[dict]) -> str:
     issue's bars."""
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
     alone_keys = ["shrink", *VERSIONS]
-    short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring", "fused_chunks": "chunks",
-             "fused_tiles": "tiles", "unfused": "unfused"}
+    short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring",
+             "fused_chunks": "chunks", "fused_tiles": "tiles", "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))
     lines = ["launches side by side (us; ERR = over tolerance, '-' = not run)", head]
