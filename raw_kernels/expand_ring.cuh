@@ -66,7 +66,34 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
   const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
   auto y_tile = [&](int vis) { return reinterpret_cast<T*>(dsmem + (vis % STAGES) * C::Y_BYTES); };
   auto b_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + STAGES * C::Y_BYTES + st * C::B_BYTES); };
-  auto step = [&](ExpandWalk& w, bool newcb) { walk_step<BM>(w, newcb, rm, n, nrun, out, BN, cb1, RK); };
+  // one run of one slice (a large step's common tile): every column block has the same chunks
+  const bool simple = n == 1 && nrun == 1 && pr[0][0] > 0;
+  auto step = [&](ExpandWalk& w, bool newcb) {
+    if (simple && !newcb) {
+      if (++w.kc < w.nc) {
+        w.first = false;
+        return;
+      }
+      w.kc = 0;
+      w.first = true;
+      ++w.vis;
+      w.done = ++w.cb >= cb1;
+      return;
+    }
+    walk_step<BM>(w, newcb, rm, n, nrun, out, BN, cb1, RK);
+  };
+  // each thread's share of a y tile: rows yr0 + k * YROWS, one 16-byte piece at column ycol
+  constexpr int YPT = BM * YCPR / THREADS, YROWS = THREADS / YCPR;
+  const int ycol = (tid % YCPR) * CH, yr0 = tid / YCPR;
+  const T* yrow[YPT];
+#pragma unroll
+  for (int k = 0; k < YPT; ++k) {
+    const int t = tr.tok[yr0 + k * YROWS];
+    yrow[k] = t >= 0 ? g.y + (size_t)t * out + ycol : nullptr;
+  }
+  // and of a B tile: columns br0 + k * BROWS, the 16-byte piece at rank bk of each
+  constexpr int BPR = RK / CH, BPT = BN * BPR / THREADS, BROWS = THREADS / BPR;
+  const int bk = (tid % BPR) * CH, br0 = tid / BPR;
 
   // one step's loads into stage st: its y tile (a column block's first step) and its B tile
   auto load = [&](const ExpandWalk& w, int st) {
@@ -75,11 +102,10 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
       if (w.first) {
         T* sy = y_tile(w.vis);
         if (vec_y) {
+          if (c0 + ycol < c1) {
 #pragma unroll
-          for (int c = tid; c < BM * YCPR; c += THREADS) {
-            const int row = c / YCPR, col = (c % YCPR) * CH;
-            if (tr.tok[row] >= 0 && c0 + col < c1)
-              cp_async16(sy + row * C::LDY + col, g.y + (size_t)tr.tok[row] * out + c0 + col, 16);
+            for (int k = 0; k < YPT; ++k)
+              if (yrow[k]) cp_async16(sy + (yr0 + k * YROWS) * C::LDY + ycol, yrow[k] + c0, 16);
           }
         } else {
           for (int e = tid; e < BM * BN; e += THREADS) {
@@ -94,12 +120,14 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
       const int kw = min(((r - k0) + 15) & ~15, RK);  // ranks < r rounded up to 16: all the MMAs read
       const T* bs = g.B + (size_t)s * g.b_slot + k0;
       if (vec_b) {
-        const int kcpr = kw / CH;  // 16-byte pieces a column
-        for (int c = tid; c < BN * kcpr; c += THREADS) {
-          const int row = c / kcpr, k = (c % kcpr) * CH, col = c0 + row;
-          const bool ok = col >= ca && col < cz;
-          const int bytes = ok ? min(max(r - (k0 + k), 0), CH) * (int)sizeof(T) : 0;
-          cp_async16(sb + row * C::LDB + k, bytes ? bs + (size_t)col * g.max_rank + k : g.B, bytes);
+        if (bk < kw) {  // the pieces of ranks < r16 (the others are never read)
+          const int bytes = min(max(r - (k0 + bk), 0), CH) * (int)sizeof(T);
+#pragma unroll
+          for (int k = 0; k < BPT; ++k) {
+            const int row = br0 + k * BROWS, col = c0 + row;
+            const bool ok = col >= ca && col < cz && bytes > 0;
+            cp_async16(sb + row * C::LDB + bk, ok ? bs + (size_t)col * g.max_rank + bk : g.B, ok ? bytes : 0);
+          }
         }
       } else {
         for (int e = tid; e < BN * kw; e += THREADS) {
@@ -197,7 +225,14 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
           wp[1] = add_word<T>(wp[1], acc[nt][2 * h + 1], 0.f);
         } else {
           unsigned* wp = reinterpret_cast<unsigned*>(p);
-          *wp = add_word<T>(*wp, acc[nt][2 * h], acc[nt][2 * h + 1]);
+          const float d0 = acc[nt][2 * h], d1 = acc[nt][2 * h + 1];
+          const unsigned w = *wp;
+          if (d0 != 0.f && d1 != 0.f) {  // both change: no bits to keep
+            const float2 f = unpack2<T>(w);
+            *wp = pack2<T>(f.x + d0, f.y + d1);
+          } else {
+            *wp = add_word<T>(w, d0, d1);
+          }
         }
       }
     clear();
