@@ -219,10 +219,10 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
       for (int h = 0; h < 2; ++h) {
         if ((h ? tok1 : tok0) < 0) continue;
         T* p = sy + (h ? row1 : row0) * C::LDY + nt * 8 + 2 * tq;  // past c1: zero sums, bits kept
-        if constexpr (sizeof(T) == 4) {
-          unsigned* wp = reinterpret_cast<unsigned*>(p);
-          wp[0] = add_word<T>(wp[0], acc[nt][2 * h], 0.f);
-          wp[1] = add_word<T>(wp[1], acc[nt][2 * h + 1], 0.f);
+        if constexpr (sizeof(T) == 4) {  // one 8-byte access: the lanes of a half-warp in distinct banks
+          uint2* wp = reinterpret_cast<uint2*>(p);
+          const uint2 w = *wp;
+          *wp = make_uint2(add_word<T>(w.x, acc[nt][2 * h], 0.f), add_word<T>(w.y, acc[nt][2 * h + 1], 0.f));
         } else {
           unsigned* wp = reinterpret_cast<unsigned*>(p);
           const float d0 = acc[nt][2 * h], d1 = acc[nt][2 * h + 1];

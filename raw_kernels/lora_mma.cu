@@ -886,10 +886,10 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   lora::expand_stream_task<T, BM, ALIGNED>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
 }
 
-// lora_expand_ring (expand_ring.cuh): tiles of 64 positions; registers capped for 3 blocks per
-// multiprocessor, as its shared memory allows for 16-bit types.
+// lora_expand_ring (expand_ring.cuh): tiles of 64 positions; registers capped for the blocks per
+// multiprocessor its shared memory allows (3 for 16-bit types, 2 for fp32).
 template <typename T, bool ALIGNED>
-__global__ void __launch_bounds__(128, 3) lora_expand_ring(LORA_PARAMS) {
+__global__ void __launch_bounds__(128, sizeof(T) == 4 ? 2 : 3) lora_expand_ring(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<64> tr;
   LORA_ARGS;

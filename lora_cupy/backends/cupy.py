@@ -87,9 +87,10 @@ def ring_smem(dtype: str) -> int:
     return 3 * (RING_BM * (RING_BN + 8) + RING_BN * (rk + 16)) * size
 
 
-#: Blocks per multiprocessor ``lora_expand_ring`` is built for (``__launch_bounds__(128, 3)``; its
-#: shared memory allows 3 for 16-bit types, 2 for fp32): a plan gives it at most one wave of them.
+#: Blocks per multiprocessor ``lora_expand_ring`` is built for (``__launch_bounds__(128, 3)``, fp32 2:
+#: what its shared memory allows): a plan gives it at most one wave of them.
 RING_BLOCKS_PER_SM = 3
+RING_BLOCKS_PER_SM_FP32 = 2
 
 
 #: Blocks per multiprocessor ``lora_expand_stream`` is built for (``__launch_bounds__(128, 4)``).
@@ -263,7 +264,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     elif expand == "expand_ring":
         bn = RING_BN
         col_blocks = _ceil(out_features, bn)
-        groups = max(1, (RING_BLOCKS_PER_SM * num_sms) // tiles)  # column groups per tile, at most
+        per_sm = RING_BLOCKS_PER_SM if _ITEMSIZE[dtype] < 4 else RING_BLOCKS_PER_SM_FP32
+        groups = max(1, (per_sm * num_sms) // tiles)  # column groups per tile, at most
         cpb = _ceil(col_blocks, groups)
     elif expand == "expand_stream":
         bn = STREAM_BN
