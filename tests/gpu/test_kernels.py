@@ -398,6 +398,10 @@ def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
         # 128 threads a block: at most 16 blocks, at least one (else the launch would fail)
         assert 1 <= o["blocks_per_sm"] <= 16 and 1 <= o["registers"] <= 255 and o["local_bytes"] >= 0
         assert o["smem"] >= 4 * (case.spec.num_slots + 1)
+    if version == "expand_ring":  # what its plan sizes one wave for (bf16: RING_BLOCKS_PER_SM)
+        from lora_cupy.backends.cupy import RING_BLOCKS_PER_SM
+
+        assert occ["expand_ring"]["blocks_per_sm"] >= RING_BLOCKS_PER_SM
 
 
 @pytest.mark.parametrize("T,launch", [(7, "fused_chunks"), (45, "fused_tiles"), (300, "expand"),
