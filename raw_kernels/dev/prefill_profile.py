@@ -1,10 +1,18 @@
 """Where a prefill step's added time goes (dev tool, not shipped): one eager step prefilling 8
-requests of 512 tokens on the e2e bench's Llama-shaped model, with and without adapters, under
-torch.profiler; prints the CUDA time per kernel name, largest first, and the totals.
+requests of 512 tokens on the e2e bench's Llama-shaped model, with and without adapters. Prints the
+step's device time between CUDA events and its host phases (perf_counter: admission, the pool's
+admit and plan, the forward's launches, the wait for the tokens), median of 5 steps; then, for one
+more step under torch.profiler, the CUDA time per kernel name (largest first), the device's busy
+time and its idle gaps; the Chrome trace of that step (CPU and CUDA) is written under ``$OUT``.
 
-    PYTHONPATH=. python raw_kernels/dev/prefill_profile.py
+    PYTHONPATH=. OUT=/tmp/trace python raw_kernels/dev/prefill_profile.py
 """
+import functools
+import os
+import statistics
 import tempfile
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +23,48 @@ from lora_cupy.integrations import GenerationRequest
 from lora_cupy.integrations.hf import spec_for_adapters
 from lora_cupy.pool import LoraAdapterPool
 
+out_dir = Path(os.environ.get("OUT", "."))
 model = e2e.build_model(e2e.MODEL, "bfloat16", "cuda")
+phases = defaultdict(list)
+
+
+def timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(name):
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name].append((time.perf_counter() - t0) * 1e3)
+    return wrapper
+
+
+def kernel_report(prof, label: str) -> None:
+    rows, spans = {}, []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
+            rows[e.key] = (t, e.count)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.elapsed_us() > 0:
+            spans.append((e.time_range.start, e.time_range.end))
+    spans.sort()
+    busy, end = 0.0, None
+    for s, t in spans:
+        if end is None or s > end:
+            busy += t - s
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    total = sum(t for t, _ in rows.values())
+    span = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
+    print(f"== {label}: {total / 1000:.2f} ms of CUDA time, device busy {busy / 1e3:.2f} of {span:.2f} ms")
+    for k, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"{t / 1000:8.3f} ms {c:4d}x  {k[:110]}")
+
+
 with tempfile.TemporaryDirectory() as tmp:
     adapters = e2e.write_adapters(model, Path(tmp), 8, 16)
     spec = spec_for_adapters(model, adapters, num_slots=33)
@@ -24,6 +73,9 @@ with tempfile.TemporaryDirectory() as tmp:
     rng = np.random.default_rng(2)
     for label, ads in (("base", [None]), ("adapters", names)):
         gen = e2e.generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False)
+        for attr in ("_admit_new", "_pool_step", "_forward", "_emit"):
+            setattr(gen, attr, timed(attr, getattr(gen, attr)))
+        gen.decoder.forward = timed("decoder.forward", gen.decoder.forward)  # an instance attribute
         n = [0]
 
         def submit():
@@ -33,20 +85,31 @@ with tempfile.TemporaryDirectory() as tmp:
                 n[0] += 1
             e2e.wait_host_copies(gen.pool, ads)
 
-        submit(); gen.step(); submit(); gen.step()
+        submit(); gen.step()
+        phases.clear()
+        dev, wall = [], []
+        for _ in range(5):
+            submit()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            gen.step()
+            end.record()
+            end.synchronize()
+            wall.append((time.perf_counter() - t0) * 1e3)
+            dev.append(start.elapsed_time(end))
+        print(f"== {label}: step device {statistics.median(dev):.2f} ms, host wall {statistics.median(wall):.2f} ms")
+        for k, v in phases.items():
+            print(f"   {k:18s} {statistics.median(v):8.3f} ms host")
         submit()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
             gen.step()
             torch.cuda.synchronize()
+        prof.export_chrome_trace(str(out_dir / f"prefill_{label}.json"))
+        kernel_report(prof, label)
+        del gen.decoder.forward
         gen.close()
-        rows = {}
-        for e in prof.key_averages():
-            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if t:
-                rows[e.key] = (t, e.count)
-        total = sum(t for t, _ in rows.values())
-        print(f"== {label}: {total / 1000:.2f} ms of CUDA time")
-        for k, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:14]:
-            print(f"{t / 1000:8.3f} ms {c:4d}x  {k[:110]}")
     pool.close()
