@@ -4,7 +4,8 @@ An experiment kept outside the wheel, run against the checkout on ``PYTHONPATH``
 too: options it does not have are left out, and said so). Variants of each row:
 
 - ``--pairs``: the planner's ``FUSED_SHRINK_PER_SM`` / ``FUSED_EXPAND_PER_SM`` (blocks per
-  multiprocessor a chunked fused launch gives its shrink and its expand tasks) set to each pair,
+  multiprocessor a fused launch gives its shrink and its expand tasks; before 2026-12-01 a
+  chunked one only) set to each pair,
   or ``default`` (the planner as it is);
 - ``--unfused``: the unfused pair too (its kernels run tiles);
 - ``--aligned-off``: the backend built with ``aligned=False`` too, so calls whose rows allow every

@@ -73,8 +73,12 @@ with tempfile.TemporaryDirectory() as tmp:
     rng = np.random.default_rng(2)
     for label, ads in (("base", [None]), ("adapters", names)):
         gen = e2e.generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False)
-        for attr in ("_admit_new", "_pool_step", "_forward", "_emit"):
+        for attr in ("_admit_new", "_pool_step", "_forward", "_emit", "_count_slots", "_finish"):
             setattr(gen, attr, timed(attr, getattr(gen, attr)))
+        for obj, attrs in ((pool, ("admit", "plan", "commit", "remove_request", "snapshot")),
+                           (gen.queue, ("pump", "cancel")), (gen.cache, ("move_row", "begin"))):
+            for attr in attrs:
+                setattr(obj, attr, timed(f"{type(obj).__name__}.{attr}", getattr(obj, attr)))
         gen.decoder.forward = timed("decoder.forward", gen.decoder.forward)  # an instance attribute
         n = [0]
 
@@ -100,8 +104,10 @@ with tempfile.TemporaryDirectory() as tmp:
             wall.append((time.perf_counter() - t0) * 1e3)
             dev.append(start.elapsed_time(end))
         print(f"== {label}: step device {statistics.median(dev):.2f} ms, host wall {statistics.median(wall):.2f} ms")
-        for k, v in phases.items():
-            print(f"   {k:18s} {statistics.median(v):8.3f} ms host")
+        for k, v in phases.items():  # per step: the median step's sum over its calls
+            per = len(v) // 5
+            sums = [sum(v[i * per:(i + 1) * per]) for i in range(5)] if per else [0.0]
+            print(f"   {k:28s} {statistics.median(sums):8.3f} ms host  x{per}")
         submit()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -111,5 +117,8 @@ with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(str(out_dir / f"prefill_{label}.json"))
         kernel_report(prof, label)
         del gen.decoder.forward
+        for obj, attrs in ((pool, ("admit", "plan", "commit", "remove_request", "snapshot")),):
+            for attr in attrs:
+                delattr(obj, attr)
         gen.close()
     pool.close()
