@@ -56,6 +56,36 @@ class LoraLayerDelta:
             raise type(e)(f"{self.target}[{self.layer_idx}]: {e}") from None
         return y
 
+    def shrink(self, x) -> None:
+        """The delta's first half: ``v = x @ A.T`` for the step's rows, into the backend's
+        workspace (no output yet). :meth:`expand` adds it into y; between the two, no other delta
+        of the pool may run (v is shared). A target's shrink serves the expands of all its slices
+        (:meth:`expand` of each ``member``'s delta): a large step's separate q/k/v linears read x
+        once. A step with no adapter row: nothing."""
+        self._half("shrink", x)
+
+    def expand(self, y):
+        """The delta's second half, after :meth:`shrink` of the same step and target:
+        ``y += scaling * v @ B.T`` (this delta's slices: one, for a ``member``), and the v it read
+        is zero again. Changes y in place and returns it."""
+        self._half("expand", y)
+        return y
+
+    def _half(self, part: str, t) -> None:
+        plan = self.pool.current_plan()
+        if plan is None:
+            return
+        if plan.ready is not None:
+            plan.wait_host()
+        g = self.grouping
+        half = getattr(self._launch, "half", None)
+        if half is None:
+            raise NotImplementedError(f"the {self.pool.backend.name} backend runs the delta whole, not in halves")
+        try:
+            half(part, t, plan.launch[g], plan.rows[g])
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{self.target}[{self.layer_idx}] {part}: {e}") from None
+
     def __repr__(self) -> str:
         member = "" if self.member is None else f", member={self.member}"
         return f"LoraLayerDelta({self.target!r}, layer={self.layer_idx}{member})"

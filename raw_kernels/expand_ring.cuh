@@ -273,7 +273,7 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
   }
   cp_async_wait<0>();
 
-  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n);
+  release_v<T, BM>(g, tr, rm, tile, groups, p0, n);
 }
 
 }  // namespace lora

@@ -257,7 +257,7 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
     }
   }
 
-  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n);
+  release_v<T, BM>(g, tr, rm, tile, groups, p0, n);
 }
 
 }  // namespace lora

@@ -492,10 +492,14 @@ __device__ __forceinline__ void add_pair(T* p, float d0, float d1, bool both) {
 
 // After a column group's last read of v: the last group of the tile to finish zeroes the tile's
 // v, so the next launch (or graph replay) starts from zero. Each group releases its reads of v
-// (fence, then count); the last one acquires them (count, then fence) before it writes.
+// (fence, then count); the last one acquires them (count, then fence) before it writes. Only the
+// slices with columns are zeroed: an expand serving one slice of a fused target (after a shrink
+// of every slice, the delta in halves) leaves the other slices' v for their own expands.
 template <typename T, int BM>
-__device__ void release_v(const Args<T>& g, const TileRows<BM>& tr, const int (&pr)[MAX_SLICES][BM],
-                          int& last_reader, int tile, int groups, int p0, int n) {
+__device__ void release_v(const Args<T>& g, const TileRows<BM>& tr, RunMeta<BM>& rm, int tile, int groups,
+                          int p0, int n) {
+  const int(&pr)[MAX_SLICES][BM] = rm.pr;
+  int& last_reader = rm.last_reader;
   const int tid = threadIdx.x;
   int* readers = g.counters + 2 + g.units(BM) + tile;
   __syncthreads();
@@ -509,7 +513,7 @@ __device__ void release_v(const Args<T>& g, const TileRows<BM>& tr, const int (&
     const int r4 = g.rw / 4;
     for (int e = tid; e < BM * n * r4; e += THREADS) {
       const int row = e / (n * r4), jj = (e / r4) % n, c4 = (e % r4) * 4;
-      if (tr.tok[row] >= 0 && c4 < ((pr[jj][tr.run_of[row]] + 15) & ~15))
+      if (tr.tok[row] >= 0 && c4 < ((pr[jj][tr.run_of[row]] + 15) & ~15) && rm.s_off[jj] < rm.s_off[jj + 1])
         __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(p0 + row) * n + jj) * g.rw + c4),
                make_float4(0.f, 0.f, 0.f, 0.f));
     }
@@ -781,7 +785,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   }
   cp_async_wait<0>();
 
-  release_v<T, BM>(g, tr, rm.pr, rm.last_reader, tile, groups, p0, n);
+  release_v<T, BM>(g, tr, rm, tile, groups, p0, n);
 }
 
 template <typename T, int BM, int BN>

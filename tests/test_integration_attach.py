@@ -6,7 +6,9 @@ detach leaves every parameter and output bit-identical; bad models are refused b
 from __future__ import annotations
 
 import copy
+import tempfile
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,37 +113,46 @@ def test_separate_projections_run_as_one_fused_launch(family, monkeypatch):
 
 def test_large_steps_run_each_member_in_place(family, monkeypatch):
     """From ``members_in_place_rows`` rows on, each member of a fused group runs its own slice
-    straight into its own output (one launch per linear, no scratch): every row still equals
-    PEFT with its adapter alone, and the logits match the shared-scratch path's."""
+    straight into its own output (no scratch): the group's first member runs the whole target's
+    shrink once, each member the expand of its own slice. Every row still equals PEFT with its
+    adapter alone, the logits match the shared-scratch path's, and v is zero afterwards."""
     kind, base, dirs = family
     spec = spec_for_adapters(base, dirs, num_slots=4)
     ref = PeftReference(base, dirs)
     rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2")]
     ids = torch.randint(0, VOCAB, (len(rows), 5))
     calls = []
-    real = LoraLayerDelta.__call__
+    real, real_half = LoraLayerDelta.__call__, LoraLayerDelta._half
 
     def counting(self, y, x):
-        calls.append((self.target, self.member))
+        calls.append(("whole", self.target, self.member))
         return real(self, y, x)
+
+    def counting_half(self, part, t):
+        calls.append((part, self.target, self.member))
+        return real_half(self, part, t)
 
     got = {}
     with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
             attach(base, pool) as att:
         planned_step(pool, rows, ids.shape[1])
         monkeypatch.setattr(LoraLayerDelta, "__call__", counting)
+        monkeypatch.setattr(LoraLayerDelta, "_half", counting_half)
         for threshold in (10**9, len(rows) * ids.shape[1]):  # the shared scratch, then members in place
             att.members_in_place_rows = threshold
             calls.clear()
             with torch.inference_mode():
                 got[threshold] = base(input_ids=ids).logits
-    # in place: each separate linear is its own launch, with its slice index; fused models unchanged
-    members = sorted(m for m in calls if m[1] is not None)
+        assert pool.backend.v is None and att.pending is None
+    # in place: one shrink per group, one expand per separate linear (its slice); fused models unchanged
     if kind == "phi3":
-        assert members == []
+        assert [c for c in calls if c[0] != "whole"] == []
     else:
-        assert members == sorted([("qkv_proj", j) for j in range(3)] * 2 + [("gate_up_proj", j) for j in range(2)] * 2)
-        assert sorted(t for t, m in calls if m is None) == ["down_proj"] * 2 + ["o_proj"] * 2
+        groups = [("qkv_proj", 3), ("gate_up_proj", 2)]
+        assert sorted(c for c in calls if c[0] == "shrink") == sorted([("shrink", t, None) for t, _ in groups] * 2)
+        assert sorted(c for c in calls if c[0] == "expand") == \
+            sorted([("expand", t, j) for t, n in groups for j in range(n)] * 2)
+        assert sorted(t for p, t, m in calls if p == "whole") == ["down_proj"] * 2 + ["o_proj"] * 2
     small, large = got[10**9], got[len(rows) * ids.shape[1]]
     torch.testing.assert_close(large, small, rtol=1e-5, atol=1e-6)
     for i, (_rid, adapter) in enumerate(rows):
@@ -203,3 +214,38 @@ def test_attach_refuses_a_model_that_does_not_fit(family):
             assert att.overlap_mode == "never" and not att.overlap and att.side is None  # in line on the CPU
             assert not any(m._forward_pre_hooks for m in base.modules())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())  # a refusal hooks nothing
+
+
+def test_a_forward_raising_between_members_leaves_no_v_behind(monkeypatch):
+    """A large step's forward that raises after q_proj's shrink and expand but before k_proj's:
+    the attachment finishes the open shrink before the next delta, so the next forward's logits
+    are exactly what a fresh attachment gives."""
+    import copy as _copy
+
+    base = tiny("llama")
+    root = Path(tempfile.mkdtemp())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d, _ = make_peft_adapter(root / "ad0", r=4, lora_alpha=8, target_modules=modules_of("llama"),
+                                 model=_copy.deepcopy(base), seed=3)
+    dirs = {"ad0": d}
+    spec = spec_for_adapters(base, dirs, num_slots=3)
+    rows = [("a", "ad0"), ("b", "ad0")]
+    ids = torch.randint(0, VOCAB, (len(rows), 4))
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool:
+        planned_step(pool, rows, ids.shape[1])
+        with attach(base, pool) as att, torch.inference_mode():
+            att.members_in_place_rows = 1
+            want = base(input_ids=ids).logits
+        with attach(base, pool) as att:
+            att.members_in_place_rows = 1
+            k_proj = base.model.layers[0].self_attn.k_proj
+            boom = k_proj.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+            with pytest.raises(RuntimeError, match="boom"), torch.inference_mode():
+                base(input_ids=ids)
+            boom.remove()
+            assert att.pending is not None and pool.backend.v is not None  # k's and v's slices still open
+            with torch.inference_mode():
+                got = base(input_ids=ids).logits
+            assert att.pending is None and pool.backend.v is None
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

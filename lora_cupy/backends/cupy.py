@@ -152,8 +152,9 @@ def default_tile(bucket: int) -> int:
     return 64
 
 
-#: Blocks per multiprocessor a fused launch gives its shrink tasks, and its expand tasks, when every
-#: chunk it is sized for has work (4 fit: 128 registers and 36 KB of shared memory a block).
+#: Blocks per multiprocessor a fused launch (on chunks or tiles) gives its shrink tasks, and its
+#: expand tasks: about, and for a chunked launch when every chunk it is sized for has work (4
+#: fit: 128 registers and 36 KB of shared memory a block).
 FUSED_SHRINK_PER_SM = 4
 FUSED_EXPAND_PER_SM = 4
 
@@ -255,7 +256,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     nchunks = max(1, _ceil(in_features, kc))
     live = n_slices if fused or live_slices is None else max(1, min(int(live_slices), n_slices))
     base = tiles * live  # rank blocks past an adapter's rank stop at once: they do not count
-    want = max(1, min(nchunks, _ceil((FUSED_SHRINK_PER_SM if chunks else 4) * num_sms, base)))
+    want = max(1, min(nchunks, _ceil((FUSED_SHRINK_PER_SM if fused else 4) * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
     if chunks:
@@ -275,7 +276,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         cpb = min(col_blocks, _ceil(_ceil(col_blocks, groups), share) * share)
     else:
         col_blocks = _ceil(out_features, bn)
-        cpb = max(1, min(col_blocks, (tiles * col_blocks) // (4 * num_sms)))
+        per_sm = FUSED_EXPAND_PER_SM if fused else 4
+        cpb = max(1, min(col_blocks, (tiles * col_blocks) // (per_sm * num_sms)))
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
                       tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
                       n_slices=n_slices, expand=expand, chunks=chunks)
@@ -389,10 +391,12 @@ class CallLimits:
     chunks: bool | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
-             dtype: str, num_slots: int, live_slices: int | None = None) -> LaunchPlan:
+             dtype: str, num_slots: int, live_slices: int | None = None, halves: bool = False) -> LaunchPlan:
+        """``halves``: a plan for the delta in two launches of its own (shrink, then expand), never fused."""
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
-                           fused=self.fused, expand=self.expand, chunks=self.chunks, live_slices=live_slices)
+                           fused=False if halves else self.fused, expand=self.expand, chunks=self.chunks,
+                           live_slices=live_slices)
 
 
 @dataclass(frozen=True)
@@ -505,8 +509,9 @@ def _check_xy(limits: CallLimits, wa: WeightArgs, Y: DeviceArg, X: DeviceArg) ->
 
 
 def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO: DeviceArg, IP: DeviceArg,
-                 torch: bool) -> LaunchArgs | None:
-    """The launch of a call whose x and y were checked against ``wa``: None with no positions."""
+                 torch: bool, halves: bool = False) -> LaunchArgs | None:
+    """The launch of a call whose x and y were checked against ``wa``: None with no positions.
+    ``halves``: planned as two launches (see :meth:`LayerLaunch.half`)."""
     for nm, d in (("token_order", TO), ("slot_indptr", IP)):
         if d.dtype != "int32":
             raise TypeError(f"{nm} must be int32, got {d.dtype}")
@@ -519,7 +524,7 @@ def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO:
         return None
     if T > limits.spec.max_tokens:
         raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
-    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S, wa.live)
+    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S, wa.live, halves)
     if plan.counter_ints() > limits.counter_ints:
         raise ValueError(f"{plan.tiles} work units exceed the counters built for the spec")
     a, b, sc, rk, offs = wa.ptrs
@@ -930,6 +935,51 @@ class LayerLaunch:
             packed = self._prepare(views, Y.ptr, X.ptr, torch)
         if packed is not None:
             be.launch(packed, be.stream_ptr(torch), Y.ptr, X.ptr, _xy_flags(self.weights.flags, X.ptr, Y.ptr))
+
+    def half(self, part: str, t, views, rows: int) -> None:
+        """One half of the delta as a launch of its own, on the caller's stream: ``part`` "shrink"
+        reads x = ``t`` into v (the backend's workspace, zero before it); "expand" adds
+        ``v * scaling @ B.T`` into y = ``t`` and zeroes the v it read (its slices with columns
+        only: a fused target's one slice served alone leaves the other slices' v to theirs). Both
+        are planned unfused (``lora_shrink``, then the bucket's expand kernel) whatever the bucket;
+        v is shared by every layer of the backend, so between a shrink and the expands of its
+        slices no other delta of the backend may run on the device (one stream, or streams that
+        wait on each other in that order)."""
+        key = (views, part)
+        packed = self._launches.get(key)
+        if packed is not None and type(t) is self._tensor:  # the hot path, as __call__'s
+            ts = t.shape
+            if (len(ts) == 2 and ts[1] == self.weights.dims[3 if part == "shrink" else 4] and ts[0] >= rows
+                    and t.dtype is self._tdtype and t.is_contiguous() and t.get_device() == self._device):
+                p = t.data_ptr()
+                flags = self.weights.flags if not p & 15 else _xy_flags(self.weights.flags, p, p)
+                self.backend.launch(packed, self._stream(), p, p, flags)
+                return
+        if part not in ("shrink", "expand"):
+            raise ValueError(f"part {part!r}: 'shrink' or 'expand'")
+        be, wa = self.backend, self.weights
+        name = "x" if part == "shrink" else "y"
+        A = inspect_arg(name, t)
+        _check_placed(be.limits, ((name, A),))
+        want = wa.dims[3] if part == "shrink" else wa.dims[4]
+        if A.dtype != wa.dtype:
+            raise TypeError(f"{name} has dtype {A.dtype}, the weights {wa.dtype}")
+        if len(A.shape) != 2 or A.shape[1] != want:
+            raise ValueError(f"{name} must be [rows, {want}], got {A.shape}")
+        if A.shape[0] < rows:
+            raise ValueError(f"{name} has {A.shape[0]} rows, but the step addresses {rows}")
+        if A.is_torch and self._tensor is None:
+            self._tensor, self._tdtype, self._stream = type(t), t.dtype, be.torch_stream()
+        packed = self._launches.get(key, False)
+        if packed is False:
+            TO = inspect_arg("token_order", views.token_order)
+            IP = inspect_arg("slot_indptr", views.slot_indptr)
+            _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
+            call = _launch_args(be.limits, wa, A.ptr, A.ptr, TO, IP, A.is_torch, halves=True)
+            with be.device:
+                packed = self._launches[key] = None if call is None else PackedLaunch(be._kernels(call, (part,)))
+        if packed is not None:  # the operand a half does not touch is given t's pointer: flags stay true
+            be.launch(packed, be.stream_ptr(A.is_torch), A.ptr, A.ptr, _xy_flags(wa.flags, A.ptr, A.ptr))
 
     def packed(self, views) -> PackedLaunch | None:
         """The launch packed for ``views`` (None: not yet called there, or no positions)."""

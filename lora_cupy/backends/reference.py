@@ -65,22 +65,76 @@ class ReferenceBackend:
 
     name = "reference"
 
+    def __init__(self):
+        #: v between the halves of a delta (``LoraLayerDelta.shrink`` / ``expand``): float32
+        #: ``[positions, slices, max rank]``, None while zero (as the CUDA workspace is between calls)
+        self.v: np.ndarray | None = None
+
     def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
         reference_delta(y, x, w, token_order, slot_indptr)
 
     def prepare(self, w: LayerWeights) -> "ReferenceLaunch":
         """One layer's delta: x and y checked per call, the weights taken as they are."""
-        return ReferenceLaunch(w)
+        return ReferenceLaunch(w, self)
 
 
 class ReferenceLaunch:
     """One layer's NumPy delta over a bucket's launch views (``views.token_order``,
     ``views.slot_indptr``)."""
 
-    def __init__(self, w: LayerWeights):
+    def __init__(self, w: LayerWeights, backend: ReferenceBackend | None = None):
         self.weights = w
+        self.backend = backend
         self.in_features, self.out_features = w.a.shape[3], w.b.shape[1]
         self.dtype = w.a.dtype
+
+    def half(self, part: str, t, views, rows: int) -> None:
+        """One half of the delta (``LoraLayerDelta.shrink`` / ``expand``), as the CUDA backend's
+        :meth:`~lora_cupy.backends.cupy.LayerLaunch.half`: "shrink" adds ``x @ A.T`` into the
+        backend's v, "expand" adds ``scaling * v @ B.T`` into y (rounded once) and zeroes the v
+        of its slices with columns. Sums and roundings are those of :func:`reference_delta`."""
+        if part not in ("shrink", "expand"):
+            raise ValueError(f"part {part!r}: 'shrink' or 'expand'")
+        name, want = ("x", self.in_features) if part == "shrink" else ("y", self.out_features)
+        if not isinstance(t, np.ndarray):
+            raise TypeError(f"the reference backend takes NumPy arrays, got {type(t).__name__}")
+        if t.dtype != self.dtype:
+            raise TypeError(f"{name} ({t.dtype}) must have the weights' dtype {self.dtype}")
+        if t.ndim != 2 or t.shape[1] != want:
+            raise ValueError(f"{name} must be [rows, {want}], got {t.shape}")
+        if t.shape[0] < rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, but the step addresses {rows}")
+        w, be = self.weights, self.backend
+        order, indptr = np.asarray(views.token_order), np.asarray(views.slot_indptr)
+        ranks, offs = np.asarray(w.ranks), w.out_offsets
+        n, R = w.a.shape[1], w.a.shape[2]
+        if part == "shrink" and be.v is None:
+            be.v = np.zeros((len(order), n, R), np.float32)
+        v = be.v
+        for s in range(1, len(indptr) - 1):
+            lo, hi = int(indptr[s]), int(indptr[s + 1])
+            if hi <= lo or not ranks[s].any():
+                continue
+            rows_t = order[lo:hi]
+            if part == "shrink":
+                xs = t[rows_t].astype(np.float32)
+                for j in range(n):
+                    r = int(ranks[s, j])
+                    if r and offs[j + 1] > offs[j]:
+                        v[lo:hi, j, :r] += xs @ w.a[s, j, :r].astype(np.float32).T
+            elif v is not None:
+                acc = t[rows_t].astype(np.float32)
+                for j in range(n):
+                    r, c0, c1 = int(ranks[s, j]), offs[j], offs[j + 1]
+                    if r and c1 > c0:
+                        acc[:, c0:c1] += np.float32(w.scaling[s, j]) * (v[lo:hi, j, :r] @ w.b[s, c0:c1, :r].astype(np.float32).T)
+                t[rows_t] = acc.astype(t.dtype)
+        if part == "expand" and v is not None:
+            for j in range(n):
+                if offs[j + 1] > offs[j]:
+                    v[:, j] = 0.0
+            if not v.any():
+                be.v = None
 
     def __call__(self, y, x, views, rows: int) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):

@@ -17,7 +17,9 @@ scratch ``[T, out]`` and every member adds its column range. A step of at least
 side stream, below) instead runs one launch per member, straight into that member's output
 (:meth:`~lora_cupy.pool.LoraAdapterPool.layer_delta` with ``member``): the
 scratch's zeroing, its write, its read and the members' adds cost more than a launch per slice
-there (at 4096 rows, gate/up's scratch is 235 MB). A model that fuses them itself (Phi-3's
+there (at 4096 rows, gate/up's scratch is 235 MB). The group's first member runs the whole
+target's shrink (every slice's v from one read of x) and each member the expand of its own slice
+(:meth:`~lora_cupy.delta.LoraLayerDelta.shrink` / ``expand``). A model that fuses them itself (Phi-3's
 ``qkv_proj``) is one linear, one hook.
 
 Overlap (CUDA): a delta need not wait for the linear it adds to, only for its input. A
@@ -131,6 +133,8 @@ class _FusedGroup:
         self._served = 0
         self._joined = False
         self._forked = False
+        self._shrunk = None  # the input whose shrink ran in line for the members' expands (large steps)
+        self._expanded: set[int] = set()
 
     def _scratch(self, x2d):
         import torch
@@ -140,6 +144,7 @@ class _FusedGroup:
     def part(self, x, x2d):
         """The whole target's delta for input ``x`` (``x2d``: its ``[T, in]`` rows)."""
         if self._x is not x:
+            self.attachment.settle()
             d = self._scratch(x2d).zero_()
             cuda = self.attachment.pool.device.is_cuda
             self.delta(as_backend_array(d, cuda), as_backend_array(x2d, cuda))
@@ -150,6 +155,7 @@ class _FusedGroup:
         """Start the whole target's delta for input ``x`` on the side stream (once per input)."""
         if self._x is x:
             return
+        self.attachment.settle()
         self._drop_stale()
         d = self._scratch(x2d)  # on the main stream: see the module docstring
 
@@ -173,6 +179,39 @@ class _FusedGroup:
     def member(self, j: int):
         """Slice ``j``'s delta alone, into that member's own output (large steps)."""
         return self.attachment.pool.layer_delta(self.target, self.layer, member=j)
+
+    def in_place(self, x, x2d, j: int, y2d) -> None:
+        """Member ``j``'s slice of the delta for input ``x``, in line, straight into its own
+        output rows ``y2d`` (large steps): the first member called with ``x`` runs the whole
+        target's shrink (every slice's v from one read of x), each member the expand of its own
+        slice, which zeroes that slice's v."""
+        att = self.attachment
+        cuda = att.pool.device.is_cuda
+        if self._shrunk is not x or j in self._expanded:
+            att.settle()  # an earlier shrink whose expands did not all run: finished first
+            self.delta.shrink(as_backend_array(x2d, cuda))
+            self._shrunk, self._x2d, self._expanded = x, x2d, set()
+            att.pending = (self, self._finish_shrink)
+        self.member(j).expand(as_backend_array(y2d, cuda))
+        self._expanded.add(j)
+        if len(self._expanded) >= self.members:
+            self._shrunk = self._x2d = None
+            att.settled(self)
+
+    def _finish_shrink(self) -> None:
+        """The expands a shrink's members did not run (a forward that raised between them), into a
+        throwaway output: they zero the v the next delta of the backend starts from."""
+        import torch
+
+        cuda = self.attachment.pool.device.is_cuda
+        offs = self.attachment.pool.spec.target(self.target).out_offsets(self.attachment.pool.spec.tp_size)
+        for j in range(self.members):
+            if j not in self._expanded:
+                sink = torch.empty((self._x2d.shape[0], offs[j + 1] - offs[j]), dtype=self._x2d.dtype,
+                                   device=self._x2d.device)
+                self.member(j).expand(as_backend_array(sink, cuda))
+        self._shrunk = self._x2d = None
+        self._expanded = set()
 
     def _drop_stale(self) -> None:
         """Forget a fork no member took (a forward that raised after its pre-hook), once the side
@@ -209,6 +248,9 @@ class Attachment:
         self.model = model
         self.pool = pool
         self.overlap_mode = mode
+        #: a fused group's in-line shrink whose members' expands have not all run, as ``(group,
+        #: finish)``: v is shared by every delta of the backend, so any other delta finishes it first
+        self.pending = None
         self.side = None
         if mode != "never":
             self.side = _SideStream(next(model.parameters()).device)
@@ -247,6 +289,20 @@ class Attachment:
             self.detach()
             raise
         self._num_groups = len(groups)
+
+    def settle(self) -> None:
+        """Finish the open shrink, if any (its members' missing expands into a throwaway output,
+        which zeroes their v), before another delta of the backend runs: only a forward that
+        raised between a group's members leaves one open."""
+        if self.pending is not None:
+            _owner, finish = self.pending
+            self.pending = None
+            finish()
+
+    def settled(self, owner) -> None:
+        """``owner``'s shrink has had all its expands: nothing is open."""
+        if self.pending is not None and self.pending[0] is owner:
+            self.pending = None
 
     @property
     def overlap(self) -> bool:
@@ -293,6 +349,7 @@ class Attachment:
                 d.zero_()
                 delta(d, x2d)
 
+            self.settle()
             self.side.fork(run)
             forked[0] = (args[0], x2d, d)
             return None
@@ -312,6 +369,7 @@ class Attachment:
                 self.side.join()
                 out.view(-1, out_f).add_(entry[2])
             else:  # in line: the delta accumulates into the output
+                self.settle()
                 delta(as_backend_array(out.view(-1, out_f), cuda), as_backend_array(self._rows(args, in_f), cuda))
             return out
 
@@ -320,7 +378,6 @@ class Attachment:
     def _fused_hooks(self, group: _FusedGroup, j: int, c0: int, c1: int):
         """(pre-hook or None, forward hook) of member ``j`` (columns ``c0:c1``) of a fused group."""
         in_f = group.delta.in_features
-        cuda = self.pool.device.is_cuda
 
         def pre(_mod, args):
             if group._x is not args[0] and self._forking() and self._active():
@@ -338,7 +395,7 @@ class Attachment:
                 if x2d.shape[0] >= self.members_in_place_rows:  # a large step: this slice alone, in place
                     if torch.is_grad_enabled() or not out.is_contiguous():
                         out = out.clone()
-                    group.member(j)(as_backend_array(out.view(-1, c1 - c0), cuda), as_backend_array(x2d, cuda))
+                    group.in_place(args[0], x2d, j, out.view(-1, c1 - c0))
                     return out
                 d = group.part(args[0], x2d)
             if torch.is_grad_enabled():
@@ -364,6 +421,7 @@ class Attachment:
 
     def detach(self) -> None:
         """Remove every hook: the model computes exactly what it did before :func:`attach`."""
+        self.settle()  # a shrink left open by a forward that raised: its v zeroed for the pool's next user
         for h in self._handles:
             h.remove()
         self._handles.clear()

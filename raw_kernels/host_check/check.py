@@ -8,7 +8,7 @@ and v and the counters are back at zero. This checks indexing, masks, fragment l
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
     python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring]
-        [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members]
+        [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
@@ -18,7 +18,8 @@ sees stale data) or when issued (early: a stage overwritten while still read sho
 ``--aligned`` picks the kernels' instantiation as the backend does (auto: ``ALIGNED`` where the
 access flags are ``ALIGNED_FLAGS``, the one reading the flags elsewhere) or never the ``ALIGNED`` one;
 ``--members`` serves each slice of a multi-slice case alone, into an output of its own width, with
-B's rows of that slice read as a view (the kernels' ``b_slot``), as a prefill's q/k/v members run.
+B's rows of that slice read as a view (the kernels' ``b_slot``); ``--halves`` runs the whole
+target's shrink once and then each slice's expand alone so, as a prefill's q/k/v members run.
 """
 
 from __future__ import annotations
@@ -120,11 +121,12 @@ def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
 
 
 def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto",
-        member: int | None = None) -> tuple[np.ndarray, int, bool]:
+        member: int | None = None, part: str | None = None, ws=None, counters=None) -> tuple[np.ndarray, int, bool]:
     """One delta of ``case`` on the host under ``plan``: (y, flags, whether the ``ALIGNED``
     instantiation ran); v and counters checked at zero. ``member``: slice ``member`` alone, into
     an output of its width, reading its rows of B as a view (slots ``out * R`` elements apart,
-    the kernels' ``b_slot``); y is then that slice's columns."""
+    the kernels' ``b_slot``); y is then that slice's columns. ``part``: "shrink" or "expand" alone
+    (an unfused plan), on the given ``ws`` and ``counters``, with no check of them."""
     w, dtype = case.w, case.spec.dtype
     S, n, R, in_f = w.a.shape
     T = case.token_order.shape[0]
@@ -143,8 +145,9 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
              | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
     use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
     rw = cb.rank_width(R)
-    ws = np.zeros(plan.bucket * n * rw, np.float32)
-    counters = np.zeros(plan.counter_ints(), np.int32)
+    if ws is None:
+        ws = np.zeros(plan.bucket * n * rw, np.float32)
+        counters = np.zeros(plan.counter_ints(), np.int32)
     offs = np.asarray(offsets, np.int32) if n > 1 else None
     scaling = np.ascontiguousarray(w.scaling, np.float32)
     ranks = np.ascontiguousarray(w.ranks, np.int32)
@@ -155,13 +158,37 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
     code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4, "expand_ring": 5}[plan.expand]
-    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, plan.shrink_blocks,
-                       plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(b), ptr(scaling), ptr(ranks), ptr(offs),
-                       ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
+    rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, 0 if part == "expand" else plan.shrink_blocks,
+                       0 if part == "shrink" else plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(b), ptr(scaling),
+                       ptr(ranks), ptr(offs), ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters),
+                       ptr(dims))
     assert rc == 0, f"no kernel for tile {plan.bm}" if rc == 2 else f"ALIGNED asked with flags {flags}"
-    assert not ws.any(), "v not zeroed after the launch"
-    assert not counters.any(), "counters not reset after the launch"
+    if part is None:
+        assert not ws.any(), "v not zeroed after the launch"
+        assert not counters.any(), "counters not reset after the launch"
     return y, flags, use_aligned
+
+
+def run_halves(lib, case, *, expand: str, tile: int, sms: int, misalign: bool,
+               aligned: str) -> tuple[np.ndarray, int, bool]:
+    """The delta in halves, as a prefill's separate q/k/v linears run it: the whole target's
+    shrink, then each slice's expand alone into an output of its width; v and the counters zero
+    after the last expand (each expand zeroes only its own slice's v)."""
+    S, n, R, in_f = case.w.a.shape
+    offs = case.w.out_offsets
+    whole = plan_for(case, expand=expand, tile=tile, sms=sms)
+    ws = np.zeros(whole.bucket * n * cb.rank_width(R), np.float32)
+    counters = np.zeros(whole.counter_ints(), np.int32)
+    run(lib, case, whole, misalign=misalign, aligned=aligned, part="shrink", ws=ws, counters=counters)
+    y = np.empty_like(case.y0)
+    for j in range(len(offs) - 1):
+        p = plan_for(case, expand=expand, tile=tile, sms=sms, out=offs[j + 1] - offs[j])
+        yj, flags, al = run(lib, case, p, misalign=misalign, aligned=aligned, member=j, part="expand",
+                            ws=ws, counters=counters)
+        y[:, offs[j]:offs[j + 1]] = yj
+    assert not ws.any(), "v not zeroed after the last slice's expand"
+    assert not counters.any(), "counters not reset after the expands"
+    return y, flags, al
 
 
 def main(argv=None) -> int:
@@ -182,6 +209,8 @@ def main(argv=None) -> int:
                     help="the ALIGNED instantiation where the flags allow it (as the backend), or never")
     ap.add_argument("--members", action="store_true",
                     help="each slice of a multi-slice case alone, into its own output, B read as a view")
+    ap.add_argument("--halves", action="store_true",
+                    help="the whole target's shrink, then each slice's expand alone into its own output")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +225,7 @@ def main(argv=None) -> int:
                     case = build_case(rng, dtype=dt, **CASES[name])
                     offs = case.w.out_offsets
                     members = range(len(offs) - 1) if args.members else [None]
-                    if args.members and len(offs) < 3:
+                    if (args.members or args.halves) and len(offs) < 3:
                         continue  # one slice: nothing to serve apart
                     plans = [plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
                                       chunks=False if args.tiles_only else True if args.chunks else None,
@@ -205,6 +234,10 @@ def main(argv=None) -> int:
                     t0 = time.time()
                     try:
                         y = np.empty_like(case.y0)
+                        if args.halves:
+                            y, flags, al = run_halves(lib, case, expand=args.expand, tile=tile, sms=args.sms,
+                                                      misalign=args.misalign, aligned=args.aligned)
+                            members = []
                         for j, p in zip(members, plans):
                             yj, flags, al = run(lib, case, p, misalign=args.misalign, aligned=args.aligned, member=j)
                             if j is None:

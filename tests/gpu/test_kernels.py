@@ -433,3 +433,56 @@ def test_one_slice_of_a_fused_target_into_its_own_output(make_case, check, dtype
         check_clean(be)
         got[:, offs[j]:offs[j + 1]] = host(y, dtype)
     check(case, got, dtype)
+
+
+@pytest.mark.parametrize("T", [1, 7, 45, 64, 300, 1000])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_delta_in_halves(make_case, check, dtype, T):
+    """The delta as two launches (what a large step's separate q/k/v linears run: one shrink of
+    the fused target, then each linear's expand into its own output), against the oracle; the
+    expands of the other slices find their v still there, and after the last one v and the
+    counters are zero again. Then the whole target's expand after its shrink, on fresh data,
+    through torch tensors."""
+    from lora_cupy.backends.base import member_weights
+
+    case = make_case(T=T, dtype=dtype, mix="zipf", num_slots=17, active=9, **_aligned_shape(dtype))
+    be = backend_for(case.spec)
+    w = dev_weights(case.w)
+    offs = case.w.out_offsets
+    views = LaunchViews(case.token_order.shape[0], 0, dev(case.token_order), dev(case.slot_indptr))
+    rows = case.x.shape[0]
+    # the slices some addressed row has a rank on: their v is not all zero after the shrink
+    live = {j for s in np.unique(case.row_slots[case.touched]) for j in range(len(offs) - 1) if case.w.ranks[s, j] > 0}
+    be.prepare(w).half("shrink", dev(case.x), views, rows)
+    cp().cuda.get_current_stream().synchronize()
+    assert bool(be.workspace.any()) == bool(live), "the shrink's v against the ranks of the rows it addresses"
+    got = np.empty_like(case.y0)
+    for j in range(len(offs) - 1):
+        y = dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]))
+        be.prepare(member_weights(w, j)).half("expand", y, views, rows)
+        cp().cuda.get_current_stream().synchronize()
+        if any(k > j for k in live):
+            assert bool(be.workspace.any()), f"slice {j}'s expand zeroed the v of the slices after it"
+        got[:, offs[j]:offs[j + 1]] = host(y, dtype)
+    check_clean(be)
+    check(case, got, dtype)
+
+    torch = pytest.importorskip("torch")
+    from lora_cupy.dtypes import from_torch, to_torch
+
+    def td(a):
+        return to_torch(np.ascontiguousarray(a)).cuda()
+
+    case = make_case(T=T, dtype=dtype, mix="uniform", num_slots=9, active=5)
+    be = backend_for(case.spec)
+    w = case.w
+    layer = be.prepare(LayerWeights(td(w.a), td(w.b), td(w.scaling), td(w.ranks), w.out_offsets))
+    x, y = td(case.x), td(case.y0)
+    views = LaunchViews(case.token_order.shape[0], 0, td(case.token_order), td(case.slot_indptr))
+    layer.half("shrink", x, views, case.x.shape[0])
+    layer.half("expand", y, views, case.x.shape[0])
+    torch.cuda.synchronize()
+    check_clean(be)
+    check(case, from_torch(y), dtype)
+    with pytest.raises(ValueError, match="must be"):
+        layer.half("expand", y[:, :3].contiguous(), views, case.x.shape[0])
