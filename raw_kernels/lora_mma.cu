@@ -20,8 +20,9 @@
 //   expand task (unit, column group of `cpb` blocks of BN): one pipeline over every (column block,
 //     slice, run, chunk of 16 ranks), y tiles prefetched into a ring in shared memory, v * scaling
 //     times B on tensor cores added in fp32 and rounded once, written back with 16-byte stores. The
-//     last expand block of a unit zeroes the unit's v again, so every launch (and graph replay)
-//     starts from a zero v and zero counters.
+//     last expand block of a unit zeroes the unit's v again (its slices with columns: an expand of
+//     one slice after a shrink of every slice leaves the others' v to theirs), so every launch (and
+//     graph replay) starts from a zero v and zero counters.
 // The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
 //   lora_shrink  (one shrink task a block): every unfused launch.
 //   lora_expand  (one expand task a block): unfused launches of fewer than 1024 positions but those of
