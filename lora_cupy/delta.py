@@ -44,6 +44,8 @@ class LoraLayerDelta:
         self._launch = pool.backend.prepare(self.weights)
 
     def __call__(self, y, x):
+        if self.pool.open_halves is not None:  # v of a shrink whose expands did not all run
+            self.pool.close_halves()
         plan = self.pool.current_plan()
         if plan is None:
             return y
@@ -58,23 +60,42 @@ class LoraLayerDelta:
 
     def shrink(self, x) -> None:
         """The delta's first half: ``v = x @ A.T`` for the step's rows, into the backend's
-        workspace (no output yet). :meth:`expand` adds it into y; between the two, no other delta
-        of the pool may run (v is shared). A target's shrink serves the expands of all its slices
-        (:meth:`expand` of each ``member``'s delta): a large step's separate q/k/v linears read x
-        once. A step with no adapter row: nothing."""
-        self._half("shrink", x)
+        workspace (no output yet). :meth:`expand` adds it into y. A target's shrink serves the
+        expands of all its slices (:meth:`expand` of each ``member``'s delta): a large step's
+        separate q/k/v linears read x once. v is shared by every delta of the pool: the shrink is
+        open (``pool.open_halves``) until the expands of all its slices have run, and any other
+        delta, shrink or graph replay of the pool first zeroes what an open one left
+        (:meth:`~lora_cupy.pool.LoraAdapterPool.close_halves`: a forward that raised between them).
+        A step with no adapter row: nothing."""
+        self.pool.close_halves()
+        if self._half("shrink", x):
+            n = len(self.weights.out_offsets) - 1
+            self.pool.open_halves = (self.target, self.layer_idx, set(range(n)) if self.member is None else {self.member})
 
     def expand(self, y):
         """The delta's second half, after :meth:`shrink` of the same step and target:
         ``y += scaling * v @ B.T`` (this delta's slices: one, for a ``member``), and the v it read
-        is zero again. Changes y in place and returns it."""
-        self._half("expand", y)
-        return y
-
-    def _half(self, part: str, t) -> None:
+        is zero again. Changes y in place and returns it. RuntimeError: no shrink of this target
+        and layer is open for these slices (nothing is added)."""
         plan = self.pool.current_plan()
         if plan is None:
-            return
+            return y
+        mine = set(range(len(self.weights.out_offsets) - 1)) if self.member is None else {self.member}
+        h = self.pool.open_halves
+        if h is None or h[:2] != (self.target, self.layer_idx) or not mine <= h[2]:
+            raise RuntimeError(f"{self!r}.expand: no shrink of {self.target}[{self.layer_idx}] is open for "
+                               f"slices {sorted(mine)} (open: {h})")
+        self._half("expand", y)
+        h[2].difference_update(mine)
+        if not h[2]:
+            self.pool.open_halves = None
+        return y
+
+    def _half(self, part: str, t) -> bool:
+        """One half under the current plan; False (nothing run): no plan."""
+        plan = self.pool.current_plan()
+        if plan is None:
+            return False
         if plan.ready is not None:
             plan.wait_host()
         g = self.grouping
@@ -85,6 +106,7 @@ class LoraLayerDelta:
             half(part, t, plan.launch[g], plan.rows[g])
         except (TypeError, ValueError) as e:
             raise type(e)(f"{self.target}[{self.layer_idx}] {part}: {e}") from None
+        return True
 
     def __repr__(self) -> str:
         member = "" if self.member is None else f", member={self.member}"

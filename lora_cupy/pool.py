@@ -67,6 +67,9 @@ class LoraAdapterPool:
         self.rank, self.world_size, self.decides = rank, world_size, decides
         self._agreement = ReadAgreement(agree, read_timeout)
         self.backend = backend if backend is not None else self.device.backend(spec)
+        #: the shrink whose expands have not all run, ``(target, layer, slices still to expand)``
+        #: (:meth:`LoraLayerDelta.shrink <lora_cupy.delta.LoraLayerDelta.shrink>`), or None
+        self.open_halves = None
         self._store = LoraAdapterStore(spec, self.device, reader=reader, max_bytes=max_host_bytes)
         self._lock, self._step_lock = threading.Lock(), threading.Lock()
         self.slots = SlotTable(spec.num_slots)
@@ -301,6 +304,14 @@ class LoraAdapterPool:
         if d is None:
             d = self._deltas[(target, layer_idx, member)] = LoraLayerDelta(self, target, layer_idx, member)
         return d
+
+    def close_halves(self) -> None:
+        """Zero the v an open shrink left (a forward that raised between a shrink and its slices'
+        expands), on the stream the deltas run on, before another delta reads or adds to it. Call
+        from the thread that issues the step's GPU work; a no-op when no shrink is open."""
+        if self.open_halves is not None:
+            self.open_halves = None
+            self.backend.clear_v()
 
     def layer_ranks(self, target: str, layer_idx: int) -> np.ndarray:
         """``[slots]``: each slot's rank at one target and stack layer (the largest over its

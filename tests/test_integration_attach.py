@@ -143,7 +143,7 @@ def test_large_steps_run_each_member_in_place(family, monkeypatch):
             calls.clear()
             with torch.inference_mode():
                 got[threshold] = base(input_ids=ids).logits
-        assert pool.backend.v is None and att.pending is None
+        assert pool.backend.v is None and pool.open_halves is None
     # in place: one shrink per group, one expand per separate linear (its slice); fused models unchanged
     if kind == "phi3":
         assert [c for c in calls if c[0] != "whole"] == []
@@ -216,27 +216,29 @@ def test_attach_refuses_a_model_that_does_not_fit(family):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in base.modules())  # a refusal hooks nothing
 
 
-def test_a_forward_raising_between_members_leaves_no_v_behind(monkeypatch):
+def test_a_forward_raising_between_members_leaves_no_v_behind():
     """A large step's forward that raises after q_proj's shrink and expand but before k_proj's:
-    the attachment finishes the open shrink before the next delta, so the next forward's logits
-    are exactly what a fresh attachment gives."""
+    the pool zeroes the open shrink's v before the next delta, so the next step (planned anew,
+    other rows) gets exactly what a fresh attachment gives; an expand with no shrink open is
+    refused."""
     import copy as _copy
 
     base = tiny("llama")
     root = Path(tempfile.mkdtemp())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        d, _ = make_peft_adapter(root / "ad0", r=4, lora_alpha=8, target_modules=modules_of("llama"),
-                                 model=_copy.deepcopy(base), seed=3)
-    dirs = {"ad0": d}
+        dirs = {f"ad{k}": make_peft_adapter(root / f"ad{k}", r=4 + 4 * k, lora_alpha=8,
+                                            target_modules=modules_of("llama"), model=_copy.deepcopy(base),
+                                            seed=3 + k)[0] for k in range(2)}
     spec = spec_for_adapters(base, dirs, num_slots=3)
-    rows = [("a", "ad0"), ("b", "ad0")]
-    ids = torch.randint(0, VOCAB, (len(rows), 4))
+    first, then = [("a", "ad0"), ("b", "ad1")], [("c", "ad1")]
+    ids, ids2 = torch.randint(0, VOCAB, (len(first), 4)), torch.randint(0, VOCAB, (len(then), 6))
     with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool:
-        planned_step(pool, rows, ids.shape[1])
+        planned_step(pool, then, ids2.shape[1], seq=1)
         with attach(base, pool) as att, torch.inference_mode():
             att.members_in_place_rows = 1
-            want = base(input_ids=ids).logits
+            want = base(input_ids=ids2).logits
+        planned_step(pool, first, ids.shape[1], seq=2)
         with attach(base, pool) as att:
             att.members_in_place_rows = 1
             k_proj = base.model.layers[0].self_attn.k_proj
@@ -244,8 +246,11 @@ def test_a_forward_raising_between_members_leaves_no_v_behind(monkeypatch):
             with pytest.raises(RuntimeError, match="boom"), torch.inference_mode():
                 base(input_ids=ids)
             boom.remove()
-            assert att.pending is not None and pool.backend.v is not None  # k's and v's slices still open
+            assert pool.open_halves == ("qkv_proj", 0, {1, 2}) and pool.backend.v is not None
+            planned_step(pool, [("d", "ad1")], ids2.shape[1], seq=3)  # another step: other rows, other length
             with torch.inference_mode():
-                got = base(input_ids=ids).logits
-            assert att.pending is None and pool.backend.v is None
+                got = base(input_ids=ids2).logits
+            assert pool.open_halves is None and pool.backend.v is None
+            with pytest.raises(RuntimeError, match="no shrink"):
+                pool.layer_delta("qkv_proj", 1, member=0).expand(np.zeros((6, 32), np.float32))
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -715,6 +715,15 @@ class CupyBackend:
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
 
+    def clear_v(self) -> None:
+        """Zero v (the workspace) on the stream the deltas run on (torch's current one once a layer
+        has seen torch tensors, else CuPy's): after a shrink whose expands did not all run (see
+        :meth:`LoraLayerDelta.shrink <lora_cupy.delta.LoraLayerDelta.shrink>`), whatever rows and
+        slices it wrote."""
+        stream = self._torch_stream() if self._torch_stream is not None else self._cupy.cuda.get_current_stream().ptr
+        with self._device:
+            self._cupy.cuda.runtime.memsetAsync(self.workspace.data.ptr, 0, self.workspace.nbytes, stream)
+
     def _offset_table(self, cupy):
         """One device array holding the slice offsets of every multi-slice target of the spec, and
         of each of its slices served alone (:func:`member_offsets`)."""
@@ -958,6 +967,8 @@ class LayerLaunch:
         if part not in ("shrink", "expand"):
             raise ValueError(f"part {part!r}: 'shrink' or 'expand'")
         be, wa = self.backend, self.weights
+        if be.kernel != "mma":
+            raise NotImplementedError(f"the {be.kernel} kernels run the delta whole, not in halves")
         name = "x" if part == "shrink" else "y"
         A = inspect_arg(name, t)
         _check_placed(be.limits, ((name, A),))

@@ -73,6 +73,10 @@ class ReferenceBackend:
     def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
         reference_delta(y, x, w, token_order, slot_indptr)
 
+    def clear_v(self) -> None:
+        """Zero v (after a shrink whose expands did not all run)."""
+        self.v = None
+
     def prepare(self, w: LayerWeights) -> "ReferenceLaunch":
         """One layer's delta: x and y checked per call, the weights taken as they are."""
         return ReferenceLaunch(w, self)

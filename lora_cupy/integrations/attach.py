@@ -134,7 +134,6 @@ class _FusedGroup:
         self._joined = False
         self._forked = False
         self._shrunk = None  # the input whose shrink ran in line for the members' expands (large steps)
-        self._expanded: set[int] = set()
 
     def _scratch(self, x2d):
         import torch
@@ -144,7 +143,6 @@ class _FusedGroup:
     def part(self, x, x2d):
         """The whole target's delta for input ``x`` (``x2d``: its ``[T, in]`` rows)."""
         if self._x is not x:
-            self.attachment.settle()
             d = self._scratch(x2d).zero_()
             cuda = self.attachment.pool.device.is_cuda
             self.delta(as_backend_array(d, cuda), as_backend_array(x2d, cuda))
@@ -155,7 +153,7 @@ class _FusedGroup:
         """Start the whole target's delta for input ``x`` on the side stream (once per input)."""
         if self._x is x:
             return
-        self.attachment.settle()
+        self.attachment.pool.close_halves()  # the fork's delta runs on the side stream: settled here first
         self._drop_stale()
         d = self._scratch(x2d)  # on the main stream: see the module docstring
 
@@ -184,34 +182,16 @@ class _FusedGroup:
         """Member ``j``'s slice of the delta for input ``x``, in line, straight into its own
         output rows ``y2d`` (large steps): the first member called with ``x`` runs the whole
         target's shrink (every slice's v from one read of x), each member the expand of its own
-        slice, which zeroes that slice's v."""
-        att = self.attachment
-        cuda = att.pool.device.is_cuda
-        if self._shrunk is not x or j in self._expanded:
-            att.settle()  # an earlier shrink whose expands did not all run: finished first
-            self.delta.shrink(as_backend_array(x2d, cuda))
-            self._shrunk, self._x2d, self._expanded = x, x2d, set()
-            att.pending = (self, self._finish_shrink)
-        self.member(j).expand(as_backend_array(y2d, cuda))
-        self._expanded.add(j)
-        if len(self._expanded) >= self.members:
-            self._shrunk = self._x2d = None
-            att.settled(self)
-
-    def _finish_shrink(self) -> None:
-        """The expands a shrink's members did not run (a forward that raised between them), into a
-        throwaway output: they zero the v the next delta of the backend starts from."""
-        import torch
-
+        slice, which zeroes that slice's v. A shrink whose members did not all expand (a forward
+        that raised between them) is zeroed by the pool before any other delta runs."""
         cuda = self.attachment.pool.device.is_cuda
-        offs = self.attachment.pool.spec.target(self.target).out_offsets(self.attachment.pool.spec.tp_size)
-        for j in range(self.members):
-            if j not in self._expanded:
-                sink = torch.empty((self._x2d.shape[0], offs[j + 1] - offs[j]), dtype=self._x2d.dtype,
-                                   device=self._x2d.device)
-                self.member(j).expand(as_backend_array(sink, cuda))
-        self._shrunk = self._x2d = None
-        self._expanded = set()
+        h = self.attachment.pool.open_halves
+        if self._shrunk is not x or h is None or h[:2] != (self.target, self.layer) or j not in h[2]:
+            self.delta.shrink(as_backend_array(x2d, cuda))
+            self._shrunk = x
+        self.member(j).expand(as_backend_array(y2d, cuda))
+        if self.attachment.pool.open_halves is None:
+            self._shrunk = None
 
     def _drop_stale(self) -> None:
         """Forget a fork no member took (a forward that raised after its pre-hook), once the side
@@ -248,9 +228,6 @@ class Attachment:
         self.model = model
         self.pool = pool
         self.overlap_mode = mode
-        #: a fused group's in-line shrink whose members' expands have not all run, as ``(group,
-        #: finish)``: v is shared by every delta of the backend, so any other delta finishes it first
-        self.pending = None
         self.side = None
         if mode != "never":
             self.side = _SideStream(next(model.parameters()).device)
@@ -289,20 +266,6 @@ class Attachment:
             self.detach()
             raise
         self._num_groups = len(groups)
-
-    def settle(self) -> None:
-        """Finish the open shrink, if any (its members' missing expands into a throwaway output,
-        which zeroes their v), before another delta of the backend runs: only a forward that
-        raised between a group's members leaves one open."""
-        if self.pending is not None:
-            _owner, finish = self.pending
-            self.pending = None
-            finish()
-
-    def settled(self, owner) -> None:
-        """``owner``'s shrink has had all its expands: nothing is open."""
-        if self.pending is not None and self.pending[0] is owner:
-            self.pending = None
 
     @property
     def overlap(self) -> bool:
@@ -349,7 +312,7 @@ class Attachment:
                 d.zero_()
                 delta(d, x2d)
 
-            self.settle()
+            self.pool.close_halves()  # the fork's delta runs on the side stream: settled here first
             self.side.fork(run)
             forked[0] = (args[0], x2d, d)
             return None
@@ -369,7 +332,6 @@ class Attachment:
                 self.side.join()
                 out.view(-1, out_f).add_(entry[2])
             else:  # in line: the delta accumulates into the output
-                self.settle()
                 delta(as_backend_array(out.view(-1, out_f), cuda), as_backend_array(self._rows(args, in_f), cuda))
             return out
 
@@ -421,7 +383,6 @@ class Attachment:
 
     def detach(self) -> None:
         """Remove every hook: the model computes exactly what it did before :func:`attach`."""
-        self.settle()  # a shrink left open by a forward that raised: its v zeroed for the pool's next user
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -119,6 +119,7 @@ class DecodeGraphs:
             self._decode(bucket)
             self.replays += 1
             return self.out[:B].tolist()
+        pool.close_halves()  # v left by a forward that raised mid-group: zeroed before a replay reads it
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = self._capture(bucket)

@@ -489,3 +489,10 @@ def test_the_delta_in_halves(make_case, check, dtype, T):
         check(case, from_torch(y), dtype)
     with pytest.raises(ValueError, match="must be"):
         layer.half("expand", y[:, :3].contiguous(), views, case.x.shape[0])
+    # a shrink whose expand never runs (a forward that raised): clear_v zeroes what it wrote
+    layer.half("shrink", x, views, case.x.shape[0])
+    be.clear_v()
+    torch.cuda.synchronize()
+    check_clean(be)
+    with pytest.raises(NotImplementedError, match="simt"):
+        backend_for(case.spec, kernel="simt").prepare(dev_weights(case.w)).half("shrink", dev(case.x), views, 1)
