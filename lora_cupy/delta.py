@@ -42,21 +42,29 @@ class LoraLayerDelta:
             self.weights = member_weights(self.weights, member)
             self.out_features = self.weights.out_offsets[-1]
         self._launch = pool.backend.prepare(self.weights)
+        #: the slices this delta's expand serves: one for a ``member``, else every slice
+        self.slices = (member,) if member is not None else tuple(range(len(self.weights.out_offsets) - 1))
 
     def __call__(self, y, x):
         if self.pool.open_halves is not None:  # v of a shrink whose expands did not all run
             self.pool.close_halves()
+        self._run(self._launch, "", y, x)
+        return y
+
+    def _run(self, fn, what: str, *args) -> bool:
+        """``fn(*args, views, rows)`` under the current plan (its host copy waited for), errors
+        named by target, layer and ``what``; False (nothing run): no plan."""
         plan = self.pool.current_plan()
         if plan is None:
-            return y
+            return False
         if plan.ready is not None:
             plan.wait_host()
         g = self.grouping
         try:
-            self._launch(y, x, plan.launch[g], plan.rows[g])
+            fn(*args, plan.launch[g], plan.rows[g])
         except (TypeError, ValueError) as e:
-            raise type(e)(f"{self.target}[{self.layer_idx}]: {e}") from None
-        return y
+            raise type(e)(f"{self.target}[{self.layer_idx}]{what}: {e}") from None
+        return True
 
     def shrink(self, x) -> None:
         """The delta's first half: ``v = x @ A.T`` for the step's rows, into the backend's
@@ -68,45 +76,37 @@ class LoraLayerDelta:
         (:meth:`~lora_cupy.pool.LoraAdapterPool.close_halves`: a forward that raised between them).
         A step with no adapter row: nothing."""
         self.pool.close_halves()
-        if self._half("shrink", x):
-            n = len(self.weights.out_offsets) - 1
-            self.pool.open_halves = (self.target, self.layer_idx, set(range(n)) if self.member is None else {self.member})
+        if self._run(self._halves(), " shrink", "shrink", x):
+            self.pool.open_halves = (self.target, self.layer_idx, set(self.slices))
 
     def expand(self, y):
         """The delta's second half, after :meth:`shrink` of the same step and target:
         ``y += scaling * v @ B.T`` (this delta's slices: one, for a ``member``), and the v it read
         is zero again. Changes y in place and returns it. RuntimeError: no shrink of this target
         and layer is open for these slices (nothing is added)."""
-        plan = self.pool.current_plan()
-        if plan is None:
+        if self.pool.current_plan() is None:
             return y
-        mine = set(range(len(self.weights.out_offsets) - 1)) if self.member is None else {self.member}
-        h = self.pool.open_halves
-        if h is None or h[:2] != (self.target, self.layer_idx) or not mine <= h[2]:
+        if not self.shrink_open():
             raise RuntimeError(f"{self!r}.expand: no shrink of {self.target}[{self.layer_idx}] is open for "
-                               f"slices {sorted(mine)} (open: {h})")
-        self._half("expand", y)
-        h[2].difference_update(mine)
-        if not h[2]:
+                               f"slices {list(self.slices)} (open: {self.pool.open_halves})")
+        self._run(self._halves(), " expand", "expand", y)
+        left = self.pool.open_halves[2]
+        left.difference_update(self.slices)
+        if not left:
             self.pool.open_halves = None
         return y
 
-    def _half(self, part: str, t) -> bool:
-        """One half under the current plan; False (nothing run): no plan."""
-        plan = self.pool.current_plan()
-        if plan is None:
-            return False
-        if plan.ready is not None:
-            plan.wait_host()
-        g = self.grouping
+    def shrink_open(self) -> bool:
+        """Whether the pool's open shrink (:meth:`shrink`) is this target's and layer's, with this
+        delta's slices still to expand."""
+        h = self.pool.open_halves
+        return h is not None and h[:2] == (self.target, self.layer_idx) and h[2].issuperset(self.slices)
+
+    def _halves(self):
         half = getattr(self._launch, "half", None)
         if half is None:
             raise NotImplementedError(f"the {self.pool.backend.name} backend runs the delta whole, not in halves")
-        try:
-            half(part, t, plan.launch[g], plan.rows[g])
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"{self.target}[{self.layer_idx}] {part}: {e}") from None
-        return True
+        return half
 
     def __repr__(self) -> str:
         member = "" if self.member is None else f", member={self.member}"

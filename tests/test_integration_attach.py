@@ -122,22 +122,27 @@ def test_large_steps_run_each_member_in_place(family, monkeypatch):
     rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2")]
     ids = torch.randint(0, VOCAB, (len(rows), 5))
     calls = []
-    real, real_half = LoraLayerDelta.__call__, LoraLayerDelta._half
+    real, real_shrink, real_expand = LoraLayerDelta.__call__, LoraLayerDelta.shrink, LoraLayerDelta.expand
 
     def counting(self, y, x):
         calls.append(("whole", self.target, self.member))
         return real(self, y, x)
 
-    def counting_half(self, part, t):
-        calls.append((part, self.target, self.member))
-        return real_half(self, part, t)
+    def counting_shrink(self, x):
+        calls.append(("shrink", self.target, self.member))
+        return real_shrink(self, x)
+
+    def counting_expand(self, y):
+        calls.append(("expand", self.target, self.member))
+        return real_expand(self, y)
 
     got = {}
     with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
             attach(base, pool) as att:
         planned_step(pool, rows, ids.shape[1])
         monkeypatch.setattr(LoraLayerDelta, "__call__", counting)
-        monkeypatch.setattr(LoraLayerDelta, "_half", counting_half)
+        monkeypatch.setattr(LoraLayerDelta, "shrink", counting_shrink)
+        monkeypatch.setattr(LoraLayerDelta, "expand", counting_expand)
         for threshold in (10**9, len(rows) * ids.shape[1]):  # the shared scratch, then members in place
             att.members_in_place_rows = threshold
             calls.clear()

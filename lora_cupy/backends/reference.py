@@ -15,16 +15,10 @@ def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, 
     products accumulate in float32 and y is rounded to its dtype once, after adding. Slot 0,
     rank-0 slices and rows past ``slot_indptr[-1]`` are left untouched. Changes y in place.
     """
-    token_order = np.asarray(token_order)
-    indptr = np.asarray(slot_indptr)
     scaling = np.asarray(w.scaling, np.float32)
     ranks = np.asarray(w.ranks)
     offs = w.out_offsets
-    for s in range(1, len(indptr) - 1):
-        lo, hi = int(indptr[s]), int(indptr[s + 1])
-        if hi <= lo or not ranks[s].any():
-            continue
-        rows = token_order[lo:hi]
+    for s, _lo, _hi, rows in slot_runs(token_order, slot_indptr, ranks):
         xs = x[rows].astype(np.float32)  # [m, in]
         acc = y[rows].astype(np.float32)  # [m, out]
         for j in range(len(offs) - 1):
@@ -35,6 +29,16 @@ def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, 
             v = xs @ w.a[s, j, :r].astype(np.float32).T  # [m, r]
             acc[:, c0:c1] += scaling[s, j] * (v @ w.b[s, c0:c1, :r].astype(np.float32).T)
         y[rows] = acc.astype(y.dtype)
+
+
+def slot_runs(token_order, slot_indptr, ranks):
+    """``(s, lo, hi, rows)`` for each slot ``s >= 1`` with positions ``[lo, hi)`` of ``token_order``
+    (its token rows ``rows``) and a nonzero rank on some slice: the runs a delta touches."""
+    token_order, indptr, ranks = np.asarray(token_order), np.asarray(slot_indptr), np.asarray(ranks)
+    for s in range(1, len(indptr) - 1):
+        lo, hi = int(indptr[s]), int(indptr[s + 1])
+        if hi > lo and ranks[s].any():
+            yield s, lo, hi, token_order[lo:hi]
 
 
 def dense_delta64(x: np.ndarray, w: LayerWeights, row_slots) -> np.ndarray:
@@ -109,17 +113,12 @@ class ReferenceLaunch:
         if t.shape[0] < rows:
             raise ValueError(f"{name} has {t.shape[0]} rows, but the step addresses {rows}")
         w, be = self.weights, self.backend
-        order, indptr = np.asarray(views.token_order), np.asarray(views.slot_indptr)
         ranks, offs = np.asarray(w.ranks), w.out_offsets
         n, R = w.a.shape[1], w.a.shape[2]
         if part == "shrink" and be.v is None:
-            be.v = np.zeros((len(order), n, R), np.float32)
+            be.v = np.zeros((len(views.token_order), n, R), np.float32)
         v = be.v
-        for s in range(1, len(indptr) - 1):
-            lo, hi = int(indptr[s]), int(indptr[s + 1])
-            if hi <= lo or not ranks[s].any():
-                continue
-            rows_t = order[lo:hi]
+        for s, lo, hi, rows_t in slot_runs(views.token_order, views.slot_indptr, ranks):
             if part == "shrink":
                 xs = t[rows_t].astype(np.float32)
                 for j in range(n):

@@ -185,11 +185,11 @@ class _FusedGroup:
         slice, which zeroes that slice's v. A shrink whose members did not all expand (a forward
         that raised between them) is zeroed by the pool before any other delta runs."""
         cuda = self.attachment.pool.device.is_cuda
-        h = self.attachment.pool.open_halves
-        if self._shrunk is not x or h is None or h[:2] != (self.target, self.layer) or j not in h[2]:
+        member = self.member(j)
+        if self._shrunk is not x or not member.shrink_open():
             self.delta.shrink(as_backend_array(x2d, cuda))
             self._shrunk = x
-        self.member(j).expand(as_backend_array(y2d, cuda))
+        member.expand(as_backend_array(y2d, cuda))
         if self.attachment.pool.open_halves is None:
             self._shrunk = None
 
