@@ -52,6 +52,10 @@ namespace lora {
 
 constexpr int THREADS = 128;
 constexpr int MAX_SLICES = 8;
+template <int N>
+struct Int {  // a count known at compile time, passed to a generic lambda
+  static constexpr int value = N;
+};
 
 template <typename T>
 struct Args {
@@ -357,9 +361,10 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const T* ap[APT];
   int cached = -1, cached_r16 = 0;
 
-  auto load = [&](int f) {
+  // Step f = run * nk + kc of the block's walk (its run, then its stage of `in`), loaded into
+  // stage f % STAGES; run and kc are kept by the caller's cursor (no division per step).
+  auto load = [&](int f, int run, int kc) {
     if (f < F) {
-      const int run = f / nk, kc = f - run * nk;
       const int lo = tr.run_lo[run], hi = tr.run_hi[run], r = row_r[lo];
       if (r > 0) {
         T* sx = stages + (f % C::STAGES) * C::STAGE;
@@ -418,30 +423,55 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   for (int i = 0; i < C::NTW; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
   const int m0 = (warp % C::MT) * 16;
 
+  auto advance = [nk](int& run, int& kc) {
+    if (++kc == nk) {
+      kc = 0;
+      ++run;
+    }
+  };
+  int load_run = 0, load_kc = 0, run = 0, kc = 0;  // the cursors of the step loaded next and computed next
 #pragma unroll
-  for (int st = 0; st < C::STAGES - 1; ++st) load(st);
-  for (int f = 0; f < F; ++f) {
+  for (int st = 0; st < C::STAGES - 1; ++st) {
+    load(st, load_run, load_kc);
+    advance(load_run, load_kc);
+  }
+  for (int f = 0; f < F; ++f, advance(run, kc)) {
     cp_async_wait<C::STAGES - 2>();
     __syncthreads();
-    load(f + C::STAGES - 1);
-    const int run = f / nk, lo = tr.run_lo[run], hi = tr.run_hi[run], r = row_r[lo];
+    load(f + C::STAGES - 1, load_run, load_kc);
+    advance(load_run, load_kc);
+    const int lo = tr.run_lo[run], hi = tr.run_hi[run], r = row_r[lo];
     if (r > 0 && lo < m0 + 16 && hi > m0) {
       const T* sx = stages + (f % C::STAGES) * C::STAGE;
       const T* sa = sx + BM * C::LDK;
       const int nta = ((r + 15) >> 4) * 2;  // n-tiles of 8 ranks
+      // One stage's products over this warp's first NT n-tiles (a warp's i-th is warp / MT + WN i).
+      auto stage_mma = [&](auto nt_const) {
+        constexpr int NT = decltype(nt_const)::value;
 #pragma unroll
-      for (int ks = 0; ks < C::KC / 16; ++ks) {
-        Frags<M, C::SPLIT, T> fa;
-        fa.load_a(sx, C::LDK, m0, ks * 16, gq, tq, 1.f);
+        for (int ks = 0; ks < C::KC / 16; ++ks) {
+          Frags<M, C::SPLIT, T> fa;
+          fa.load_a(sx, C::LDK, m0, ks * 16, gq, tq, 1.f);
 #pragma unroll
-        for (int i = 0; i < C::NTW; ++i) {
-          const int nt = warp / C::MT + C::WN * i;
-          if (nt < nta) {
-            Frags<M, C::SPLIT, T> fb;
-            fb.load_b(sa, C::LDK, nt * 8, ks * 16, gq, tq);
-            mma_frags<M, C::SPLIT, C::SPLIT>(acc[i], fa, fb);
+          for (int i = 0; i < NT; ++i) {
+            const int nt = warp / C::MT + C::WN * i;
+            if (nt < nta) {
+              Frags<M, C::SPLIT, T> fb;
+              fb.load_b(sa, C::LDK, nt * 8, ks * 16, gq, tq);
+              mma_frags<M, C::SPLIT, C::SPLIT>(acc[i], fa, fb);
+            }
           }
         }
+      };
+      // A block of 64 ranks walked for a rank-16 run would issue (predicated off) three times the
+      // fragment loads and products it needs: the n-tiles a run's rank reaches, rounded up to 2 or
+      // 4 a warp where the block has more, are what is unrolled.
+      if constexpr (C::NTW > 2) {
+        if (nta <= 2 * C::WN) stage_mma(Int<2>{});
+        else if (C::NTW > 4 && nta <= 4 * C::WN) stage_mma(Int<4>{});
+        else stage_mma(Int<C::NTW>{});
+      } else {
+        stage_mma(Int<C::NTW>{});
       }
     }
   }

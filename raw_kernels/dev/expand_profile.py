@@ -1,4 +1,5 @@
-"""One unfused delta call of a bench row, for Nsight Compute: each expand kernel once, after a warm-up.
+"""One unfused delta call of a bench row, for Nsight Compute: each expand kernel once, after a warm-up
+(``--kinds default``: the planner's own plan, the fused kernel at decode sizes).
 
     ncu --kernel-name regex:lora_expand --launch-skip 3 --launch-count 3 --section SpeedOfLight \
         --section WarpStateStats python raw_kernels/dev/expand_profile.py --T 4096 --ranks 16 --slots 1
@@ -24,12 +25,14 @@ def main() -> None:
     ap.add_argument("--out", type=int, default=4096)
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--slots", type=int, default=1)
+    ap.add_argument("--kinds", default="expand,expand_stream,expand_ring",
+                    help="comma-separated expand kernels, or default (the planner's plan)")
     args = ap.parse_args()
     row = Row("core", args.T, 4096, (args.out,), (args.ranks,) * args.slots, args.ranks)
     d = build(row, 0)
     w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
-    for expand in ("expand", "expand_stream", "expand_ring"):
-        be = CupyBackend(d.spec, fused=False, expand=expand)
+    for expand in args.kinds.split(","):
+        be = CupyBackend(d.spec) if expand == "default" else CupyBackend(d.spec, fused=False, expand=expand)
         for _ in range(2):
             be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
         torch.cuda.synchronize()

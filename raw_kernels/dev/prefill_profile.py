@@ -4,10 +4,15 @@ step's device time between CUDA events and its host phases (perf_counter: admiss
 admit and plan, the forward's launches, the wait for the tokens), median of 5 steps; then, for one
 more step under torch.profiler, the CUDA time per kernel name (largest first), the device's busy
 time and its idle gaps; the Chrome trace of that step (CPU and CUDA) is written under ``$OUT``.
+With ``CPROFILE=1`` the 5 timed steps also run under cProfile: the host functions with the most
+time of their own (the forward's launches left out), and the time Python's collector took.
 
     PYTHONPATH=. OUT=/tmp/trace python raw_kernels/dev/prefill_profile.py
 """
+import cProfile
 import functools
+import gc
+import pstats
 import os
 import statistics
 import tempfile
@@ -26,6 +31,18 @@ from lora_cupy.pool import LoraAdapterPool
 out_dir = Path(os.environ.get("OUT", "."))
 model = e2e.build_model(e2e.MODEL, "bfloat16", "cuda")
 phases = defaultdict(list)
+use_cprofile = os.environ.get("CPROFILE") == "1"
+gc_ms = []
+
+
+def gc_timer(phase, info, t0=[0.0]):
+    if phase == "start":
+        t0[0] = time.perf_counter()
+    else:
+        gc_ms.append((info["generation"], (time.perf_counter() - t0[0]) * 1e3))
+
+
+gc.callbacks.append(gc_timer)
 
 
 def timed(name, fn):
@@ -92,13 +109,19 @@ with tempfile.TemporaryDirectory() as tmp:
         submit(); gen.step()
         phases.clear()
         dev, wall = [], []
+        prof_host = cProfile.Profile() if use_cprofile else None
+        gc_ms.clear()
         for _ in range(5):
             submit()
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             start.record()
+            if prof_host:
+                prof_host.enable()
             gen.step()
+            if prof_host:
+                prof_host.disable()
             end.record()
             end.synchronize()
             wall.append((time.perf_counter() - t0) * 1e3)
@@ -108,6 +131,12 @@ with tempfile.TemporaryDirectory() as tmp:
             per = len(v) // 5
             sums = [sum(v[i * per:(i + 1) * per]) for i in range(5)] if per else [0.0]
             print(f"   {k:28s} {statistics.median(sums):8.3f} ms host  x{per}")
+        print(f"   gc: {len(gc_ms)} collections in 5 steps, {sum(t for _, t in gc_ms):.3f} ms "
+              f"(generations {sorted(g for g, _ in gc_ms)})")
+        if prof_host:
+            st = pstats.Stats(prof_host)
+            st.sort_stats("tottime").print_stats(r"lora_cupy/(?!integrations/attach)|threading|cupy|numpy|queue", 28)
+            st.sort_stats("cumulative").print_callees(r"_emit|_finish|remove_request|_admit_new|_pool_step")
         submit()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
