@@ -56,6 +56,7 @@ class HostCopy:
     users: int = 0
     state: int = READING
     image: AdapterWeights | None = None
+    held: int = 0  # bytes the tier counts for the image (its nbytes, taken once when it came in)
     error: LoraError | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -102,6 +103,10 @@ class LoraAdapterStore:
         self._jobs: deque = deque()
         self._cond = threading.Condition()
         self._held = 0  # bytes of images held, plus those being read
+        # Images dropped from the tier, freed on the reader thread before its next job (so before
+        # it allocates another image): not on the thread that removed the last request, which a
+        # serving loop runs between steps.
+        self._trash: list[AdapterWeights] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="lora-adapter-reader", daemon=True)
         self._thread.start()
@@ -181,12 +186,17 @@ class LoraAdapterStore:
             return 0 if e is None else e.users
 
     def _drop(self, e: HostCopy) -> None:
+        """Forget ``e`` (under the lock): its bytes leave the count now, its image's memory before
+        the reader thread's next job (a copy into a slot keeps the image alive itself: the pool's
+        keep_alive). The reader is woken only where a job waits (a read may now fit the bound)."""
         if self._entries.get(e.name) is e:
             del self._entries[e.name]
         if e.state == READY and e.image is not None:
-            self._held -= e.image.nbytes  # a copy into a slot keeps it alive itself (the pool's keep_alive)
-            e.image = None
-        self._cond.notify_all()
+            self._held -= e.held
+            self._trash.append(e.image)
+            e.image, e.held = None, 0
+        if self._jobs:
+            self._cond.notify_all()
 
     def _fail(self, e: HostCopy, err: LoraError) -> None:
         e.error, e.state = err, FAILED
@@ -221,6 +231,9 @@ class LoraAdapterStore:
 
     def _run(self) -> None:
         while True:
+            with self._cond:
+                trash, self._trash = self._trash, []
+            del trash  # the dropped images' memory, released outside the lock
             with self._cond:
                 job = self._next_job()
                 while job is None and not self._closed:
@@ -264,8 +277,8 @@ class LoraAdapterStore:
             self._held -= e.need
             current = self._entries.get(e.name) is e and e.users > 0
             if err is None and current:
-                e.image, e.state = image, READY
-                self._held += image.nbytes
+                e.image, e.state, e.held = image, READY, image.nbytes
+                self._held += e.held
                 e.done.set()
             elif err is not None:
                 self._fail(e, err)
@@ -322,6 +335,7 @@ class LoraAdapterStore:
         with self._cond:
             self._closed = True
             jobs, self._jobs = list(self._jobs), deque()
+            self._trash.clear()
             self._cond.notify_all()
         for job in jobs:
             if isinstance(job, _LoadJob) and job.future.set_running_or_notify_cancel():

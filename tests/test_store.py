@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -114,6 +115,27 @@ def test_digest_is_checked_on_every_read(spec, paths):
         fut = store.read_async("ad2", paths["ad2"], digest="0" * 64)
         with pytest.raises(DigestMismatchError):
             fut.result(10)
+    finally:
+        store.close()
+
+
+def test_a_dropped_image_is_freed_on_the_reader_thread_before_its_next_read(spec, paths):
+    """The last release forgets the copy at once (bytes, entry) but does not free its arrays on the
+    releasing thread (a serving loop's, between steps) or wake the idle reader for it: the reader
+    frees them before its next job, so before it allocates another image."""
+    store = make_store(spec, None)
+    freed_on = []
+    try:
+        a = store.acquire("ad0", paths["ad0"])
+        assert a.wait(10) == READY
+        weakref.finalize(a.image, lambda: freed_on.append(threading.current_thread().name))
+        store.release("ad0")
+        assert store.nbytes == 0 and store.get("ad0") is None and a.image is None
+        assert not freed_on  # kept until the reader's next job, not freed by the releasing thread
+        b = store.acquire("ad1", paths["ad1"])
+        assert b.wait(10) == READY
+        assert freed_on == ["lora-adapter-reader"]
+        assert store.nbytes == b.image.nbytes
     finally:
         store.close()
 
