@@ -233,7 +233,7 @@ class LoraAdapterStore:
         while True:
             with self._cond:
                 trash, self._trash = self._trash, []
-            del trash  # the dropped images' memory, released outside the lock
+            trash.clear()  # the dropped images' memory, released outside the lock
             with self._cond:
                 job = self._next_job()
                 while job is None and not self._closed:
