@@ -186,14 +186,17 @@ class LoraAdapterStore:
             return 0 if e is None else e.users
 
     def _drop(self, e: HostCopy) -> None:
-        """Forget ``e`` (under the lock): its bytes leave the count now, its image's memory before
-        the reader thread's next job (a copy into a slot keeps the image alive itself: the pool's
-        keep_alive). The reader is woken only where a job waits (a read may now fit the bound)."""
+        """Forget ``e`` (under the lock): its bytes leave the count now, its image's memory when
+        the reader thread takes its next job, before that job reads (a copy into a slot keeps the
+        image alive itself: the pool's keep_alive). The reader is woken only where a job waits (a
+        read may now fit the bound), so an idle tier keeps its last dropped images' memory, which
+        :attr:`nbytes` no longer counts, until its next read or :meth:`close`."""
         if self._entries.get(e.name) is e:
             del self._entries[e.name]
         if e.state == READY and e.image is not None:
             self._held -= e.held
-            self._trash.append(e.image)
+            if not self._closed:  # no reader thread after close: freed here
+                self._trash.append(e.image)
             e.image, e.held = None, 0
         if self._jobs:
             self._cond.notify_all()
@@ -231,23 +234,27 @@ class LoraAdapterStore:
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                trash, self._trash = self._trash, []
-            trash.clear()  # the dropped images' memory, released outside the lock
+            skip = False
             with self._cond:
                 job = self._next_job()
                 while job is None and not self._closed:
                     self._cond.wait()
                     job = self._next_job()
-                if job is None:
-                    return
-                self._jobs.remove(job)
-                if isinstance(job, _ReadJob):
-                    e = job.entry
-                    if e.users <= 0 or self._entries.get(e.name) is not e:
-                        e.done.set()
-                        continue  # released before its read began
-                    self._held += e.need
+                trash, self._trash = self._trash, []  # taken with the job: freed before it reads
+                if job is not None:
+                    self._jobs.remove(job)
+                    if isinstance(job, _ReadJob):
+                        e = job.entry
+                        if e.users <= 0 or self._entries.get(e.name) is not e:
+                            e.done.set()
+                            skip = True  # released before its read began
+                        else:
+                            self._held += e.need
+            trash.clear()  # the dropped images' memory, released outside the lock
+            if job is None:
+                return
+            if skip:
+                continue
             if isinstance(job, _LoadJob):
                 self._load(job)
             else:

@@ -122,9 +122,14 @@ def test_digest_is_checked_on_every_read(spec, paths):
 def test_a_dropped_image_is_freed_on_the_reader_thread_before_its_next_read(spec, paths):
     """The last release forgets the copy at once (bytes, entry) but does not free its arrays on the
     releasing thread (a serving loop's, between steps) or wake the idle reader for it: the reader
-    frees them before its next job, so before it allocates another image."""
-    store = make_store(spec, None)
-    freed_on = []
+    frees them when it takes its next job, before that job reads (allocates another image)."""
+    freed_on, seen_at_read = [], {}
+
+    def reader(path, spec, name=None):
+        seen_at_read[name] = list(freed_on)
+        return read_peft_adapter(path, spec, name=name)
+
+    store = make_store(spec, reader)
     try:
         a = store.acquire("ad0", paths["ad0"])
         assert a.wait(10) == READY
@@ -134,7 +139,7 @@ def test_a_dropped_image_is_freed_on_the_reader_thread_before_its_next_read(spec
         assert not freed_on  # kept until the reader's next job, not freed by the releasing thread
         b = store.acquire("ad1", paths["ad1"])
         assert b.wait(10) == READY
-        assert freed_on == ["lora-adapter-reader"]
+        assert seen_at_read["ad1"] == ["lora-adapter-reader"]  # freed before ad1's read began
         assert store.nbytes == b.image.nbytes
     finally:
         store.close()
