@@ -403,6 +403,28 @@ def test_unknown_slices_and_oversized_weights_are_refused():
 
 
 # -- bench arithmetic ----------------------------------------------------------------------------------
+def test_bench_compiles_each_dtype_module_once_with_a_name_it_holds():
+    """bench kernels loads every dtype's module before its deadline's clock starts: one load per
+    dtype, each asked for a kernel its module is built with (a name NVRTC would not know fails
+    there, on a GPU host, after the compile)."""
+    from lora_cupy import kernels as k
+
+    asked = []
+
+    class Module:
+        def __init__(self, family):
+            self.family = family
+
+        def get_function(self, name):
+            asked.append((self.family, name))
+
+    took = bench.compile_modules(["bfloat16", "float32", "bfloat16", "float16"], load=Module)
+    assert took >= 0
+    assert [f for f, _ in asked] == ["lora_mma_bfloat16", "lora_mma_float16", "lora_mma_float32"]
+    for family, name in asked:
+        assert name in k.FAMILIES[family].name_expressions
+
+
 def test_byte_floor_counts_x_y_and_each_slots_weights_once():
     row = bench.Row("core", 64, 4096, (4096,), (16,) * 8, 16)
     want = 2 * (64 * 4096 + 2 * 64 * 4096 + 8 * (16 * 4096 + 4096 * 16))

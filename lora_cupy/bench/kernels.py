@@ -702,6 +702,22 @@ def markdown_report(data: dict) -> str:
     return "\n".join(lines)
 
 
+def compile_modules(dtypes, load=None) -> float:
+    """Compile (or fetch from CuPy's cache) and load the tensor-core module of each of ``dtypes``
+    before any row is timed, so a row's first call does not spend a deadline's seconds in NVRTC
+    (a dtype's module is about 40 s to build on an H200 host); the seconds it took. ``load``:
+    ``kernels.load_module`` (tests pass a stand-in)."""
+    from .. import kernels as k
+
+    load = load or k.load_module
+    kind, bm, bn, chunks = next(iter(k.mma_kernels()))
+    t = time.time()
+    for dt in sorted(set(dtypes)):
+        load(k.mma_family(dt)).get_function(k.mma_name(k.CUDA_TYPES[dt], kind, bm, bn=bn, chunks=chunks,
+                                                       aligned=False))
+    return time.time() - t
+
+
 def _deadline(args) -> float:
     """When to stop starting rows: --deadline-s from now, or BENCH_END_AT (epoch seconds) less 20 s."""
     import os
@@ -761,6 +777,9 @@ def main(argv=None) -> int:
         calib[m] = {"nothing": t(lambda: None), "empty_kernel": t(lambda: _t.cuda._sleep(0))}
     calib["dependent_round"] = dependent_round_us(Timer(args.replays, "diff", args.flush))
     print(f"calibration (us): {calib}", file=sys.stderr)
+    took = compile_modules(r.dtype for r in todo)
+    print(f"kernel modules of {sorted({r.dtype for r in todo})} loaded in {took:.0f} s (before the deadline's "
+          "clock)", file=sys.stderr)
     results, skipped = [], []
     t0, stop = time.time(), _deadline(args)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bw": bw,
