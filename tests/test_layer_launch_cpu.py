@@ -98,10 +98,13 @@ class _FakeBackend:
     def __init__(self, limits):
         self.limits = limits
         self.device = contextlib.nullcontext()  # the context packing runs in
-        self.prepared, self.launched = [], []
+        self.prepared, self.launched, self.parts = [], [], []
 
-    def _kernels(self, call):
+    kernel = "mma"
+
+    def _kernels(self, call, parts=("shrink", "expand")):
         self.prepared.append(call)
+        self.parts.append(parts)
         return _calls()
 
     def stream_ptr(self, torch):
@@ -148,6 +151,29 @@ def test_layer_launch_packs_once_per_bucket_views_and_checks_x_and_y_every_call(
     with pytest.raises(ValueError, match="addresses 65"):
         layer(y, x, v64, 65)  # the step addresses more rows than x has
     assert len(be.launched) == n  # nothing launched for a refused call
+
+
+def test_a_half_is_packed_once_per_views_and_part_planned_unfused():
+    """LayerLaunch.half packs its launch as __call__ does (once per views, here per part too),
+    planned as two launches whatever the bucket, with x or y (the tensor it is given) in both
+    pointer slots; x and y are checked on every call."""
+    be, layer, spec = _layer()
+    v16 = _views(16)
+    x, y = FakeDeviceArray((16, 64), "<u2"), FakeDeviceArray((16, 96), "<u2")
+    layer.half("shrink", x, v16, 16)
+    layer.half("expand", y, v16, 16)
+    layer.half("shrink", x, v16, 16)
+    assert be.parts == [("shrink",), ("expand",)]  # one packing per (views, part)
+    assert all(not c.plan.fused for c in be.prepared)  # bucket 16 is fused when whole
+    assert cb.plan_launch(16, 64, 96, 1, 16, "bfloat16", num_slots=5, num_sms=cb.DEFAULT_SMS).fused
+    px, py = x.__cuda_array_interface__["data"][0], y.__cuda_array_interface__["data"][0]
+    assert [launch[2:4] for launch in be.launched] == [(px, px), (py, py), (px, px)]
+    assert be.launched[0][0] is be.launched[2][0] is not be.launched[1][0]
+    with pytest.raises(ValueError, match="must be"):
+        layer.half("expand", x, v16, 16)  # x's width is not y's
+    with pytest.raises(ValueError, match="part"):
+        layer.half("both", x, v16, 16)
+    assert len(be.launched) == 3
 
 
 def test_layer_launch_refuses_torch_tensors_on_the_host():

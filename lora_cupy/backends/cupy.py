@@ -720,7 +720,7 @@ class CupyBackend:
         has seen torch tensors, else CuPy's): after a shrink whose expands did not all run (see
         :meth:`LoraLayerDelta.shrink <lora_cupy.delta.LoraLayerDelta.shrink>`), whatever rows and
         slices it wrote."""
-        stream = self._torch_stream() if self._torch_stream is not None else self._cupy.cuda.get_current_stream().ptr
+        stream = self.stream_ptr(self._torch_stream is not None)
         with self._device:
             self._cupy.cuda.runtime.memsetAsync(self.workspace.data.ptr, 0, self.workspace.nbytes, stream)
 
@@ -941,7 +941,7 @@ class LayerLaunch:
             self._tensor, self._tdtype, self._stream = type(x), x.dtype, be.torch_stream()
         packed = self._launches.get(views, False)
         if packed is False:
-            packed = self._prepare(views, Y.ptr, X.ptr, torch)
+            packed = self._prepare(views, views, Y.ptr, X.ptr, torch)
         if packed is not None:
             be.launch(packed, be.stream_ptr(torch), Y.ptr, X.ptr, _xy_flags(self.weights.flags, X.ptr, Y.ptr))
 
@@ -983,12 +983,7 @@ class LayerLaunch:
             self._tensor, self._tdtype, self._stream = type(t), t.dtype, be.torch_stream()
         packed = self._launches.get(key, False)
         if packed is False:
-            TO = inspect_arg("token_order", views.token_order)
-            IP = inspect_arg("slot_indptr", views.slot_indptr)
-            _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
-            call = _launch_args(be.limits, wa, A.ptr, A.ptr, TO, IP, A.is_torch, halves=True)
-            with be.device:
-                packed = self._launches[key] = None if call is None else PackedLaunch(be._kernels(call, (part,)))
+            packed = self._prepare(key, views, A.ptr, A.ptr, A.is_torch, part)
         if packed is not None:  # the operand a half does not touch is given t's pointer: flags stay true
             be.launch(packed, be.stream_ptr(A.is_torch), A.ptr, A.ptr, _xy_flags(wa.flags, A.ptr, A.ptr))
 
@@ -996,12 +991,16 @@ class LayerLaunch:
         """The launch packed for ``views`` (None: not yet called there, or no positions)."""
         return self._launches.get(views)
 
-    def _prepare(self, views, y_ptr: int, x_ptr: int, torch: bool) -> PackedLaunch | None:
+    def _prepare(self, key, views, y_ptr: int, x_ptr: int, torch: bool,
+                 part: str | None = None) -> PackedLaunch | None:
+        """Pack the launch kept under ``key`` over ``views``: the whole delta, or (``part``) one
+        half of it, planned unfused."""
         be = self.backend
         TO = inspect_arg("token_order", views.token_order)
         IP = inspect_arg("slot_indptr", views.slot_indptr)
         _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
-        call = _launch_args(be.limits, self.weights, y_ptr, x_ptr, TO, IP, torch)
+        call = _launch_args(be.limits, self.weights, y_ptr, x_ptr, TO, IP, torch, halves=part is not None)
         with be.device:  # a RawKernel loads its module on the current device
-            packed = self._launches[views] = None if call is None else PackedLaunch(be._kernels(call))
+            packed = self._launches[key] = (None if call is None else
+                                            PackedLaunch(be._kernels(call) if part is None else be._kernels(call, (part,))))
         return packed
