@@ -16,7 +16,9 @@
 // a pool's rows beyond an adapter's rank cost nothing.
 //   shrink task (unit, split q, slice j, rank block rb of 64): `in` split over `splits` blocks,
 //     each adding its partial sums into v (ws) with 16-byte red.add (a plain store with one
-//     split); v starts at zero.
+//     split); v starts at zero. An unfused shrink whose slices' rank widths fit one rank block
+//     together (n * rw <= 64: q/k/v at rank 16) packs them into one task (unit, split q), so x
+//     is read once for every slice rather than once a slice.
 //   expand task (unit, column group of `cpb` blocks of BN): one pipeline over every (column block,
 //     slice, run, chunk of 16 ranks), y tiles prefetched into a ring in shared memory, v * scaling
 //     times B on tensor cores added in fp32 and rounded once, written back with 16-byte stores. The
@@ -108,12 +110,20 @@ __device__ __forceinline__ Spread spread_of(const Args<T>& g, int bm, int kc, in
 // every adapter's first rank block fill the first waves and those past the pool's largest
 // adapters (which stop at once) come last, so a rank-128 pool's rank-16 step runs its real work
 // as a rank-16 pool's does, with a tail of idle blocks rather than one between every two.
+// Packed slices (an unfused shrink of several slices whose rank widths fit one rank block
+// together, n * rw <= 64: q/k/v or gate/up at rank 16): one task per (tile, split) covers every
+// slice, slice j in the block's ranks [j * rw, j * rw + rw), so x is read once, not once a slice;
+// its v columns are then the row's whole [n * rw] (v's layout), j = rb = 0.
 struct ShrinkTask {
   int tile, q, j, rb;
 };
+template <typename T>
+__device__ __forceinline__ bool packed_slices(const Args<T>& g, bool fused) {
+  return !fused && g.n_slices > 1 && g.n_slices * g.rw <= 64;
+}
 template <typename T, int BM>
-__device__ __forceinline__ ShrinkTask shrink_task_of(const Args<T>& g, int u, int units, int splits) {
-  const int n = g.n_slices, per = units * splits * n, w = u % per;
+__device__ __forceinline__ ShrinkTask shrink_task_of(const Args<T>& g, int u, int units, int splits, int n) {
+  const int per = units * splits * n, w = u % per;
   return {w / (n * splits), (w / n) % splits, w % n, u / per};
 }
 
@@ -315,6 +325,7 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   __shared__ int row_r[BM];  // this row's rank inside the rank block (0..64)
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   int splits = g.splits, k_split = g.k_split, p0;
+  const bool packed = !CHUNKED && packed_slices(g, fused);
   ShrinkTask task;
   if constexpr (CHUNKED) {  // the grid spread over the step's chunks: u past them has nothing to do
     __shared__ ChunkScan cs;
@@ -323,22 +334,35 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
     splits = d.splits;
     k_split = d.per * C::KC;
     if (u >= cs.chunks * splits * g.n_slices * g.rank_blocks()) return;
-    task = shrink_task_of<T, BM>(g, u, cs.chunks, splits);
+    task = shrink_task_of<T, BM>(g, u, cs.chunks, splits, g.n_slices);
     find_chunk<BM>(tr, cs, s_indptr, g.token_order, g.num_slots, g.positions, task.tile);
     p0 = cs.chunk[0];
   } else {
-    task = shrink_task_of<T, BM>(g, u, g.tiles(BM), splits);
+    task = shrink_task_of<T, BM>(g, u, g.tiles(BM), splits, packed ? 1 : g.n_slices);
     p0 = task.tile * BM;
     read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
     if (p0 >= tr.pend) return;
   }
   const int q = task.q, j = task.j, rb = task.rb, tile = task.tile;
   // a slice with no columns (a call serving one slice of a fused target) has nothing to expand
-  const bool no_cols = g.out_offsets != nullptr && g.out_offsets[j] == g.out_offsets[j + 1];
+  auto no_cols = [&](int jj) { return g.out_offsets != nullptr && g.out_offsets[jj] == g.out_offsets[jj + 1]; };
+  // slot s's rank of slice jj inside this block (0: nothing to compute)
+  auto rank_in = [&](int s, int jj) {
+    return no_cols(jj) ? 0 : min(max(min(g.ranks[s * g.n_slices + jj], g.max_rank) - rb * C::RB, 0), C::RB);
+  };
   if (tid < BM) {
     const int s = tr.slot[tid];
     int r = 0;
-    if (s > 0 && !no_cols) r = min(max(min(g.ranks[s * g.n_slices + j], g.max_rank) - rb * C::RB, 0), C::RB);
+    if (s > 0) {
+      if (packed) {  // the block's ranks up to the last slice with any: j * rw + its rank
+        for (int jj = 0; jj < g.n_slices; ++jj) {
+          const int rj = rank_in(s, jj);
+          if (rj > 0) r = jj * g.rw + rj;
+        }
+      } else {
+        r = rank_in(s, j);
+      }
+    }
     row_r[tid] = r;
   }
   const int any = __syncthreads_or(tid < BM && row_r[tid] > 0);
@@ -361,6 +385,19 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   const T* ap[APT];
   int cached = -1, cached_r16 = 0;
 
+  // Row `row` (< r, the run's extent in this block) of the block's A for run `run`: slice j's
+  // rank rb * 64 + row, or with packed slices slice row / rw's rank row % rw; null past the
+  // slice's rank (zero-filled).
+  auto a_row = [&](int run, int row, int r) -> const T* {
+    if (row >= r) return nullptr;
+    const int s = tr.run_slot[run];
+    if (packed) {
+      const int jj = row / g.rw, rr = row - jj * g.rw;
+      if (rr >= rank_in(s, jj)) return nullptr;
+      return g.A + s * a_slot + ((size_t)jj * g.max_rank + rr) * in;
+    }
+    return g.A + s * a_slot + ((size_t)j * g.max_rank + rb * C::RB + row) * in;
+  };
   // Step f = run * nk + kc of the block's walk (its run, then its stage of `in`), loaded into
   // stage f % STAGES; run and kc are kept by the caller's cursor (no division per step).
   auto load = [&](int f, int run, int kc) {
@@ -374,7 +411,6 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
           if (run != cached) {
             cached = run;
             cached_r16 = r16;
-            const T* a0 = g.A + tr.run_slot[run] * a_slot + ((size_t)j * g.max_rank + rb * C::RB) * in + my_col;
 #pragma unroll
             for (int i = 0; i < XPT; ++i) {
               const int row = my_row + 16 * i;
@@ -382,8 +418,8 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
             }
 #pragma unroll
             for (int i = 0; i < APT; ++i) {
-              const int row = my_row + 16 * i;
-              ap[i] = row < r ? a0 + (size_t)row * in : nullptr;
+              const T* a = a_row(run, my_row + 16 * i, r);
+              ap[i] = a != nullptr ? a + my_col : nullptr;
             }
           }
           const bool kin = k0 + my_col < kend;
@@ -401,7 +437,6 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
             }
           }
         } else {
-          const T* a0 = g.A + tr.run_slot[run] * a_slot + ((size_t)j * g.max_rank + rb * C::RB) * in;
           for (int e = tid; e < BM * C::KC; e += THREADS) {
             const int row = e / C::KC, col = e % C::KC;
             const bool ok = row >= lo && row < hi && k0 + col < kend;
@@ -409,8 +444,8 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
           }
           for (int e = tid; e < r16 * C::KC; e += THREADS) {
             const int row = e / C::KC, col = e % C::KC;
-            const bool ok = row < r && k0 + col < kend;
-            sa[row * C::LDK + col] = ok ? a0[(size_t)row * in + k0 + col] : from_float<T>(0.f);
+            const T* a = a_row(run, row, r);
+            sa[row * C::LDK + col] = a != nullptr && k0 + col < kend ? a[k0 + col] : from_float<T>(0.f);
           }
         }
       }

@@ -88,7 +88,7 @@ def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
 
 # -- plans -------------------------------------------------------------------------------------------
 SHAPES = [(4096, 4096, 1, 16), (4096, 14336, 1, 64), (14336, 4096, 1, 16), (4096, 6144, 3, 64),
-          (77, 61, 1, 13), (200, 160, 3, 128), (4096, 4096, 1, 256)]
+          (77, 61, 1, 13), (200, 160, 3, 128), (4096, 4096, 1, 256), (4096, 6144, 3, 16)]
 
 
 @pytest.mark.parametrize("in_f,out,n,R", SHAPES)
@@ -149,13 +149,30 @@ def test_a_member_call_splits_in_for_its_one_slice():
     assert cb.live_slices((0, 4096, 5120, 6144)) == 3
     assert cb.live_slices((0, 0, 1024, 1024)) == 1
     for b in (512, 1024, 4096):
-        member = cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9, live_slices=1)
-        one = cb.plan_launch(b, 4096, 1024, 1, 16, "bfloat16", num_slots=9)
-        whole = cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9)
+        member = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, live_slices=1)
+        one = cb.plan_launch(b, 4096, 1024, 1, 64, "bfloat16", num_slots=9)
+        whole = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9)
         assert not member.fused and member.splits == one.splits > whole.splits
         assert member.shrink_blocks == 3 * one.shrink_blocks  # the other slices' tasks are launched, and stop
-        fused = cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9, fused=True, live_slices=1)
-        assert fused == cb.plan_launch(b, 4096, 1024, 3, 16, "bfloat16", num_slots=9, fused=True)
+        fused = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, fused=True, live_slices=1)
+        assert fused == cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, fused=True)
+
+
+def test_slices_that_share_a_rank_block_shrink_in_one_task():
+    """An unfused shrink of several slices whose rank widths fit one 64-rank block together (q/k/v
+    at rank 16, gate/up at 32) runs one task per tile and split for all of them, so it reads x
+    once; it splits ``in`` as a one-slice target does, a member call included. Wider slices, one
+    slice, and the fused kernel (whose ready counts are per slice) keep a task per slice."""
+    assert cb.packed_slices(3, 16, False) and cb.packed_slices(2, 32, False) and cb.packed_slices(4, 13, False)
+    assert not cb.packed_slices(3, 32, False) and not cb.packed_slices(1, 16, False)
+    assert not cb.packed_slices(3, 16, True)
+    for b in (128, 512, 1024, 4096):
+        one = cb.plan_launch(b, 4096, 1024, 1, 16, "bfloat16", num_slots=9, fused=False)
+        for live in (None, 1):
+            qkv = cb.plan_launch(b, 4096, 6144, 3, 16, "bfloat16", num_slots=9, fused=False, live_slices=live)
+            assert qkv.packed and qkv.splits == one.splits and qkv.shrink_blocks == one.shrink_blocks
+        fused = cb.plan_launch(b, 4096, 6144, 3, 16, "bfloat16", num_slots=9, fused=True)
+        assert not fused.packed and fused.shrink_blocks == fused.tiles * fused.splits * 3
 
 
 def test_workspace_is_v_at_the_largest_bucket():
@@ -184,7 +201,8 @@ def test_streaming_plans_cover_every_column_and_rank_in_one_wave(in_f, out, n, R
             assert p.cpb == p.col_blocks or p.cpb % share == 0
             assert p.expand_blocks <= max(p.tiles, cb.STREAM_BLOCKS_PER_SM * cb.DEFAULT_SMS)
             assert p.rank_blocks == -(-R // rb)
-            assert p.shrink_blocks == p.tiles * p.splits * n * p.rank_blocks
+            assert p.packed == (n > 1 and n * cb.rank_width(R) <= rb)
+            assert p.shrink_blocks == p.tiles * p.splits * (1 if p.packed else n * p.rank_blocks)
             assert p.k_split % (128 // cb._ITEMSIZE[dtype]) == 0 and p.splits * p.k_split >= in_f
             f = cb.plan_launch(b, in_f, out, n, R, dtype, num_slots=33, tile=tile, fused=True, expand=version)
             assert (f.expand, f.chunks) == ("expand", cb.default_chunks(b))

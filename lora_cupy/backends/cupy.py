@@ -127,10 +127,13 @@ class LaunchPlan:
     n_slices: int
     expand: str = "expand"
     chunks: bool = False
+    #: an unfused shrink whose slices share one rank block (``packed_slices``): one task per
+    #: tile and split reads x once for every slice
+    packed: bool = False
 
     @property
     def shrink_blocks(self) -> int:
-        return self.tiles * self.splits * self.n_slices * self.rank_blocks
+        return self.tiles * self.splits * (1 if self.packed else self.n_slices * self.rank_blocks)
 
     @property
     def expand_blocks(self) -> int:
@@ -255,7 +258,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     kc = 128 // _ITEMSIZE[dtype]
     nchunks = max(1, _ceil(in_features, kc))
     live = n_slices if fused or live_slices is None else max(1, min(int(live_slices), n_slices))
-    base = tiles * live  # rank blocks past an adapter's rank stop at once: they do not count
+    packed = packed_slices(n_slices, max_rank, fused)
+    # rank blocks past an adapter's rank stop at once: they do not count; packed slices are one task
+    base = tiles * (1 if packed else live)
     want = max(1, min(nchunks, _ceil((FUSED_SHRINK_PER_SM if fused else 4) * num_sms, base)))
     per = _ceil(nchunks, want)
     splits = _ceil(nchunks, per)
@@ -280,7 +285,14 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
         cpb = max(1, min(col_blocks, (tiles * col_blocks) // (per_sm * num_sms)))
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
                       tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
-                      n_slices=n_slices, expand=expand, chunks=chunks)
+                      n_slices=n_slices, expand=expand, chunks=chunks, packed=packed)
+
+
+def packed_slices(n_slices: int, max_rank: int, fused: bool) -> bool:
+    """Whether an unfused shrink runs every slice in one task (the kernel's ``packed_slices``):
+    several slices whose rank widths (``max_rank`` rounded up to 16) fit one 64-rank block
+    together, so x is read once rather than once per slice (q/k/v, gate/up at rank 16)."""
+    return not fused and n_slices > 1 and n_slices * rank_width(max_rank) <= RANK_BLOCK
 
 
 def plan_workspace(spec: LoraSpec) -> tuple[int, int]:

@@ -48,6 +48,10 @@ CASES = {
     "T1000": dict(T=1000, in_f=512, slices=(136, 248), max_rank=64, ranks=(16, 64), mix="uniform",
                   num_slots=33, active=8),
     "pad100": dict(T=100, in_f=256, slices=(256,), max_rank=16, ranks=(16,), mix="uniform", pad_to=128),
+    # three slices whose rank widths share one rank block: the unfused shrink packs them (x read
+    # once for every slice), A's slice rows 13 apart, v's 16 apart
+    "T300-qkv13": dict(T=300, in_f=264, slices=(128, 40, 40), max_rank=13, ranks=(0, 1, 8, 13), mix="zipf",
+                       num_slots=17, active=9),
 }
 
 
