@@ -23,6 +23,35 @@ def test_e2e_bench_runs_its_rows_on_a_small_model(tmp_path, capsys):
     assert "| decode b1 graphs 1 adapter |" in capsys.readouterr().out
 
 
+def test_e2e_bench_prefill_row_alternates_with_base_steps(tmp_path, capsys, monkeypatch):
+    """The prefill row (8 x 512 tokens, as on a GPU) times each variant's steps alternating with
+    base steps in one generator: the steps the row times run adapters and base in turn, and the
+    ratios are against the base steps beside each variant."""
+    from lora_cupy.integrations import LoraGenerator
+
+    kinds = []
+    real_step = LoraGenerator.step
+
+    def step(self):  # whether the eight requests this step prefills are on adapters
+        kinds.append(any(self.records[w.rid].request.adapter is not None for w in self.queue.waiting))
+        return real_step(self)
+
+    monkeypatch.setattr(LoraGenerator, "step", step)
+    out = tmp_path / "p.json"
+    assert main(["bench", "e2e", "--tiny", "--reps", "3", "--only", "prefill", "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["case"] == "prefill 8x512 8 adapters"
+    for k in ("base_ms", "lora_ms", "inline_ms", "base_again_ms", "scratch_ms"):
+        assert row[k] > 0, k
+    assert abs(row["ratio"] - row["lora_ms"] / row["base_ms"]) < 1e-2
+    assert abs(row["inline_ratio"] - row["inline_ms"] / row["base_again_ms"]) < 1e-2
+    # three variants, each: two untimed steps (adapters, base), then 3 x (adapters, base)
+    assert kinds == [True, False] * (3 * (1 + 3))
+    capsys.readouterr()
+    assert main(["bench", "e2e", "--report", str(out)]) == 0
+    assert "alternate with base steps" in capsys.readouterr().out
+
+
 def test_overlap_bench_needs_a_gpu_and_renders_a_saved_run(tmp_path, capsys):
     import pytest
     import torch

@@ -21,7 +21,10 @@ Rows (goals from the project's issue):
 Each row with adapters runs the attachment's default (on CUDA, each delta beside its linear on a
 side stream inside CUDA graph captures, in line in eager steps: the ratio against the goal) and,
 in the same run, every delta in line on the main stream (the "in line" column); the base step is
-timed again after them ("base again"), so a base figure that moved over the row shows. Beside
+timed again after them ("base again"), so a base figure that moved over the row shows. The
+prefill row alternates its steps with base steps in one generator instead (its base and "base
+again" are the base steps beside the default and the in-line variant): a long compute-bound step
+drifts with the device's clocks more than a decode replay does. Beside
 each decode row with adapters: the time the adapters add, and the step's deltas alone (every
 target at every layer on the decode bucket, one graph): what the kernels cost by themselves
 against what they add inside the step.
@@ -180,9 +183,14 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int,
 
 
 def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in_place: bool = True) -> dict:
-    """Device ms of one eager step prefilling 8 requests of 512 tokens. ``in_place=False``: the
-    q/k/v and gate/up groups through one launch into a shared scratch, as decode steps run them,
-    rather than each member's slice into its own output (what a step this large runs)."""
+    """Device ms of one eager step prefilling 8 requests of 512 tokens on ``adapters`` (``ms``)
+    and of the same step on the base model (``base_ms``), medians over ``reps`` (at most 20)
+    steps of each. The two alternate in one generator (adapters, base, adapters, ...), so a drift
+    of the device's clocks over the run moves both alike: a prefill step is long and
+    compute-bound, and timed in separate phases its base moved by up to 10% within one run.
+    ``in_place=False``: the q/k/v and gate/up groups through one launch into a shared scratch,
+    as decode steps run them, rather than each member's slice into its own output (what a step
+    this large runs)."""
     from ..integrations import GenerationRequest
 
     gen = generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False,
@@ -193,25 +201,31 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in
     vocab = model.config.vocab_size
     n = [0]
 
-    def submit_eight():
+    def submit_eight(names: list):
         """Eight new requests, their adapters' host copies in (the tier drops a copy with its last
         request, so each round reads them again): the timed step then prefills all eight."""
         for i in range(8):
-            gen.submit(GenerationRequest(f"p{n[0]}", rng.integers(0, vocab, 512).tolist(), adapters[i % len(adapters)],
+            gen.submit(GenerationRequest(f"p{n[0]}", rng.integers(0, vocab, 512).tolist(), names[i % len(names)],
                                          max_new_tokens=1))
             n[0] += 1
-        wait_host_copies(gen.pool, adapters)
+        wait_host_copies(gen.pool, names)
+
+    def timed(names: list) -> float:
+        submit_eight(names)
+        ms = event_ms(gen.step, 1)
+        if gen.history[-1].prefill_rows != 8:
+            raise RuntimeError(f"the timed step prefilled {gen.history[-1].prefill_rows} requests, not 8")
+        return ms
 
     try:
-        submit_eight()
-        gen.step()  # slots loaded
-        times = []
+        for names in (adapters, [None]):  # slots loaded, both kinds of step met once
+            submit_eight(names)
+            gen.step()
+        times: dict[str, list] = {"ms": [], "base_ms": []}
         for _ in range(min(reps, 20)):
-            submit_eight()
-            times.append(event_ms(gen.step, 1))
-            if gen.history[-1].prefill_rows != 8:
-                raise RuntimeError(f"the timed step prefilled {gen.history[-1].prefill_rows} requests, not 8")
-        return {"ms": statistics.median(times)}
+            times["ms"].append(timed(adapters))
+            times["base_ms"].append(timed([None]))
+        return {k: statistics.median(v) for k, v in times.items()}
     finally:
         gen.close()
 
@@ -287,15 +301,23 @@ def run(args) -> dict:
                     # next 6 ms): one untimed pass meets them all before any timed one
                     log(f"{case}: warm-up pass (eager attention meets each cache length once)")
                     fn([None], True)
-                log(f"{case}: base")
-                base = fn([None], True)["ms"]
-                log(f"{case}: adapters, the attachment's default (on CUDA, forked inside graph captures)")
-                got = fn(ads, True)
-                lora = got["ms"]
-                log(f"{case}: adapters, deltas in line")
-                serial = fn(ads, False)["ms"]
-                log(f"{case}: base again")
-                base2 = fn([None], True)["ms"]
+                if case.startswith("prefill"):  # base steps alternate with each variant's steps
+                    log(f"{case}: adapters (the attachment's default), alternating with base steps")
+                    got = fn(ads, True)
+                    base, lora = got["base_ms"], got["ms"]
+                    log(f"{case}: adapters, deltas in line, alternating with base steps")
+                    inline = fn(ads, False)
+                    serial, base2 = inline["ms"], inline["base_ms"]
+                else:
+                    log(f"{case}: base")
+                    base = fn([None], True)["ms"]
+                    log(f"{case}: adapters, the attachment's default (on CUDA, forked inside graph captures)")
+                    got = fn(ads, True)
+                    lora = got["ms"]
+                    log(f"{case}: adapters, deltas in line")
+                    serial = fn(ads, False)["ms"]
+                    log(f"{case}: base again")
+                    base2 = fn([None], True)["ms"]
                 goal = GOALS[case]
                 row = {"case": case, "base_ms": round(base, 4), "lora_ms": round(lora, 4),
                        "ratio": round(lora / base, 3), "goal": goal,
@@ -303,9 +325,11 @@ def run(args) -> dict:
                        "added_ms": round(lora - base, 4), "inline_ms": round(serial, 4),
                        "inline_ratio": round(serial / base, 3), "base_again_ms": round(base2, 4)}
                 if case.startswith("prefill"):
-                    log(f"{case}: adapters, fused groups through a shared scratch")
-                    scratch = prefill_row(model, pool, ads, args.reps, True, in_place=False)["ms"]
-                    row["scratch_ms"], row["scratch_ratio"] = round(scratch, 4), round(scratch / base, 3)
+                    row["inline_ratio"] = round(serial / base2, 3)  # against the base steps beside it
+                    log(f"{case}: adapters, fused groups through a shared scratch, alternating with base steps")
+                    scratch = prefill_row(model, pool, ads, args.reps, True, in_place=False)
+                    row["scratch_ms"] = round(scratch["ms"], 4)
+                    row["scratch_ratio"] = round(scratch["ms"] / scratch["base_ms"], 3)
                 if "deltas_alone_ms" in got:
                     row["deltas_alone_ms"] = round(got["deltas_alone_ms"], 4)
                     row["lora_launches"] = sum(t.num_layers for t in spec.targets)
@@ -348,7 +372,11 @@ def markdown(result: dict) -> str:
         if "scratch_ms" in r:
             lines += ["", f"{r['case']}: with q/k/v and gate/up each through one launch into a shared scratch "
                           f"(as a decode step runs them) instead of each member in place: {r['scratch_ms']:.3f} ms "
-                          f"({r['scratch_ratio']:.3f}x)."]
+                          f"({r['scratch_ratio']:.3f}x the base steps beside it)."]
+        if r["case"].startswith("prefill"):
+            lines += ["", f"{r['case']}: steps on adapters alternate with base steps in one generator; base and "
+                          "base again are the base steps beside the default and the in-line variant, each "
+                          "variant's ratio is against its own."]
     return "\n".join(lines)
 
 
