@@ -5,7 +5,9 @@ admit and plan, the forward's launches, the wait for the tokens), median of 5 st
 more step under torch.profiler, the CUDA time per kernel name (largest first), the device's busy
 time and its idle gaps; the Chrome trace of that step (CPU and CUDA) is written under ``$OUT``.
 With ``CPROFILE=1`` the 5 timed steps also run under cProfile: the host functions with the most
-time of their own (the forward's launches left out), and the time Python's collector took.
+time of their own (the forward's launches left out), and the time Python's collector took. With
+``GARBAGE=1``, 3 more steps under ``gc.DEBUG_SAVEALL``: the types of what only the collector frees
+(reference cycles made by a step, which set the collector off).
 
     PYTHONPATH=. OUT=/tmp/trace python raw_kernels/dev/prefill_profile.py
 """
@@ -17,7 +19,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,7 @@ out_dir = Path(os.environ.get("OUT", "."))
 model = e2e.build_model(e2e.MODEL, "bfloat16", "cuda")
 phases = defaultdict(list)
 use_cprofile = os.environ.get("CPROFILE") == "1"
+use_garbage = os.environ.get("GARBAGE") == "1"
 gc_ms = []
 
 
@@ -145,6 +148,21 @@ with tempfile.TemporaryDirectory() as tmp:
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(out_dir / f"prefill_{label}.json"))
         kernel_report(prof, label)
+        if use_garbage:  # what the collector finds unreachable after 3 more steps: reference cycles
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            for _ in range(3):
+                submit()
+                gen.step()
+            gc.collect()
+            kinds = Counter(type(o).__qualname__ for o in gc.garbage)
+            print(f"   garbage after 3 steps: {len(gc.garbage)} objects: {kinds.most_common(12)}")
+            for o in gc.garbage[:400]:
+                if type(o).__name__ == "frame" or type(o).__name__ == "function":
+                    print(f"     {type(o).__name__}: {getattr(o, 'f_code', getattr(o, '__code__', None))}")
+                    break
+            gc.set_debug(0)
+            gc.garbage.clear()
         del gen.decoder.forward
         for obj, attrs in ((pool, ("admit", "plan", "commit", "remove_request", "snapshot")),):
             for attr in attrs:
