@@ -157,9 +157,15 @@ with tempfile.TemporaryDirectory() as tmp:
             gc.collect()
             kinds = Counter(type(o).__qualname__ for o in gc.garbage)
             print(f"   garbage after 3 steps: {len(gc.garbage)} objects: {kinds.most_common(12)}")
-            for o in gc.garbage[:400]:
-                if type(o).__name__ == "frame" or type(o).__name__ == "function":
-                    print(f"     {type(o).__name__}: {getattr(o, 'f_code', getattr(o, '__code__', None))}")
+            seen = set()
+            for o in gc.garbage:  # one example of each type that is not a plain container
+                t = type(o).__qualname__
+                if t in seen or t in ("dict", "list", "tuple", "set", "cell"):
+                    continue
+                seen.add(t)
+                code = getattr(o, "f_code", None) or getattr(o, "__code__", None)
+                print(f"     {type(o).__module__}.{t}: {code if code is not None else repr(o)[:160]}")
+                if len(seen) >= 15:
                     break
             gc.set_debug(0)
             gc.garbage.clear()
