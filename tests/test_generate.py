@@ -105,6 +105,52 @@ def test_requests_wait_at_admission_and_all_finish(tmp_path):
         gen.pool.close()
 
 
+def test_a_long_running_generator_keeps_bounded_records_and_history(tmp_path):
+    """``keep_finished=False`` drops each request's record once its last event is out and
+    ``history_limit`` trims the step records, while the tokens (what ``run`` returns, from the
+    events) and the stats (running totals) equal those of a generator that keeps everything;
+    ``forget`` drops one finished record (the rid may be submitted again) and refuses a running
+    one."""
+    base = tiny("llama")
+    dirs = adapters_for("llama", base, tmp_path, [4, 4, 4])
+    rng = np.random.default_rng(5)
+    reqs = random_requests(rng, sorted(dirs), 12)
+    got, stats = {}, {}
+    for keep in (True, False):
+        gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=3, max_prefill=2,
+                    keep_finished=keep, history_limit=None if keep else 4)
+        try:
+            got[keep] = gen.run(reqs)
+            stats[keep] = {k: v for k, v in gen.stats().items() if k not in ("seconds", "tokens_per_second")}
+            if keep:
+                steps = len(gen.history)
+                assert len(gen.records) == len(reqs)
+            else:
+                assert gen.records == {} and 4 <= len(gen.history) <= 4 + 4 // 8 + 1 < steps
+                assert [h.step for h in gen.history] == list(range(steps - len(gen.history) + 1, steps + 1))
+        finally:
+            gen.close()
+            gen.pool.close()
+    assert got[False] == got[True] and stats[False] == stats[True]
+    assert stats[True]["slot_hits"] > 0 and stats[True]["evictions"] > 0
+    gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=3)
+    try:
+        first = gen.run(reqs[:2])
+        gen.submit(GenerationRequest("long", [1, 2, 3], "ad0", max_new_tokens=5))
+        gen.step()
+        with pytest.raises(ValueError, match="has not finished"):
+            gen.forget("long")
+        rec = gen.forget(reqs[0].rid)
+        assert rec.tokens == first[reqs[0].rid] and reqs[0].rid not in gen.records
+        with pytest.raises(KeyError):
+            gen.forget(reqs[0].rid)
+        again = gen.run([reqs[0]])  # a forgotten rid runs again, to the same tokens
+        assert again[reqs[0].rid] == first[reqs[0].rid]
+    finally:
+        gen.close()
+        gen.pool.close()
+
+
 def test_submit_refusals(tmp_path):
     base = tiny("llama")
     dirs = adapters_for("llama", base, tmp_path, [4])

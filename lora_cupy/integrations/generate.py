@@ -116,11 +116,20 @@ class LoraGenerator:
     (default: the model's generation config's, if any). ``overlap``: when each delta runs on a side
     stream beside its linear (:func:`~lora_cupy.integrations.attach.attach`; default: inside the
     decode graphs' captures on CUDA).
+
+    A long-running server bounds what the generator keeps: ``keep_finished=False`` drops each
+    request's record once its last event is out (``records`` then holds the queued and running
+    ones; :meth:`stats` counts from running totals either way), and ``history_limit`` keeps the
+    last that many step records (a few more between trims; None: every step).
+    :meth:`forget` drops one finished request's record.
     """
 
     def __init__(self, model, pool, *, max_batch: int | None = None, max_len: int = 256,
                  max_prefill: int = 8, cuda_graphs: bool | None = None, static_decode: bool = False,
-                 eos_token_id="model", overlap: bool | str | None = None):
+                 eos_token_id="model", overlap: bool | str | None = None, keep_finished: bool = True,
+                 history_limit: int | None = 10_000):
+        if history_limit is not None and history_limit < 1:
+            raise ValueError(f"history_limit must be at least 1 step (or None), not {history_limit}")
         import torch
 
         self.model, self.pool = model, pool
@@ -155,6 +164,10 @@ class LoraGenerator:
         self.attachment.enabled = False  # the hooks add deltas only inside this generator's steps
         self.records: dict[Hashable, RequestRecord] = {}
         self.history: list[StepRecord] = []
+        self.keep_finished, self.history_limit = keep_finished, history_limit
+        self._adapter_admits = 0  # admitted requests on an adapter, and of those the slot hits
+        self._hits = 0
+        self._graph_steps = 0  # steps whose decode ran the static (graph) path
         self.running: list[Hashable] = []  # cache row i holds running[i]
         self._lengths: list[int] = []  # tokens cached per running row
         self._next: list[int] = []  # each running row's next input token
@@ -201,11 +214,17 @@ class LoraGenerator:
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self, requests: Iterable[GenerationRequest] = (), timeout: float = 60.0) -> dict:
-        """Submit ``requests``, generate until every request finished; ``{rid: tokens}``."""
+        """Submit ``requests``, generate until every request finished; ``{rid: tokens}`` of every
+        request the generator keeps a record of (``keep_finished=False``: of those this call
+        streamed tokens for)."""
         for r in requests:
             self.submit(r)
-        for _ in self.stream(timeout=timeout):
-            pass
+        streamed: dict[Hashable, list] = {}
+        for ev in self.stream(timeout=timeout):
+            if ev.token is not None:
+                streamed.setdefault(ev.rid, []).append(ev.token)
+        if not self.keep_finished:  # the records are gone: what this call streamed
+            return streamed
         return {rid: list(rec.tokens) for rid, rec in self.records.items()}
 
     def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent]:
@@ -265,6 +284,10 @@ class LoraGenerator:
         snap = self.pool.snapshot()
         self.history.append(StepRecord(self._step, len(old), len(new), len(self.queue), snap.refcounts,
                                        snap.adapters, use_graph))
+        self._graph_steps += use_graph
+        limit = self.history_limit
+        if limit is not None and len(self.history) > limit + limit // 8 + 1:  # trimmed in batches
+            del self.history[:-limit]
         events += self._emit(chosen)
         self._busy += time.perf_counter() - started
         return events
@@ -329,6 +352,8 @@ class LoraGenerator:
             rec = self.records[rid]
             if rec.request.adapter is not None:
                 rec.hit = rec.request.adapter in before.entries
+                self._adapter_admits += 1
+                self._hits += rec.hit
         after = self.pool.snapshot()
         self._evictions += sum(1 for a, b in zip(before.adapters, after.adapters) if a is not None and a != b)
 
@@ -391,20 +416,31 @@ class LoraGenerator:
         self.records[rid].finished = self._step
         self.pool.remove_request(rid)
         self.queue.cancel(rid)
+        if not self.keep_finished:
+            del self.records[rid]
 
     def _refuse(self, rid: Hashable, err: BaseException) -> TokenEvent:
         rec = self.records[rid]
         rec.error, rec.finished = err, self._step
         self.pool.remove_request(rid)
         self.queue.cancel(rid)
+        if not self.keep_finished:
+            del self.records[rid]
         return TokenEvent(rid, None, 0, self._step, True, err)
+
+    def forget(self, rid: Hashable) -> RequestRecord:
+        """Drop finished request ``rid``'s record and return it (its rid may then be submitted
+        again). KeyError: no record of it; ValueError: it is still queued or running."""
+        rec = self.records[rid]
+        if rec.finished is None:
+            raise ValueError(f"request {rid!r} has not finished: forget it once its last event is out")
+        return self.records.pop(rid)
 
     # -- results ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Steps, tokens, busy seconds and tokens per second, adapter loads, slot hits and
         evictions over the generator's life."""
-        adapter_admits = [r for r in self.records.values() if r.hit is not None]
-        hits = sum(r.hit for r in adapter_admits)
+        hits, adapter_admits = self._hits, self._adapter_admits
         return {
             "steps": self._step,
             "tokens": self._tokens,
@@ -412,10 +448,10 @@ class LoraGenerator:
             "tokens_per_second": round(self._tokens / self._busy, 1) if self._busy else 0.0,
             "slot_loads": int(self.pool.stats["loads"]) - self._loads0,
             "slot_hits": hits,
-            "slot_hit_rate": round(hits / len(adapter_admits), 3) if adapter_admits else 1.0,
+            "slot_hit_rate": round(hits / adapter_admits, 3) if adapter_admits else 1.0,
             "evictions": self._evictions,
             "graph_steps": self.graphs.replays if self.graphs is not None and self.graphs.capture else 0,
-            "static_decode_steps": sum(h.graph for h in self.history),
+            "static_decode_steps": self._graph_steps,
         }
 
     def close(self) -> None:
