@@ -524,7 +524,11 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
       const float4 quad = odd ? make_float4(r0, r1, acc[i][2], acc[i][3]) : make_float4(acc[i][0], acc[i][1], r0, r1);
       const int row = m0 + gq + (odd ? 8 : 0), col = (warp / C::MT + C::WN * i) * 8 + 2 * (tq & ~1);
       const int r = row_r[row];
-      if (r > 0 && col < ((r + 15) & ~15)) {
+      // packed: only the columns below each slice's rank rounded up to 16, what its expand reads
+      // and zeroes again (a float4 never crosses a 16-column boundary); the zero rows between
+      // them would leave 0 * inf = NaN in v where x holds an inf, read by no expand, zeroed by none
+      if (r > 0 && col < ((r + 15) & ~15) &&
+          (!packed || col % g.rw < ((rank_in(tr.slot[row], col / g.rw) + 15) & ~15))) {
         float* p = g.ws + ((size_t)(p0 + row) * g.n_slices + j) * g.rw + rb * C::RB + col;
         if (splits == 1) *reinterpret_cast<float4*>(p) = quad;
         else red_add4(p, quad);
