@@ -107,32 +107,42 @@ def test_requests_wait_at_admission_and_all_finish(tmp_path):
 
 def test_a_long_running_generator_keeps_bounded_records_and_history(tmp_path):
     """``keep_finished=False`` drops each request's record once its last event is out and
-    ``history_limit`` trims the step records, while the tokens (what ``run`` returns, from the
-    events) and the stats (running totals) equal those of a generator that keeps everything;
-    ``forget`` drops one finished record (the rid may be submitted again) and refuses a running
-    one."""
+    ``history_limit`` trims the step records, while ``run`` still returns every request's tokens
+    (from the events: PEFT's, per request) and the stats' running totals equal what the kept
+    records and steps say; ``forget`` drops one finished record (the rid may be submitted again)
+    and refuses a running one. (How many steps a run takes depends on when the adapters' host
+    copies land, so two runs are compared by their tokens, not their schedules.)"""
     base = tiny("llama")
     dirs = adapters_for("llama", base, tmp_path, [4, 4, 4])
+    ref = PeftReference(base, dirs)
     rng = np.random.default_rng(5)
     reqs = random_requests(rng, sorted(dirs), 12)
-    got, stats = {}, {}
-    for keep in (True, False):
-        gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=3, max_prefill=2,
-                    keep_finished=keep, history_limit=None if keep else 4)
-        try:
-            got[keep] = gen.run(reqs)
-            stats[keep] = {k: v for k, v in gen.stats().items() if k not in ("seconds", "tokens_per_second")}
-            if keep:
-                steps = len(gen.history)
-                assert len(gen.records) == len(reqs)
-            else:
-                assert gen.records == {} and 4 <= len(gen.history) <= 4 + 4 // 8 + 1 < steps
-                assert [h.step for h in gen.history] == list(range(steps - len(gen.history) + 1, steps + 1))
-        finally:
-            gen.close()
-            gen.pool.close()
-    assert got[False] == got[True] and stats[False] == stats[True]
-    assert stats[True]["slot_hits"] > 0 and stats[True]["evictions"] > 0
+    gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=3, max_prefill=2, history_limit=None)
+    try:
+        gen.run(reqs)
+        stats = gen.stats()
+        admits = [r for r in gen.records.values() if r.hit is not None]
+        assert stats["slot_hits"] == sum(r.hit for r in admits) > 0 and stats["evictions"] > 0
+        assert stats["slot_hit_rate"] == round(sum(r.hit for r in admits) / len(admits), 3)
+        assert stats["static_decode_steps"] == sum(h.graph for h in gen.history)
+        assert len(gen.history) == stats["steps"] and len(gen.records) == len(reqs)
+    finally:
+        gen.close()
+        gen.pool.close()
+    gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=3, max_prefill=2, keep_finished=False,
+                history_limit=4)
+    try:
+        out = gen.run(reqs)
+        steps = gen.stats()["steps"]
+        assert gen.records == {} and steps > 5
+        assert 4 <= len(gen.history) <= 4 + 4 // 8 + 1
+        assert [h.step for h in gen.history] == list(range(steps - len(gen.history) + 1, steps + 1))
+        assert gen.stats()["tokens"] == sum(len(t) for t in out.values())
+    finally:
+        gen.close()
+        gen.pool.close()
+    assert sorted(out) == sorted(r.rid for r in reqs)
+    assert_equal_to_peft(ref, reqs, out, gen.eos_token_id)
     gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=3)
     try:
         first = gen.run(reqs[:2])
@@ -144,8 +154,8 @@ def test_a_long_running_generator_keeps_bounded_records_and_history(tmp_path):
         assert rec.tokens == first[reqs[0].rid] and reqs[0].rid not in gen.records
         with pytest.raises(KeyError):
             gen.forget(reqs[0].rid)
-        again = gen.run([reqs[0]])  # a forgotten rid runs again, to the same tokens
-        assert again[reqs[0].rid] == first[reqs[0].rid]
+        again = gen.run([reqs[0]])  # a forgotten rid runs again, to PEFT's tokens
+        assert_equal_to_peft(ref, [reqs[0]], again, gen.eos_token_id)
     finally:
         gen.close()
         gen.pool.close()
