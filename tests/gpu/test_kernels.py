@@ -439,6 +439,42 @@ def test_one_slice_of_a_fused_target_into_its_own_output(make_case, check, dtype
     check(case, got, dtype)
 
 
+@pytest.mark.parametrize("max_rank,ranks", [(13, (0, 1, 8, 13)), (16, (0, 5, 16))])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_inf_in_x_leaves_no_nan_in_v_after_packed_halves(make_case, check, dtype, max_rank, ranks):
+    """Slices packed into one shrink task (three of rank width 16), an inf in the x row of one
+    adapter token whose last slice has a rank: the whole target's shrink, then each slice's expand
+    into its own output. 0 * inf is NaN wherever a zero row of A meets that row, so the shrink may
+    write only the columns the expands read and zero again: v and the counters end at zero, and
+    every other row matches the oracle (at max_rank 16 the ALIGNED instantiation runs)."""
+    from lora_cupy.backends.base import member_weights
+    from lora_cupy.backends.cupy import packed_slices
+
+    case = make_case(T=300, in_f=264, slices=(128, 40, 40), max_rank=max_rank, ranks=ranks, dtype=dtype,
+                     mix="zipf", num_slots=17, active=9)
+    assert packed_slices(3, max_rank, False)
+    ip, order = case.slot_indptr, case.token_order
+    s = next(s for s in range(1, len(ip) - 1) if ip[s + 1] > ip[s] and case.w.ranks[s, -1] > 0)
+    t = int(order[ip[s]])
+    x = case.x.copy()
+    x[t, 5] = np.inf
+    be = backend_for(case.spec)
+    w = dev_weights(case.w)
+    offs = case.w.out_offsets
+    views = LaunchViews(order.shape[0], 0, dev(order), dev(ip))
+    rows = x.shape[0]
+    be.prepare(w).half("shrink", dev(x), views, rows)
+    got = np.empty_like(case.y0)
+    for j in range(len(offs) - 1):
+        y = dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]))
+        be.prepare(member_weights(w, j)).half("expand", y, views, rows)
+        got[:, offs[j]:offs[j + 1]] = host(y, dtype)
+    cp().cuda.get_current_stream().synchronize()
+    check_clean(be)
+    got[t] = case.ref[t].astype(np.float32).astype(got.dtype)  # its row is inf / NaN by design
+    check(case, got, dtype)
+
+
 @pytest.mark.parametrize("T", [1, 7, 45, 64, 300, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_delta_in_halves(make_case, check, dtype, T):
