@@ -255,6 +255,20 @@ def test_a_request_whose_adapter_fails_to_read_is_refused_alone(tmp_path):
     finally:
         gen.close()
         gen.pool.close()
+    # a generator that drops finished records: run() still names the refused requests, with no tokens
+    dirs = adapters_for("llama", base, tmp_path / "kept", [4, 8])
+    gen = serve(base, dirs, num_slots=3, max_len=16, keep_finished=False)
+    try:
+        weights = dirs["ad1"] / "adapter_model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+        reqs = [GenerationRequest(f"s{i}", [3, 4, 5], ("ad0", "ad1", None)[i % 3], max_new_tokens=3)
+                for i in range(6)]
+        out = gen.run(reqs)
+        assert sorted(out) == sorted(r.rid for r in reqs) and gen.records == {}
+        assert out["s1"] == out["s4"] == [] and all(len(out[r]) in (1, 2, 3) for r in ("s0", "s2", "s3", "s5"))
+    finally:
+        gen.close()
+        gen.pool.close()
 
 
 def test_comparison_with_peft_finds_a_wrong_adapter(tmp_path):

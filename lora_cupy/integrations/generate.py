@@ -216,13 +216,14 @@ class LoraGenerator:
     def run(self, requests: Iterable[GenerationRequest] = (), timeout: float = 60.0) -> dict:
         """Submit ``requests``, generate until every request finished; ``{rid: tokens}`` of every
         request the generator keeps a record of (``keep_finished=False``: of those this call
-        streamed tokens for)."""
+        streamed events for), a request refused at admit with no tokens."""
         for r in requests:
             self.submit(r)
         streamed: dict[Hashable, list] = {}
         for ev in self.stream(timeout=timeout):
+            got = streamed.setdefault(ev.rid, [])  # a request refused at admit: no token
             if ev.token is not None:
-                streamed.setdefault(ev.rid, []).append(ev.token)
+                got.append(ev.token)
         if not self.keep_finished:  # the records are gone: what this call streamed
             return streamed
         return {rid: list(rec.tokens) for rid, rec in self.records.items()}
