@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 
-from conftest import build_case, check_result  # noqa: E402
+from conftest import build_case, check_result, with_inf  # noqa: E402
 
 from lora_cupy.backends import cupy as cb  # noqa: E402
 from lora_cupy.backends.base import member_offsets  # noqa: E402
@@ -191,15 +191,6 @@ def run_halves(lib, case, *, expand: str, tile: int, sms: int, misalign: bool,
     return y, flags, al
 
 
-def with_inf(case) -> int:
-    """Put an inf into x's row of the first token on an adapter slot (in place); that row."""
-    ip, order = case.slot_indptr, case.token_order
-    s = next(s for s in range(1, len(ip) - 1) if ip[s + 1] > ip[s])
-    t = int(order[ip[s]])
-    case.x[t, min(5, case.x.shape[1] - 1)] = np.inf
-    return t
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
@@ -235,7 +226,9 @@ def main(argv=None) -> int:
                 tiles = [cb.RING_BM] if args.expand == "expand_ring" and not args.fused else args.tiles.split(",")
                 for tile in (int(t) for t in tiles):
                     case = build_case(rng, dtype=dt, **CASES[name])
-                    inf_row = with_inf(case) if args.inf else None
+                    inf_row = None
+                    if args.inf:
+                        case.x, inf_row = with_inf(case)
                     offs = case.w.out_offsets
                     members = range(len(offs) - 1) if args.members else [None]
                     if (args.members or args.halves) and len(offs) < 3:

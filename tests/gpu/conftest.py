@@ -114,6 +114,19 @@ def _finite(w: LayerWeights) -> LayerWeights:
                         w.scaling, w.ranks, w.out_offsets)
 
 
+def with_inf(case: Case) -> tuple[np.ndarray, int]:
+    """A copy of ``case.x`` with an inf in the row of the first token on a slot whose last slice
+    has a rank (else on any slot with positions), and that row. A packed shrink meets it with the
+    zero rows of A before that slice: 0 * inf is NaN, which must land nowhere it stays."""
+    ip, order = case.slot_indptr, case.token_order
+    slots = [s for s in range(1, len(ip) - 1) if ip[s + 1] > ip[s]]
+    s = next((s for s in slots if case.w.ranks[s, -1] > 0), slots[0])
+    t = int(order[ip[s]])
+    x = case.x.copy()
+    x[t, min(5, x.shape[1] - 1)] = np.inf
+    return x, t
+
+
 def check_result(case: Case, y: np.ndarray, dtype: str) -> None:
     """y matches the oracle on touched rows within the dtype's tolerance; other rows are bit-exact."""
     y = np.asarray(y)
@@ -139,6 +152,12 @@ def check_result(case: Case, y: np.ndarray, dtype: str) -> None:
 def make_case(rng):
     """``make_case(**shape)``: a fresh random :class:`Case` (see :func:`build_case`)."""
     return lambda **kw: build_case(rng, **kw)
+
+
+@pytest.fixture
+def inf_in_x():
+    """``inf_in_x(case)``: :func:`with_inf`, x with an inf in one adapter token's row."""
+    return with_inf
 
 
 @pytest.fixture

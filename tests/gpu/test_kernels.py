@@ -441,7 +441,7 @@ def test_one_slice_of_a_fused_target_into_its_own_output(make_case, check, dtype
 
 @pytest.mark.parametrize("max_rank,ranks", [(13, (0, 1, 8, 13)), (16, (0, 5, 16))])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_an_inf_in_x_leaves_no_nan_in_v_after_packed_halves(make_case, check, dtype, max_rank, ranks):
+def test_an_inf_in_x_leaves_no_nan_in_v_after_packed_halves(make_case, check, inf_in_x, dtype, max_rank, ranks):
     """Slices packed into one shrink task (three of rank width 16), an inf in the x row of one
     adapter token whose last slice has a rank: the whole target's shrink, then each slice's expand
     into its own output. 0 * inf is NaN wherever a zero row of A meets that row, so the shrink may
@@ -453,11 +453,9 @@ def test_an_inf_in_x_leaves_no_nan_in_v_after_packed_halves(make_case, check, dt
     case = make_case(T=300, in_f=264, slices=(128, 40, 40), max_rank=max_rank, ranks=ranks, dtype=dtype,
                      mix="zipf", num_slots=17, active=9)
     assert packed_slices(3, max_rank, False)
-    ip, order = case.slot_indptr, case.token_order
-    s = next(s for s in range(1, len(ip) - 1) if ip[s + 1] > ip[s] and case.w.ranks[s, -1] > 0)
-    t = int(order[ip[s]])
-    x = case.x.copy()
-    x[t, 5] = np.inf
+    x, t = inf_in_x(case)
+    assert case.w.ranks[case.row_slots[t], -1] > 0  # zero rows of A before its last slice
+    order, ip = case.token_order, case.slot_indptr
     be = backend_for(case.spec)
     w = dev_weights(case.w)
     offs = case.w.out_offsets
