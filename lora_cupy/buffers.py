@@ -18,11 +18,12 @@ from .spec import LoraSpec, LoraTarget
 # -- the slot weights -----------------------------------------------------------------------
 class SlotWeights:
     """One target's slot arrays on the device: ``a[L, S, n, R, in]``, ``b[L, S, out, R]``,
-    ``ranks``/``scaling[L, S, n]``; and a host mirror of the ranks."""
+    ``ranks``/``scaling[L, S, n]``; and a host mirror of the ranks. A layer's A may be kept in
+    an array of its own instead (:meth:`bind`: the rows a base weight was extended by)."""
 
     def __init__(self, spec: LoraSpec, t: LoraTarget, device: Device):
         L, S, n = t.num_layers, spec.num_slots, t.num_slices
-        self.device = device
+        self.device, self.spec = device, spec
         self.a = device.zeros(spec.a_shape(t), spec.dtype)
         self.b = device.zeros(spec.b_shape(t), spec.dtype)
         self.ranks = device.zeros((L, S, n), np.int32)
@@ -31,9 +32,54 @@ class SlotWeights:
         self._zero_ranks = device.host_zeros((L, n), np.int32)
         self._zero_scaling = device.host_zeros((L, n), np.float32)
         self._clean = np.ones(S, bool)  # the slot's weights are all zero here
-        offs = t.out_offsets(spec.tp_size)
-        self.layers = [LayerWeights(self.a[l], self.b[l], self.scaling[l], self.ranks[l], offs)
+        self._offs = t.out_offsets(spec.tp_size)
+        #: layer -> its A ``[S, n, R, in]`` kept outside ``a`` (:meth:`bind`); ``a`` is None once
+        #: every layer's is
+        self.bound: dict[int, object] = {}
+        self.layers = [LayerWeights(self.a[l], self.b[l], self.scaling[l], self.ranks[l], self._offs)
                        for l in range(L)]
+
+    def a_layer(self, l: int):
+        """Layer ``l``'s A, ``[S, n, R, in]``: where the kernels read it."""
+        return self.layers[l].a
+
+    def bind(self, l: int, view) -> None:
+        """Keep layer ``l``'s A in ``view`` (a C-contiguous ``[S, n, R, in]`` array of the pool's
+        dtype on its device, such as rows appended to a base weight) from now on: what it holds
+        now is copied in, and installs write there. ``a`` is freed once every layer is bound."""
+        old = self.a_layer(l)
+        if tuple(view.shape) != tuple(old.shape) or view.dtype != old.dtype:
+            raise ValueError(f"A of layer {l} is {tuple(old.shape)} {old.dtype}, not {tuple(view.shape)} {view.dtype}")
+        if not view.flags.c_contiguous:
+            raise ValueError("a bound A must be C-contiguous")
+        self._copy(view, old)
+        self.bound[l] = view
+        self.layers[l] = LayerWeights(view, self.b[l], self.scaling[l], self.ranks[l], self._offs)
+        if len(self.bound) == len(self.layers):
+            self.a = None
+
+    def unbind(self, l: int) -> None:
+        """Layer ``l``'s A back in the pool's own array (made again if it was freed); a no-op
+        for a layer not bound."""
+        view = self.bound.pop(l, None)
+        if view is None:
+            return
+        if self.a is None:
+            t = self.layers[0].a
+            self.a = self.device.zeros((len(self.layers), *t.shape), self.spec.dtype)
+        self._copy(self.a[l], view)
+        self.layers[l] = LayerWeights(self.a[l], self.b[l], self.scaling[l], self.ranks[l], self._offs)
+
+    def _copy(self, dst, src) -> None:
+        """``dst[...] = src`` between two device arrays, after every copy queued before it."""
+        d = self.device
+        if d.is_cuda:
+            with d.activate(), d.stream:
+                dst[...] = src
+            d.stream.synchronize()
+        else:
+            d.synchronize()
+            np.copyto(dst, src)
 
     def install(self, slot: int, img: TargetWeights | None) -> None:
         """Queue the copy of ``img`` (None: nothing here) into ``slot`` on the device's stream."""
@@ -42,12 +88,20 @@ class SlotWeights:
             if not self._clean[slot]:
                 d.copy_to_device(self.ranks[:, slot], self._zero_ranks)
                 d.copy_to_device(self.scaling[:, slot], self._zero_scaling)
-                d.fill_zero(self.a[:, slot])
+                if self.bound:
+                    for l in range(len(self.layers)):
+                        d.fill_zero(self.a_layer(l)[slot])
+                else:
+                    d.fill_zero(self.a[:, slot])
                 d.fill_zero(self.b[:, slot])
                 self.host_ranks[:, slot] = 0
                 self._clean[slot] = True
             return
-        d.copy_to_device(self.a[:, slot], img.a)
+        if self.bound:  # layer by layer: some layers' A live elsewhere
+            for l in range(len(self.layers)):
+                d.copy_to_device(self.a_layer(l)[slot], img.a[l])
+        else:
+            d.copy_to_device(self.a[:, slot], img.a)
         d.copy_to_device(self.b[:, slot], img.b)
         d.copy_to_device(self.ranks[:, slot], img.ranks)
         d.copy_to_device(self.scaling[:, slot], img.scaling)

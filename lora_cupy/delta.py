@@ -33,17 +33,37 @@ class LoraLayerDelta:
         self.layer_idx = layer_idx
         self.member = member
         self.grouping = t.row_grouping
-        self.weights: LayerWeights = pool.layer_weights(target, layer_idx)
         self.in_features = t.local_in_features(pool.spec.tp_size)
         self.out_features = t.local_out_features(pool.spec.tp_size)
-        if member is not None:
-            if not 0 <= member < t.num_slices:
-                raise ValueError(f"target {target!r} has {t.num_slices} slices, not a slice {member}")
-            self.weights = member_weights(self.weights, member)
-            self.out_features = self.weights.out_offsets[-1]
-        self._launch = pool.backend.prepare(self.weights)
+        if member is not None and not 0 <= member < t.num_slices:
+            raise ValueError(f"target {target!r} has {t.num_slices} slices, not a slice {member}")
+        self.resolve()
         #: the slices this delta's expand serves: one for a ``member``, else every slice
         self.slices = (member,) if member is not None else tuple(range(len(self.weights.out_offsets) - 1))
+
+    def resolve(self) -> None:
+        """Take the layer's slot weights (views) and prepare their launch: at construction, and
+        again after the pool moved the layer's A (:meth:`LoraAdapterPool.bind_a
+        <lora_cupy.pool.LoraAdapterPool.bind_a>`)."""
+        self.weights: LayerWeights = self.pool.layer_weights(self.target, self.layer_idx)
+        if self.member is not None:
+            self.weights = member_weights(self.weights, self.member)
+            self.out_features = self.weights.out_offsets[-1]
+        self._launch = self.pool.backend.prepare(self.weights)
+
+    def expand_v(self, ys, v):
+        """The delta when the base GEMM already computed v: ``ys[j][t] += scaling[s, j] *
+        v[t, (s*n + j)*R : +r] @ B[s, cols_j, :r].T`` for each row t of the step on slot s and
+        each slice j (``r = ranks[s, j]``). ``v`` ``[T, S*n*R]`` holds every slot's ``x @ A.T`` side
+        by side, as a GEMM of x with the layer's A rows appended to the base weight writes them
+        (:meth:`LoraAdapterPool.bind_a <lora_cupy.pool.LoraAdapterPool.bind_a>`); ``ys`` holds one
+        output per slice (``[T, cols_j]``). Rows past the step's and slot 0's are untouched.
+        Changes each y in place; touches no workspace. A whole target's delta only (not a
+        ``member``'s)."""
+        if self.member is not None:
+            raise ValueError(f"{self!r}.expand_v: a member's delta; call the whole target's")
+        self._run(self._launch.expand_v, " expand_v", tuple(ys), v)
+        return ys
 
     def __call__(self, y, x):
         if self.pool.open_halves is not None:  # v of a shrink whose expands did not all run

@@ -106,6 +106,20 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
                  for aligned in (False, True) for k, bm, bn, c in mma_kernels())
 
 
+#: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.
+EXPAND_V_RANKS = (8, 16, 32, 64, 128)
+EXPAND_V_TG = 8
+#: Columns a block of ``lora_expand_v`` (128 threads of 4 columns).
+EXPAND_V_BN = 512
+#: Element types ``lora_expand_v`` serves (it moves 8-byte pieces of 2-byte elements).
+EXPAND_V_DTYPES = ("float16", "bfloat16")
+
+
+def expand_v_name(ctype: str, rank_width: int) -> str:
+    """The name expression of ``lora_expand_v`` (expand_v.cu) for one element type and rank width."""
+    return f"lora_expand_v<{ctype}, {rank_width}, {EXPAND_V_TG}>"
+
+
 def mma_family(dtype: str) -> str:
     """The tensor-core family of one dtype: each dtype is its own module, compiled on first use."""
     return f"lora_mma_{dtype}"
@@ -118,6 +132,8 @@ FAMILIES: dict[str, KernelFamily] = {
         tuple(f"lora_shrink_simt<{t}>" for t in _DTYPES) + tuple(f"lora_expand_simt<{t}>" for t in _DTYPES),
     ),
     **{mma_family(d): KernelFamily("lora_mma.cu", _mma_names(t)) for d, t in CUDA_TYPES.items()},
+    "lora_expand_v": KernelFamily(
+        "expand_v.cu", tuple(expand_v_name(CUDA_TYPES[d], r) for d in EXPAND_V_DTYPES for r in EXPAND_V_RANKS)),
 }
 
 

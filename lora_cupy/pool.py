@@ -305,6 +305,30 @@ class LoraAdapterPool:
             d = self._deltas[(target, layer_idx, member)] = LoraLayerDelta(self, target, layer_idx, member)
         return d
 
+    def bind_a(self, target: str, layer_idx: int, a) -> None:
+        """Keep ``target``'s A at stack layer ``layer_idx`` in ``a`` from now on: a C-contiguous
+        ``[S, n, R, in]`` array of the pool's dtype on its device (NumPy on cpu, CuPy on cuda),
+        such as the rows appended to the layer's base weight so one GEMM writes y and every
+        slot's ``x @ A.T`` (:meth:`LoraLayerDelta.expand_v
+        <lora_cupy.delta.LoraLayerDelta.expand_v>` then adds the rest). What the slots hold is
+        copied in; installs write there; every delta of the layer reads it. Call between steps.
+        Once every layer of a target is bound, the pool's own array for them is freed."""
+        with self._lock:
+            self._slot_weights.targets[self.spec.target(target).name].bind(layer_idx, a)
+            self._resolve(target, layer_idx)
+
+    def unbind_a(self, target: str, layer_idx: int) -> None:
+        """Undo :meth:`bind_a`: the layer's A back in the pool's own array (the bound one is no
+        longer written or read). A no-op for a layer not bound. Call between steps."""
+        with self._lock:
+            self._slot_weights.targets[self.spec.target(target).name].unbind(layer_idx)
+            self._resolve(target, layer_idx)
+
+    def _resolve(self, target: str, layer_idx: int) -> None:
+        for (t, l, _m), d in self._deltas.items():
+            if t == target and l == layer_idx:
+                d.resolve()
+
     def close_halves(self) -> None:
         """Zero the v an open shrink left (a forward that raised between a shrink and its slices'
         expands), on the stream the deltas run on, before another delta reads or adds to it. Call

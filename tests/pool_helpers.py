@@ -177,7 +177,8 @@ def slot_arrays(pool, target: str, slot: int) -> tuple[np.ndarray, ...]:
     """(a, b, ranks, scaling) of one slot at one target, every layer, copied to the host."""
     w = pool._slot_weights.targets[target]
     dev = pool.device
-    return (dev.to_host(w.a[:, slot]), dev.to_host(w.b[:, slot]), dev.to_host(w.ranks[:, slot]),
+    a = np.stack([dev.to_host(w.a_layer(l)[slot]) for l in range(len(w.layers))])  # a layer's A may be bound
+    return (a, dev.to_host(w.b[:, slot]), dev.to_host(w.ranks[:, slot]),
             dev.to_host(w.scaling[:, slot]))
 
 

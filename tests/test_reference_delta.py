@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lora_cupy.addressing import group_by_slot
 from lora_cupy.backends.base import LayerWeights
-from lora_cupy.backends.reference import dense_delta64, reference_delta
+from lora_cupy.backends.reference import dense_delta64, reference_delta, reference_expand_v
 from lora_cupy.dtypes import numpy_dtype
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -71,6 +71,45 @@ def test_reference_matches_dense_float64(seed, tokens, num_slots, max_rank, in_f
         delta = ref - y0[touched].astype(np.float64)
         bound = float(ml_dtypes.finfo(dt).eps) * np.linalg.norm(ref) + ACC_TOL * np.linalg.norm(delta)
         assert np.linalg.norm(got - ref) <= bound
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.sampled_from([1, 5, 16, 67]),
+    num_slots=st.integers(2, 9),
+    max_rank=st.sampled_from([1, 8, 16]),
+    slice_out=st.lists(st.integers(1, 24), min_size=1, max_size=3),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_expand_from_a_gemm_written_v_matches_dense_float64(seed, tokens, num_slots, max_rank, slice_out, dtype):
+    """reference_expand_v: v as one GEMM of x with every slot's A rows writes it (rounded to the
+    dtype), each slice's own output, rows of slot 0 untouched, the rest on the float64 oracle."""
+    rng = np.random.default_rng(seed)
+    in_f = 24
+    w = random_weights(rng, num_slots, max_rank, in_f, slice_out, dtype)
+    dt = numpy_dtype(dtype)
+    n = len(slice_out)
+    row_slots = rng.integers(0, num_slots, size=tokens)
+    order, indptr = group_by_slot(row_slots, num_slots)
+    x = rng.standard_normal((tokens, in_f)).astype(dt)
+    v = (x.astype(np.float64) @ w.a.reshape(num_slots * n * max_rank, in_f).astype(np.float64).T).astype(dt)
+    ys0 = [rng.standard_normal((tokens, o)).astype(dt) for o in slice_out]
+    ys = [y.copy() for y in ys0]
+    reference_expand_v(ys, v, w, order, indptr)
+    d = dense_delta64(x, w, row_slots)
+    touched = (row_slots != 0) & w.ranks[row_slots].any(axis=1)
+    for j, (y, y0) in enumerate(zip(ys, ys0)):
+        assert np.array_equal(y[~touched], y0[~touched]), "a row on slot 0 (or rank 0) was written"
+        c0, c1 = w.out_offsets[j], w.out_offsets[j + 1]
+        ref = y0.astype(np.float64) + d[:, c0:c1]
+        got = y.astype(np.float64)
+        # errors: v's rounding to the dtype (one ulp of each v), float32 sums, y's one rounding
+        eps = float(ml_dtypes.finfo(dt).eps)
+        vb = np.abs(v.astype(np.float64)).max() if v.size else 0.0
+        bmax = float(np.abs(w.b.astype(np.float64)).max()) if w.b.size else 0.0
+        bound = eps * (np.abs(ref).max() + 2 * max_rank * vb * bmax * 2.0) + 1e-6
+        assert np.abs(got - ref)[touched].max(initial=0.0) <= bound
 
 
 def test_padding_positions_address_nothing():

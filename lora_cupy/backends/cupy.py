@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       STREAM_BN, load_module, mma_family, mma_kernels, mma_name)
+from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_DTYPES, EXPAND_V_RANKS,
+                       EXPAND_V_TG, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN, STREAM_BN, expand_v_name,
+                       load_module, mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, member_offsets
 
@@ -377,6 +378,34 @@ def slot_stride(name: str, b, d: DeviceArg) -> int:
         return int(strides[0]) if S > 1 else out * R
     raise ValueError(f"{name} must be C-contiguous, or one slice's columns of a C-contiguous [S, out, R] "
                      f"array (strides {strides})")
+
+
+def rows_arg(name: str, t, cols: int, rows: int, dtype: str, device: int, align: int) -> tuple[int, int]:
+    """``(pointer, row stride in elements)`` of a 2-D torch tensor or CuPy array ``[>= rows, cols]``
+    whose rows are contiguous (a column range of a wider array is fine), of ``dtype``, on
+    ``device``, its pointer and row stride multiples of ``align`` elements (TypeError /
+    ValueError naming what is wrong)."""
+    d = inspect_arg(name, t)
+    if d.device is not None and d.device != device:
+        raise ValueError(f"{name} is on device {d.device}, the backend on {device}")
+    if d.dtype != dtype:
+        raise TypeError(f"{name} has dtype {d.dtype}, the weights {dtype}")
+    if len(d.shape) != 2 or d.shape[1] != cols or d.shape[0] < rows:
+        raise ValueError(f"{name} must be [rows >= {rows}, {cols}], got {d.shape}")
+    if d.is_torch:
+        strides = tuple(t.stride())
+    elif type(t).__module__.startswith("cupy"):
+        strides = tuple(st // t.itemsize for st in t.strides)
+    else:
+        raise TypeError(f"{name}: a torch CUDA tensor or CuPy array, got {type(t).__name__}")
+    ld = strides[0] if d.shape[0] > 1 else max(strides[0], cols)
+    if (cols > 1 and strides[1] != 1) or ld < cols:
+        raise ValueError(f"{name}'s rows must be contiguous (strides {strides})")
+    size = _ITEMSIZE[dtype]
+    if d.ptr % (align * size) or ld % align:
+        raise ValueError(f"{name} must start and step its rows at multiples of {align} elements "
+                         f"(pointer {d.ptr:#x}, row stride {ld})")
+    return d.ptr, ld
 
 
 def _check_placed(limits: "CallLimits", named) -> None:
@@ -775,6 +804,17 @@ class CupyBackend:
                 fn.max_dynamic_shared_size_bytes = smem[kind](bm, bn) + extra
                 self._fns[(dtype, *key, aligned)] = fn
 
+    def expand_v_fn(self, dtype: str, rank_width: int):
+        """``lora_expand_v`` (expand_v.cu) for one dtype and rank width, loaded on first use."""
+        key = ("expand_v", dtype, rank_width)
+        fn = self._fns.get(key)
+        if fn is None:
+            with self._device:
+                fn = load_module("lora_expand_v").get_function(expand_v_name(CUDA_TYPES[dtype], rank_width))
+                fn.kernel  # noqa: B018 - loads the module on this device now, not inside a capture
+            self._fns[key] = fn
+        return fn
+
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
         S, n, R, in_f = w.a.shape
@@ -998,6 +1038,51 @@ class LayerLaunch:
             packed = self._prepare(key, views, A.ptr, A.ptr, A.is_torch, part)
         if packed is not None:  # the operand a half does not touch is given t's pointer: flags stay true
             be.launch(packed, be.stream_ptr(A.is_torch), A.ptr, A.ptr, _xy_flags(wa.flags, A.ptr, A.ptr))
+
+    def expand_v(self, ys, v, views, rows: int) -> None:
+        """The delta's expand from a v the base GEMM wrote, on the caller's stream
+        (``lora_expand_v``, expand_v.cu; :meth:`LoraLayerDelta.expand_v
+        <lora_cupy.delta.LoraLayerDelta.expand_v>`): ``ys`` one output per slice (``[T, cols_j]``,
+        rows contiguous, a column range of a wider array allowed), ``v`` ``[T, S*n*R]`` (every
+        slot's ``x @ A.T`` side by side), T >= rows; bfloat16 or float16, rank width one of
+        ``EXPAND_V_RANKS``, at most 3 slices; y's pointers and row strides multiples of 4
+        elements, v's of 8. No workspace is touched (the halves' v stays as it is)."""
+        be, wa = self.backend, self.weights
+        S, n, R, _in, _out = wa.dims
+        if wa.dtype not in EXPAND_V_DTYPES or R not in EXPAND_V_RANKS or n > 3:
+            raise ValueError(f"lora_expand_v serves {EXPAND_V_DTYPES} at rank widths {EXPAND_V_RANKS} and up "
+                             f"to 3 slices; these weights are {wa.dtype}, rank width {R}, {n} slices")
+        if len(ys) != n:
+            raise ValueError(f"{len(ys)} outputs for {n} slices")
+        offs = self.held.out_offsets
+        dev = be.limits.device_id
+        yargs = [rows_arg(f"ys[{j}]", y, offs[j + 1] - offs[j], rows, wa.dtype, dev, 4) for j, y in enumerate(ys)]
+        for j in range(n):
+            if (offs[j + 1] - offs[j]) % 4:
+                raise ValueError(f"slice {j} has {offs[j + 1] - offs[j]} columns; lora_expand_v takes multiples of 4")
+        vp, ldv = rows_arg("v", v, S * n * R, rows, wa.dtype, dev, 8)
+        TO, IP = inspect_arg("token_order", views.token_order), inspect_arg("slot_indptr", views.slot_indptr)
+        _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
+        bucket = TO.shape[0]
+        if bucket == 0 or rows == 0:
+            return
+        tg = EXPAND_V_TG
+        chunks = min(bucket, _ceil(bucket, tg) + min(S - 1, bucket))
+        widest = max(offs[j + 1] - offs[j] for j in range(n))
+        yargs += [(0, 0)] * (3 - n)
+        cols = [offs[j + 1] - offs[j] for j in range(n)] + [0] * (3 - n)
+        i32, i64, u64 = np.int32, np.int64, np.uint64
+        _a, b, sc, rk, _offs = wa.ptrs
+        args = (*(u64(p) for p, _ in yargs), *(i64(ld) for _, ld in yargs), *(i32(c) for c in cols),
+                *(i32(o) for o in list(offs[:n]) + [0] * (3 - n)), u64(vp), i64(ldv), u64(b), i64(wa.b_slot),
+                u64(sc), u64(rk), u64(TO.ptr), u64(IP.ptr), i32(S), i32(n))
+        fn = be.expand_v_fn(wa.dtype, R)
+        packed = PackedArgs(args)
+        torch = type(v).__module__.startswith("torch")
+        stream = be.stream_ptr(torch)
+        grid = (max(1, _ceil(widest, EXPAND_V_BN)), chunks, n)
+        with be.device:
+            be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
 
     def packed(self, views) -> PackedLaunch | None:
         """The launch packed for ``views`` (None: not yet called there, or no positions)."""

@@ -31,6 +31,28 @@ def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, 
         y[rows] = acc.astype(y.dtype)
 
 
+def reference_expand_v(ys, v: np.ndarray, w: LayerWeights, token_order, slot_indptr) -> None:
+    """The delta's expand from a v the base GEMM wrote (``LoraLayerDelta.expand_v``):
+    ``ys[j][t] += scaling[s, j] * v[t, (s*n + j)*R : +r] @ b[s, cols_j, :r].T`` for each slot
+    ``s >= 1``, row ``t`` in its range of ``token_order`` and slice ``j`` (``r = ranks[s, j]``),
+    ``v`` ``[T, S*n*R]`` (every slot's ``x @ A.T`` side by side), ``ys[j]`` ``[T, cols_j]``.
+    Products accumulate in float32 and each y is rounded to its dtype once, after adding."""
+    scaling = np.asarray(w.scaling, np.float32)
+    ranks = np.asarray(w.ranks)
+    offs = w.out_offsets
+    n, R = w.a.shape[1], w.a.shape[2]
+    for s, _lo, _hi, rows in slot_runs(token_order, slot_indptr, ranks):
+        for j in range(n):
+            r, c0, c1 = int(ranks[s, j]), offs[j], offs[j + 1]
+            if r == 0 or c1 == c0:
+                continue
+            col = (s * n + j) * R
+            vs = v[rows, col:col + r].astype(np.float32)
+            acc = ys[j][rows].astype(np.float32)
+            acc += scaling[s, j] * (vs @ w.b[s, c0:c1, :r].astype(np.float32).T)
+            ys[j][rows] = acc.astype(ys[j].dtype)
+
+
 def slot_runs(token_order, slot_indptr, ranks):
     """``(s, lo, hi, rows)`` for each slot ``s >= 1`` with positions ``[lo, hi)`` of ``token_order``
     (its token rows ``rows``) and a nonzero rank on some slice: the runs a delta touches."""
@@ -138,6 +160,24 @@ class ReferenceLaunch:
                     v[:, j] = 0.0
             if not v.any():
                 be.v = None
+
+    def expand_v(self, ys, v, views, rows: int) -> None:
+        """The expand from a v the base GEMM wrote (:func:`reference_expand_v`); ``ys`` one
+        array per slice, ``[T, cols_j]``, ``v`` ``[T, S*n*R]``, T >= rows, all of the weights'
+        dtype."""
+        w = self.weights
+        S, n, R = w.a.shape[:3]
+        offs = w.out_offsets
+        if len(ys) != n:
+            raise ValueError(f"{len(ys)} outputs for {n} slices")
+        for name, t, want in [(f"ys[{j}]", y, offs[j + 1] - offs[j]) for j, y in enumerate(ys)] + [("v", v, S * n * R)]:
+            if not isinstance(t, np.ndarray):
+                raise TypeError(f"the reference backend takes NumPy arrays, got {type(t).__name__} for {name}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} ({t.dtype}) must have the weights' dtype {self.dtype}")
+            if t.ndim != 2 or t.shape[1] != want or t.shape[0] < rows:
+                raise ValueError(f"{name} must be [rows >= {rows}, {want}], got {t.shape}")
+        reference_expand_v(ys, v, w, views.token_order, views.slot_indptr)
 
     def __call__(self, y, x, views, rows: int) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):

@@ -1,0 +1,197 @@
+// lora_expand_v: the expand of a small step's delta whose v the base GEMM has already written.
+//
+// The attachment extends a target's first linear by the pool's A rows of every slot
+// ([out_0 + S*n*R, in]), so the model's own GEMM writes y_0 and, beside it in the same rows,
+// v[t, (s*n + j)*R + r] = x[t] . A[s, j, r] for every slot s (lora_cupy/integrations/attach.py).
+// What is left of the delta is, for each position p of slot s's range of token_order (s >= 1),
+// t = token_order[p], and each slice j with r_sj = ranks[s, j] > 0:
+//   y_j[t, c] += scaling[s, j] * sum_{r < r_sj} v[t, (s*n + j)*R + r] * B[s, boff_j + c, r]
+// (B of one slot [out_total, R], R contiguous; slots b_slot elements apart).
+//
+// CUDA cores, no shared-memory pipeline, no workspace, no counters: a block takes one chunk (at
+// most TG positions of one slot, chunks numbered in slot order) x one slice x 4 * blockDim.x
+// columns, each thread 4 adjacent columns (8-byte rows of y; B and v in 16-byte pieces: every row
+// pointer and stride of y a multiple of 4 elements and of v of 8, R a multiple of 8, which the
+// host checks). Rounds of dependent loads: the chunk (a scan of slot_indptr by one warp), then
+// the chunk's token rows, its rank and B's first rank block, then y and the chunk's v rows (into
+// shared memory, masked past the rank), then the stores. 2-byte element types only (bfloat16,
+// float16).
+#include "common.cuh"
+
+namespace lora_v {
+
+__device__ __forceinline__ void unpack8(const uint4& u, float* f, const __nv_bfloat16*) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __bfloat1622float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+__device__ __forceinline__ void unpack8(const uint4& u, float* f, const __half*) {
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 p = __half22float2(h[i]);
+    f[2 * i] = p.x;
+    f[2 * i + 1] = p.y;
+  }
+}
+__device__ __forceinline__ void unpack4(const uint2& u, float* f, const __nv_bfloat16*) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+  const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+}
+__device__ __forceinline__ void unpack4(const uint2& u, float* f, const __half*) {
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+  const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+}
+__device__ __forceinline__ uint2 pack4(const float* f, const __nv_bfloat16*) {
+  uint2 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+  h[0] = __floats2bfloat162_rn(f[0], f[1]);
+  h[1] = __floats2bfloat162_rn(f[2], f[3]);
+  return u;
+}
+__device__ __forceinline__ uint2 pack4(const float* f, const __half*) {
+  uint2 u;
+  __half2* h = reinterpret_cast<__half2*>(&u);
+  h[0] = __floats2half2_rn(f[0], f[1]);
+  h[1] = __floats2half2_rn(f[2], f[3]);
+  return u;
+}
+
+}  // namespace lora_v
+
+// Up to 3 slices (y_j, its row stride ldy_j, its columns out_j, its first row boff_j of B); a
+// slice with no columns (out_j = 0) is skipped. Grid: x = column blocks of 4 * blockDim.x of the
+// widest slice, y = at least the step's chunk count (blocks past it return), z = slices.
+template <typename T, int R, int TG>
+__global__ void __launch_bounds__(128) lora_expand_v(
+    T* y0, T* y1, T* y2, long long ldy0, long long ldy1, long long ldy2, int out0, int out1, int out2,
+    int boff0, int boff1, int boff2, const T* __restrict__ v, long long ldv, const T* __restrict__ B,
+    long long b_slot, const float* __restrict__ scaling, const int* __restrict__ ranks,
+    const int* __restrict__ token_order, const int* __restrict__ slot_indptr, int num_slots, int n) {
+  static_assert(R % 8 == 0, "the rank width comes in 16-byte pieces");
+  constexpr int KB = R < 16 ? R : 16;  // ranks a step of the rank loop
+  constexpr int P = KB / 8;            // 16-byte pieces of one row a step
+  constexpr int COLS = 4;              // adjacent columns a thread (8-byte rows of y)
+  __shared__ int chunk[3];             // slot, first position, positions
+  __shared__ float vs[TG][R];          // the chunk's v rows
+  const int j = blockIdx.z;
+  T* const y = j == 0 ? y0 : (j == 1 ? y1 : y2);
+  const long long ldy = j == 0 ? ldy0 : (j == 1 ? ldy1 : ldy2);
+  const int out = j == 0 ? out0 : (j == 1 ? out1 : out2);
+  const int boff = j == 0 ? boff0 : (j == 1 ? boff1 : boff2);
+  if (threadIdx.x < 32) {  // warp 0: chunk blockIdx.y, slots 1.. in order, each cut every TG positions
+    const int lane = threadIdx.x;
+    int want = blockIdx.y;
+    bool found = false;
+    for (int base = 1; base < num_slots && !found; base += 32) {
+      const int s = base + lane;
+      int cnt = 0, lo = 0;
+      if (s < num_slots) {
+        lo = slot_indptr[s];
+        cnt = (slot_indptr[s + 1] - lo + TG - 1) / TG;
+      }
+      int incl = cnt;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+      }
+      const int excl = incl - cnt;
+      const unsigned hit = __ballot_sync(0xffffffffu, cnt > 0 && want >= excl && want < incl);
+      if (hit) {
+        found = true;
+        if (lane == __ffs(hit) - 1) {
+          const int first = lo + (want - excl) * TG;
+          chunk[0] = s;
+          chunk[1] = first;
+          chunk[2] = min(TG, slot_indptr[s + 1] - first);
+        }
+      }
+      want -= __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (!found && lane == 0) chunk[0] = -1;
+  }
+  __syncthreads();
+  const int s = chunk[0];
+  if (s < 0) return;  // block-uniform: no chunk of this step
+  const int p0 = chunk[1], np = chunk[2];
+  const int rank = ranks[s * n + j];
+  const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * COLS;
+  const bool mine = c0 < out && rank > 0;  // the thread has columns to add to
+  // before the barrier, a thread's own loads (token rows, then y and B's first rank block) go out
+  // with the block's load of v
+  int tok[TG];
+#pragma unroll
+  for (int i = 0; i < TG; ++i) tok[i] = i < np ? token_order[p0 + i] : 0;
+  const T* bs = B + s * b_slot + static_cast<long long>(boff + (mine ? c0 : 0)) * R;
+  uint2 yv[TG];
+  uint4 b[COLS][P];
+  if (mine) {
+#pragma unroll
+    for (int i = 0; i < TG; ++i)
+      if (i < np) yv[i] = *reinterpret_cast<const uint2*>(y + tok[i] * ldy + c0);
+#pragma unroll
+    for (int c = 0; c < COLS; ++c)
+#pragma unroll
+      for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + 8 * q);
+  }
+  // the chunk's v rows, rank-masked, into shared memory as float (every thread reads all of them)
+  for (int e = threadIdx.x; e < TG * (R / 8); e += blockDim.x) {
+    const int i = e / (R / 8), q = e % (R / 8);
+    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (i < np && 8 * q < rank) {
+      const uint4 u = *reinterpret_cast<const uint4*>(v + token_order[p0 + i] * ldv +
+                                                      static_cast<long long>(s * n + j) * R + 8 * q);
+      lora_v::unpack8(u, f, static_cast<const T*>(nullptr));
+#pragma unroll
+      for (int r = 0; r < 8; ++r) f[r] = 8 * q + r < rank ? f[r] : 0.f;  // v past the rank is never read
+    }
+#pragma unroll
+    for (int r = 0; r < 8; ++r) vs[i][8 * q + r] = f[r];
+  }
+  __syncthreads();
+  if (!mine) return;
+  const float sc = scaling[s * n + j];
+  float acc[TG][COLS];
+#pragma unroll
+  for (int i = 0; i < TG; ++i)
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) acc[i][c] = 0.f;
+#pragma unroll 1
+  for (int k0 = 0; k0 < rank; k0 += KB) {  // rank blocks past the adapter's rank are never read
+    if (k0 > 0) {
+#pragma unroll
+      for (int c = 0; c < COLS; ++c)
+#pragma unroll
+        for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + k0 + 8 * q);
+    }
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+      float bf[KB];
+#pragma unroll
+      for (int q = 0; q < P; ++q) lora_v::unpack8(b[c][q], bf + 8 * q, static_cast<const T*>(nullptr));
+#pragma unroll
+      for (int i = 0; i < TG; ++i) {
+        float a = acc[i][c];
+#pragma unroll
+        for (int r = 0; r < KB; ++r) a = fmaf(vs[i][k0 + r], bf[r], a);
+        acc[i][c] = a;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < TG; ++i) {
+    if (i >= np) break;
+    float yf[4];
+    lora_v::unpack4(yv[i], yf, static_cast<const T*>(nullptr));
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) yf[c] = fmaf(sc, acc[i][c], yf[c]);
+    *reinterpret_cast<uint2*>(y + tok[i] * ldy + c0) = lora_v::pack4(yf, static_cast<const T*>(nullptr));
+  }
+}
