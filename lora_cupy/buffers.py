@@ -73,10 +73,15 @@ class SlotWeights:
     def _copy(self, dst, src) -> None:
         """``dst[...] = src`` between two device arrays, after every copy queued before it."""
         d = self.device
-        if d.is_cuda:
-            with d.activate(), d.stream:
-                dst[...] = src
-            d.stream.synchronize()
+        if d.is_cuda:  # raw bytes: no dtype-specific CuPy kernel (bfloat16)
+            from cupy.cuda import runtime
+
+            if not (dst.flags.c_contiguous and src.flags.c_contiguous and dst.nbytes == src.nbytes):
+                raise ValueError("a copy between A arrays needs two C-contiguous arrays of one size")
+            with d.activate():
+                runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, runtime.memcpyDeviceToDevice,
+                                    d.stream.ptr)
+                d.stream.synchronize()
         else:
             d.synchronize()
             np.copyto(dst, src)

@@ -177,6 +177,8 @@ __global__ void __launch_bounds__(128) lora_expand_v(
 #pragma unroll
       for (int q = 0; q < P; ++q) lora_v::unpack8(b[c][q], bf + 8 * q, static_cast<const T*>(nullptr));
 #pragma unroll
+      for (int r = 0; r < KB; ++r) bf[r] = k0 + r < rank ? bf[r] : 0.f;  // B past the rank is never used
+#pragma unroll
       for (int i = 0; i < TG; ++i) {
         float a = acc[i][c];
 #pragma unroll

@@ -259,3 +259,92 @@ def test_a_forward_raising_between_members_leaves_no_v_behind():
             with pytest.raises(RuntimeError, match="no shrink"):
                 pool.layer_delta("qkv_proj", 1, member=0).expand(np.zeros((6, 32), np.float32))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_shrink_in_base_gemm_logits_equal_peft_per_row(family, monkeypatch):
+    """``shrink_in_base``: a small step runs one GEMM per target with the pool's A rows appended to
+    its first linear's weight and one expand_v per target and layer (no whole delta); every row
+    still equals PEFT with its adapter alone, and a step above ``shrink_in_base_rows`` takes the
+    usual path to the same logits."""
+    kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    ref = PeftReference(base, dirs)
+    rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2"), ("e", "ad0")]
+    ids = torch.randint(0, VOCAB, (len(rows), 7))
+    calls = []
+    real_whole, real_v = LoraLayerDelta.__call__, LoraLayerDelta.expand_v
+
+    def whole(self, y, x):
+        calls.append(("whole", self.target))
+        return real_whole(self, y, x)
+
+    def expand_v(self, ys, v):
+        calls.append(("expand_v", self.target))
+        return real_v(self, ys, v)
+
+    monkeypatch.setattr(LoraLayerDelta, "__call__", whole)
+    monkeypatch.setattr(LoraLayerDelta, "expand_v", expand_v)
+    got = {}
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
+            attach(base, pool, shrink_in_base=True) as att:
+        assert att.shrink_in_base
+        planned_step(pool, rows, ids.shape[1])
+        for limit in (64, 4):  # 35 rows: through the extended GEMM, then the usual way
+            att.shrink_in_base_rows = limit
+            calls.clear()
+            with torch.inference_mode():
+                got[limit] = base(input_ids=ids).logits
+            want_calls = sorted((("expand_v" if limit == 64 else "whole"), t) for t in spec.target_names for _ in range(2))
+            assert sorted(calls) == want_calls, limit
+    torch.testing.assert_close(got[64], got[4], rtol=1e-4, atol=1e-5)
+    for i, (_rid, adapter) in enumerate(rows):
+        torch.testing.assert_close(got[64][i], ref.logits(ids[i:i + 1], adapter)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_shrink_in_base_detach_is_bit_identical_and_gives_the_pool_its_a_back(family):
+    _kind, base, dirs = family
+    params = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    ids = torch.randint(0, VOCAB, (3, 6))
+    with torch.inference_mode():
+        before = base(input_ids=ids).logits.clone()
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool:
+        att = attach(base, pool, shrink_in_base=True)
+        q = base.model.layers[0].self_attn
+        first = q.q_proj if hasattr(q, "q_proj") else q.qkv_proj
+        assert first.weight.untyped_storage().nbytes() > first.weight.numel() * first.weight.element_size()
+        with torch.inference_mode():
+            idle = base(input_ids=ids).logits.clone()  # no step planned: the linears as they are
+        planned_step(pool, [("a", "ad0"), ("b", None), ("c", "ad2")], ids.shape[1])
+        with torch.inference_mode():
+            during = base(input_ids=ids).logits.clone()
+        att.detach()
+        assert not any(w.bound for w in pool._slot_weights.targets.values())
+        with torch.inference_mode():
+            after = base(input_ids=ids).logits.clone()
+        # the pool serves the same deltas from its own A again
+        with attach(base, pool, shrink_in_base=False), torch.inference_mode():
+            again = base(input_ids=ids).logits.clone()
+    for t in (idle, after):
+        assert np.array_equal(t.numpy().view(np.int32), before.numpy().view(np.int32))
+    assert not torch.equal(during[0], before[0])
+    torch.testing.assert_close(again, during, rtol=1e-4, atol=1e-5)
+    for k, v in base.state_dict().items():
+        assert np.array_equal(v.numpy().view(np.uint8), params[k].numpy().view(np.uint8)), k
+        assert v.untyped_storage().nbytes() == v.numel() * v.element_size(), f"{k} still a view of a larger array"
+    assert all("forward" not in m.__dict__ for m in base.modules())
+
+
+def test_shrink_in_base_fits_says_why_not():
+    from lora_cupy.integrations.attach import shrink_in_base_fits
+
+    spec = LoraSpec.from_model(tiny_llama(2, 0), ["q_proj", "o_proj"], num_slots=3, max_rank=16, dtype="bfloat16")
+    assert shrink_in_base_fits(spec, True) is None and shrink_in_base_fits(spec, False) is None
+    odd = LoraSpec.from_model(tiny_llama(2, 0), ["o_proj"], num_slots=3, max_rank=12, dtype="bfloat16")
+    assert "rank widths" in shrink_in_base_fits(odd, True)
+    fp32 = LoraSpec.from_model(tiny_llama(2, 0), ["o_proj"], num_slots=3, max_rank=16, dtype="float32")
+    assert "serves" in shrink_in_base_fits(fp32, True) and shrink_in_base_fits(fp32, False) is None
+    import dataclasses
+
+    tp = dataclasses.replace(spec, tp_size=2)
+    assert "tensor parallelism" in shrink_in_base_fits(tp, False)

@@ -18,9 +18,12 @@ def test_e2e_bench_runs_its_rows_on_a_small_model(tmp_path, capsys):
         assert r["base_ms"] > 0 and r["lora_ms"] > 0 and abs(r["ratio"] - r["lora_ms"] / r["base_ms"]) < 1e-2
     assert rows[1]["peft_ms"] > 0  # PEFT's eager mixed batch beside the eager row
     assert rows[0]["deltas_alone_ms"] > 0 and rows[0]["lora_launches"] == 4 * 2  # 4 targets x 2 layers
+    for r in rows:  # the same step with the pool's whole delta per target, beside the default
+        assert r["whole_ms"] > 0 and abs(r["whole_ratio"] - r["whole_ms"] / r["base_ms"]) < 1e-2
     capsys.readouterr()
     assert main(["bench", "e2e", "--report", str(out)]) == 0
-    assert "| decode b1 graphs 1 adapter |" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "| decode b1 graphs 1 adapter |" in text and "whole delta ms (ratio)" in text
 
 
 def test_e2e_bench_prefill_row_alternates_with_base_steps(tmp_path, capsys, monkeypatch):

@@ -117,7 +117,8 @@ def deltas_alone_ms(gen, batch: int, reps: int) -> float:
     """Device ms of the step's LoRA deltas alone: every target at every layer on random rows of
     the decode bucket, under the last step's plan, captured in one CUDA graph (on the CPU: run
     eagerly). Set beside a row's added time, it tells the kernels' own cost from what they cost
-    inside the step."""
+    inside the step. These are the pool's whole deltas (shrink and expand), what a step runs
+    with ``shrink_in_base=False``."""
     import torch
 
     from ..integrations.attach import as_backend_array
@@ -148,15 +149,19 @@ def deltas_alone_ms(gen, batch: int, reps: int) -> float:
     return event_ms(graph.replay, reps)
 
 
-def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int, overlap: bool = True) -> dict:
+def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int, overlap: bool = True,
+               base_shrink: bool | None = None) -> dict:
     """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base) and, with
     adapters and ``overlap``, of the step's deltas alone. ``overlap``: the attachment's default (on CUDA the deltas
-    beside their linears on a side stream inside graph captures), else in line everywhere."""
+    beside their linears on a side stream inside graph captures), else in line everywhere.
+    ``base_shrink``: the attachment's ``shrink_in_base`` (None: its default, the shrink inside each
+    target's first GEMM where it fits; False: the pool's whole delta per target)."""
     import torch
 
     cuda = pool.device.is_cuda
     gen = generator(model, pool, max_batch=max(batch, 1), max_len=192, max_prefill=8,
-                    cuda_graphs=graphs and cuda, static_decode=graphs and not cuda, overlap=None if overlap else False)
+                    cuda_graphs=graphs and cuda, static_decode=graphs and not cuda, overlap=None if overlap else False,
+                    shrink_in_base=base_shrink)
     try:
         fill(gen, batch, 128, adapters, max_new=60)
         for _ in range(3 + batch):  # until 3 steps in a row decode the whole batch: both parities'
@@ -281,16 +286,15 @@ def run(args) -> dict:
         pool = LoraAdapterPool(spec, device, adapters={k: str(v) for k, v in adapters.items()})
         names = sorted(adapters)
         try:
+            def decode(batch: int, graphs: bool):
+                return lambda a, o, w=None: decode_row(model, pool, batch, a, graphs, args.reps, o, w)
+
             cases = [
-                ("decode b64 graphs 8 adapters", lambda a, o: decode_row(model, pool, 64, a, True, args.reps, o),
-                 names[:8]),
-                ("decode b64 graphs 32 adapters", lambda a, o: decode_row(model, pool, 64, a, True, args.reps, o),
-                 names),
-                ("decode b1 graphs 1 adapter", lambda a, o: decode_row(model, pool, 1, a, True, args.reps, o),
-                 names[:1]),
+                ("decode b64 graphs 8 adapters", decode(64, True), names[:8]),
+                ("decode b64 graphs 32 adapters", decode(64, True), names),
+                ("decode b1 graphs 1 adapter", decode(1, True), names[:1]),
                 ("prefill 8x512 8 adapters", lambda a, o: prefill_row(model, pool, a, args.reps, o), names[:8]),
-                ("decode b64 eager 8 adapters", lambda a, o: decode_row(model, pool, 64, a, False, args.reps, o),
-                 names[:8]),
+                ("decode b64 eager 8 adapters", decode(64, False), names[:8]),
             ]
             for case, fn, ads in cases:
                 if args.only and args.only not in case:
@@ -316,6 +320,10 @@ def run(args) -> dict:
                     lora = got["ms"]
                     log(f"{case}: adapters, deltas in line")
                     serial = fn(ads, False)["ms"]
+                    whole = None
+                    if case.startswith("decode"):
+                        log(f"{case}: adapters, the pool's whole delta per target (shrink_in_base=False)")
+                        whole = fn(ads, True, False)["ms"]
                     log(f"{case}: base again")
                     base2 = fn([None], True)["ms"]
                 goal = GOALS[case]
@@ -330,6 +338,8 @@ def run(args) -> dict:
                     scratch = prefill_row(model, pool, ads, args.reps, True, in_place=False)
                     row["scratch_ms"] = round(scratch["ms"], 4)
                     row["scratch_ratio"] = round(scratch["ms"] / scratch["base_ms"], 3)
+                elif whole is not None:
+                    row["whole_ms"], row["whole_ratio"] = round(whole, 4), round(whole / base, 3)
                 if "deltas_alone_ms" in got:
                     row["deltas_alone_ms"] = round(got["deltas_alone_ms"], 4)
                     row["lora_launches"] = sum(t.num_layers for t in spec.targets)
@@ -356,8 +366,8 @@ def run(args) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"{result['date']}, {result['gpu']}, commit {result['commit']}: `{result['command']}`", "",
              "| case | base ms | with adapters ms | ratio | goal | met | added ms | deltas alone ms "
-             "| in line ms (ratio) | base again ms | PEFT eager ms (ratio) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| in line ms (ratio) | whole delta ms (ratio) | base again ms | PEFT eager ms (ratio) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         goal = "reported" if r["goal"] is None else f"<= {r['goal']:.2f}x"
         met = "-" if r["met"] is None else ("yes" if r["met"] else "NO")
@@ -366,8 +376,15 @@ def markdown(result: dict) -> str:
         added = f"{r['added_ms']:.3f}" if "added_ms" in r else ""
         inline = f"{r['inline_ms']:.3f} ({r['inline_ratio']:.3f}x)" if "inline_ms" in r else ""
         again = f"{r['base_again_ms']:.3f}" if "base_again_ms" in r else ""
+        whole = f"{r['whole_ms']:.3f} ({r['whole_ratio']:.3f}x)" if "whole_ms" in r else ""
         lines.append(f"| {r['case']} | {r['base_ms']:.3f} | {r['lora_ms']:.3f} | {r['ratio']:.3f}x | {goal} | {met} "
-                     f"| {added} | {alone} | {inline} | {again} | {peft} |")
+                     f"| {added} | {alone} | {inline} | {whole} | {again} | {peft} |")
+    if any("whole_ms" in r for r in result["rows"]):
+        lines += ["", "with adapters / in line: the attachment's default, where it fits each target's shrink "
+                      "inside its first GEMM (the pool's A rows appended to the base weight) for steps of at "
+                      "most 64 rows, then `lora_expand_v`; whole delta: the same step with the pool's whole delta "
+                      "per target (`shrink_in_base=False`, forked inside the graph capture); deltas alone: "
+                      "those whole deltas by themselves."]
     for r in result["rows"]:
         if "scratch_ms" in r:
             lines += ["", f"{r['case']}: with q/k/v and gate/up each through one launch into a shared scratch "

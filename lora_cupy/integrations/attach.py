@@ -6,7 +6,9 @@ each stack layer: after the linear computes ``y = x @ W.T (+ b)``, the hook adds
 rows on the base model (slot 0) nothing. While the pool holds no plan with adapter rows, or
 the attachment is disabled (``enabled = False``, :meth:`Attachment.paused`), a hook returns at
 once. :meth:`Attachment.detach` removes the hooks: the model's parameters and
-buffers are never written, so detaching restores every output bit for bit.
+buffers keep their values (with ``shrink_in_base``, below, a first member's weight lives in a
+larger array while attached, and gets storage of its own back), so detaching restores every
+output bit for bit.
 
 A fused target whose slices are separate linears of the model reading the same input
 (``q_proj``/``k_proj``/``v_proj`` for a ``qkv_proj`` target, ``gate_proj``/``up_proj`` for
@@ -38,6 +40,22 @@ the join in host time per linear (on an H200, a 64-row eager decode step of a Ll
 took 6.7 ms forked against 5.6 ms in line), while a graph pays them once, at capture. ``True``
 forks always, ``False`` never.
 
+Shrink in the base GEMM (CUDA, small steps). A decode step's delta costs each linear a chain of
+dependent rounds (the split-K shrink, its reduction, the expand) of about 9 us whatever its bytes.
+With ``shrink_in_base`` (the default where it fits: a CUDA pool of bfloat16 or float16 with no
+tensor parallelism, rank width 8, 16, 32, 64 or 128, at most 3 slices a target), each target's
+first linear gets its weight extended by the pool's A rows of every slot, ``[out + S*n*R, in]``
+(the pool keeps the layer's A there: :meth:`~lora_cupy.pool.LoraAdapterPool.bind_a`; the
+linear's own weight becomes the head of that array, same values), so a step of at most
+``Attachment.shrink_in_base_rows`` rows (64) runs one GEMM that writes y and every slot's
+``x @ A.T`` side by side, and one launch of ``lora_expand_v`` adds the rest into each member's
+output (:meth:`~lora_cupy.delta.LoraLayerDelta.expand_v`). The group's other members run their
+own GEMMs at the first member's call (their outputs are kept for their calls). Larger steps, and
+any step while the attachment is paused or has no adapter row, run the linears as they are.
+What the extended GEMM costs is reading every slot's A (which a shrink of the step's adapters
+reads in part). :meth:`Attachment.detach` gives each linear a weight of its own again and the
+pool its A.
+
 Rows: a ``[B, q, in]`` input is ``B * q`` token rows in batch order; the step's addressing
 (``LoraStep`` rows in the same order, ``q`` tokens each) says which slot each row reads. On
 the CPU the delta runs on NumPy views of the torch tensors (no copy); on CUDA torch tensors
@@ -57,6 +75,31 @@ _ATTACHED: "weakref.WeakSet" = weakref.WeakSet()
 #: Rows of a step from which each member of a fused group runs its own slice, in place (the
 #: default of ``Attachment.members_in_place_rows``).
 MEMBERS_IN_PLACE_ROWS = 512
+#: Rows of a step up to which the shrink rides on the base GEMM (``Attachment.shrink_in_base_rows``).
+SHRINK_IN_BASE_ROWS = 64
+
+
+def shrink_in_base_fits(spec, device_is_cuda: bool) -> str | None:
+    """Why the shrink cannot ride on the base GEMM for this spec (None: it can). On the CPU any
+    spec without tensor parallelism fits (the NumPy reference runs the expand)."""
+    if spec.tp_size != 1:
+        return "tensor parallelism: a row-parallel linear's v would need its all-reduce first"
+    if not device_is_cuda:
+        return None
+    from ..kernels import EXPAND_V_DTYPES, EXPAND_V_RANKS
+
+    if spec.dtype not in EXPAND_V_DTYPES:
+        return f"lora_expand_v serves {EXPAND_V_DTYPES}, the pool is {spec.dtype}"
+    if spec.max_rank not in EXPAND_V_RANKS:
+        return f"lora_expand_v serves rank widths {EXPAND_V_RANKS}, the pool's is {spec.max_rank}"
+    for t in spec.targets:
+        offs = t.out_offsets(1)
+        if t.num_slices > 3:
+            return f"target {t.name!r} has {t.num_slices} slices; lora_expand_v serves up to 3"
+        widths = [b - a for a, b in zip(offs, offs[1:])]
+        if any(w % 8 for w in widths):
+            return f"target {t.name!r}: slice widths {widths} (multiples of 8 wanted)"
+    return None
 
 
 def torch_dtype_name(dtype) -> str:
@@ -210,13 +253,101 @@ class _FusedGroup:
         return d
 
 
+class _BaseShrink:
+    """One target at one layer whose shrink rides on its first linear's GEMM (module docstring):
+    the extended weight ``[out_0 + S*n*R, in]`` (head: that linear's weight, tail: the pool's A of
+    the layer), and the outputs of one call kept for the group's other members."""
+
+    def __init__(self, attachment: "Attachment", target: str, layer: int, mods: list):
+        import torch
+
+        pool = attachment.pool
+        spec = pool.spec
+        t = spec.target(target)
+        self.attachment, self.target, self.layer, self.mods = attachment, target, layer, mods
+        self.delta = pool.layer_delta(target, layer)
+        m0 = mods[0]
+        w = m0.weight
+        #: one linear serving every slice of a fused target (Phi-3's qkv_proj): its output's columns
+        self.split = t.num_slices > 1 and len(mods) == 1
+        self.offs = t.out_offsets(1)
+        self.out0, in_f = w.shape
+        S, n, R = spec.num_slots, t.num_slices, spec.max_rank
+        with torch.no_grad():
+            ext = torch.empty((self.out0 + S * n * R, in_f), dtype=w.dtype, device=w.device)
+            ext[:self.out0].copy_(w)
+            self.bias = None
+            if m0.bias is not None:
+                self.bias = torch.cat([m0.bias.detach(), m0.bias.new_zeros(S * n * R)])
+        tail = ext[self.out0:].view(S, n, R, in_f)
+        like = pool.layer_weights(target, layer).a
+        pool.bind_a(target, layer, _backend_view(tail, like, pool.device.is_cuda))
+        w.data = ext[:self.out0]  # same values; the GEMM's head
+        self.ext = ext
+        self._x = None
+        self._outs = None
+        self._left = 0
+
+    def run(self, x, x2d) -> None:
+        """The group's outputs for input ``x`` (rows ``x2d``): one GEMM with the extended weight,
+        the other members' own GEMMs, then the expand into each."""
+        import torch
+        import torch.nn.functional as F
+
+        ext = self.ext
+        plan = self.attachment.pool.current_plan()
+        if plan is not None and plan.ready is not None:  # the CPU pool: its installs into A land first
+            plan.wait_host()
+        out = torch.mm(x2d, ext.t()) if self.bias is None else torch.addmm(self.bias, x2d, ext.t())
+        head = out[:, :self.out0]
+        ys = [head] + [F.linear(x2d, m.weight, m.bias) for m in self.mods[1:]]
+        slices = [head[:, a:b] for a, b in zip(self.offs, self.offs[1:])] if self.split else ys
+        cuda = self.attachment.pool.device.is_cuda
+        self.delta.expand_v([as_backend_array(y, cuda) for y in slices], as_backend_array(out[:, self.out0:], cuda))
+        self._x, self._outs, self._left = x, ys, len(self.mods)
+
+    def take(self, x, j: int):
+        """Member ``j``'s output for input ``x`` (``[..., cols_j]``), None: not computed for it."""
+        if self._x is not x:
+            return None
+        y = self._outs[j]
+        self._left -= 1
+        if self._left <= 0:
+            self._x = self._outs = None
+        return y.view(*x.shape[:-1], y.shape[1])
+
+    def restore(self) -> None:
+        """The pool's A back in its own array, the linear's weight in storage of its own."""
+        self._x = self._outs = None
+        self.attachment.pool.unbind_a(self.target, self.layer)
+        w = self.mods[0].weight
+        w.data = self.ext[:self.out0].clone()
+        self.ext = None
+
+
+def _backend_view(t, like, cuda: bool):
+    """A torch tensor's memory as the pool's array type and dtype (``like``'s), no copy."""
+    import torch
+
+    if cuda:
+        import cupy
+
+        raw = t.view(torch.int16) if t.element_size() == 2 else t
+        return cupy.asarray(raw).view(like.dtype)
+    if t.dtype == torch.bfloat16:
+        from ..dtypes import bfloat16
+
+        return t.view(torch.int16).numpy().view(bfloat16)
+    return t.numpy()
+
+
 class Attachment:
     """A pool attached to a model's linears (see the module docstring); :meth:`detach` undoes it.
 
     ``sites`` lists every hooked linear. Use as a context manager to detach on exit.
     """
 
-    def __init__(self, model, pool, overlap: bool | str | None = None):
+    def __init__(self, model, pool, overlap: bool | str | None = None, shrink_in_base: bool | None = None):
         modes = {True: "always", False: "never", "always": "always", "never": "never", "graphs": "graphs"}
         if overlap is None:
             overlap = "graphs" if pool.device.is_cuda else "never"
@@ -239,6 +370,18 @@ class Attachment:
         #: Rows of a step from which a fused group's members each run their own slice into their
         #: own output instead of sharing one launch into a scratch (module docstring).
         self.members_in_place_rows = MEMBERS_IN_PLACE_ROWS
+        why = shrink_in_base_fits(pool.spec, pool.device.is_cuda)
+        if shrink_in_base is None:
+            shrink_in_base = pool.device.is_cuda and why is None
+        elif shrink_in_base and why is not None:
+            raise ValueError(f"shrink_in_base: {why}")
+        #: Whether a small step's shrink rides on each target's first GEMM (module docstring).
+        self.shrink_in_base = bool(shrink_in_base)
+        #: Rows of a step up to which it does.
+        self.shrink_in_base_rows = SHRINK_IN_BASE_ROWS
+        self._base: dict[tuple, _BaseShrink] = {}
+        self._served: dict[int, object] = {}  # id(linear) -> the input its forward served whole
+        self._patched = []
         plan = _plan_sites(model, pool.spec)
         for path, mod, *_ in plan:
             if mod in _ATTACHED:
@@ -249,6 +392,15 @@ class Attachment:
             if g is not None:
                 members[g] = members.get(g, 0) + 1
         try:
+            if self.shrink_in_base:
+                mods: dict[tuple, dict] = {}
+                for path, mod, t, layer, c0, c1, g, j in plan:
+                    mods.setdefault((t.name, layer), {})[0 if j is None else j] = mod
+                for (tname, layer), by_j in mods.items():
+                    bs = self._base[(tname, layer)] = _BaseShrink(self, tname, layer, [by_j[k] for k in sorted(by_j)])
+                    for k, mod in enumerate(bs.mods):
+                        mod.forward = self._base_forward(bs, k, mod)
+                        self._patched.append(mod)
             for path, mod, t, layer, c0, c1, g, j in plan:
                 if g is None:
                     pre, hook = self._direct_hooks(pool.layer_delta(t.name, layer))
@@ -285,6 +437,37 @@ class Attachment:
 
         return torch.cuda.is_current_stream_capturing()
 
+    def _base_applies(self, x, in_f: int) -> bool:
+        """Whether this call's target runs its shrink inside its first GEMM (a small step with
+        adapter rows, no autograd)."""
+        if not self.shrink_in_base or not self.enabled:
+            return False
+        import torch
+
+        if torch.is_grad_enabled() or x.numel() > self.shrink_in_base_rows * in_f:
+            return False
+        return self.pool.current_plan() is not None
+
+    def _base_forward(self, bs: _BaseShrink, j: int, mod):
+        """Member ``j``'s forward while its target's shrink may ride on the first GEMM: the
+        group's outputs computed at the first member called with a new input, each member's
+        taken at its call; otherwise the linear's own forward."""
+        orig = type(mod).forward.__get__(mod)
+        in_f = mod.in_features
+        served = self._served
+
+        def forward(x, *args, **kwargs):
+            y = bs.take(x, j)
+            if y is None and not args and not kwargs and self._base_applies(x, in_f):
+                bs.run(x, self._rows((x,), in_f))
+                y = bs.take(x, j)
+            if y is None:
+                return orig(x, *args, **kwargs)
+            served[id(mod)] = x  # the hooks add nothing for this call
+            return y
+
+        return forward
+
     def _rows(self, args, in_f: int):
         x2d = args[0].reshape(-1, in_f)
         return x2d if x2d.is_contiguous() else x2d.contiguous()
@@ -301,7 +484,7 @@ class Attachment:
             if forked[0] is not None:  # a forward that raised after its pre-hook: forget its fork
                 self.side.join()
                 forked[0] = None
-            if not self._forking() or not self._active():
+            if not self._forking() or not self._active() or self._base_applies(args[0], in_f):
                 return None
             import torch
 
@@ -318,6 +501,8 @@ class Attachment:
             return None
 
         def hook(_mod, args, out):
+            if self._served.pop(id(_mod), None) is args[0]:  # its forward added the delta
+                return None
             entry, forked[0] = forked[0], None
             if entry is not None and entry[0] is not args[0]:
                 self.side.join()  # not this input's: dropped once the side stream is done with it
@@ -342,13 +527,16 @@ class Attachment:
         in_f = group.delta.in_features
 
         def pre(_mod, args):
-            if group._x is not args[0] and self._forking() and self._active():
+            if (group._x is not args[0] and self._forking() and self._active()
+                    and not self._base_applies(args[0], in_f)):
                 group.fork(args[0], self._rows(args, in_f))
             return None
 
         def hook(_mod, args, out):
             import torch
 
+            if self._served.pop(id(_mod), None) is args[0]:  # its forward added the delta
+                return None
             d = group.take(args[0])
             if d is None:
                 if not self._active():
@@ -382,10 +570,18 @@ class Attachment:
         return self._num_groups
 
     def detach(self) -> None:
-        """Remove every hook: the model computes exactly what it did before :func:`attach`."""
+        """Remove every hook (and give each first member's weight storage of its own and the pool
+        its A again): the model computes exactly what it did before :func:`attach`."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for m in self._patched:
+            m.__dict__.pop("forward", None)
+        self._patched = []
+        for bs in self._base.values():
+            bs.restore()
+        self._base.clear()
+        self._served.clear()
         for m in self._modules:
             _ATTACHED.discard(m)
         self._modules = []
@@ -451,15 +647,19 @@ def _plan_sites(model, spec) -> list[tuple]:
     return plan
 
 
-def attach(model, pool, overlap: bool | str | None = None) -> Attachment:
+def attach(model, pool, overlap: bool | str | None = None, shrink_in_base: bool | None = None) -> Attachment:
     """Hook ``pool``'s targets onto ``model``'s linears (see the module docstring).
 
     ``overlap``: run each delta on a side stream beside its linear's GEMM: ``"graphs"`` (the
     default on a CUDA pool) inside CUDA graph captures only, ``True`` always, ``False`` never;
     refused on a pool that is not on CUDA.
 
+    ``shrink_in_base``: a small step's shrink rides on each target's first GEMM (module
+    docstring); None (the default): where it fits on CUDA (:func:`shrink_in_base_fits`), never
+    on the CPU; True where it does not fit: ValueError saying why.
+
     Refuses, before hooking anything: a target with no linear of its name (or of its slices'
     names) at some stack layer (``TargetMismatchError``), a linear whose shape on this rank or
     dtype differs from the target's (``ShapeMismatchError``), a linear attached already.
     """
-    return Attachment(model, pool, overlap)
+    return Attachment(model, pool, overlap, shrink_in_base)

@@ -115,7 +115,8 @@ class LoraGenerator:
     graphs would (static cache, batch buckets) but eagerly, on any device. ``eos_token_id``: the default stop token
     (default: the model's generation config's, if any). ``overlap``: when each delta runs on a side
     stream beside its linear (:func:`~lora_cupy.integrations.attach.attach`; default: inside the
-    decode graphs' captures on CUDA).
+    decode graphs' captures on CUDA); ``shrink_in_base``: whether a small step's shrink rides on
+    each target's first GEMM (the same function; default: where it fits on CUDA).
 
     A long-running server bounds what the generator keeps: ``keep_finished=False`` drops each
     request's record once its last event is out (``records`` then holds the queued and running
@@ -127,7 +128,7 @@ class LoraGenerator:
     def __init__(self, model, pool, *, max_batch: int | None = None, max_len: int = 256,
                  max_prefill: int = 8, cuda_graphs: bool | None = None, static_decode: bool = False,
                  eos_token_id="model", overlap: bool | str | None = None, keep_finished: bool = True,
-                 history_limit: int | None = 10_000):
+                 history_limit: int | None = 10_000, shrink_in_base: bool | None = None):
         if history_limit is not None and history_limit < 1:
             raise ValueError(f"history_limit must be at least 1 step (or None), not {history_limit}")
         import torch
@@ -160,7 +161,7 @@ class LoraGenerator:
         self.cache = RowKVCache(geo["num_layers"], spec.bucket_for(self.max_batch), geo["kv_heads"], geo["head_dim"],
                                 max_len, param.dtype, param.device)
         self.queue = AdmissionQueue([pool])
-        self.attachment = attach(model, pool, overlap=overlap)
+        self.attachment = attach(model, pool, overlap=overlap, shrink_in_base=shrink_in_base)
         self.attachment.enabled = False  # the hooks add deltas only inside this generator's steps
         self.records: dict[Hashable, RequestRecord] = {}
         self.history: list[StepRecord] = []

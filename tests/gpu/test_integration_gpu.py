@@ -61,8 +61,11 @@ def on_cuda(model, dtype):
     return copy.deepcopy(model).to(device="cuda", dtype=dtype).eval()
 
 
+@pytest.mark.parametrize("base_shrink", [None, False])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_bf16_logits_within_tolerance_of_peft(adapters, overlap):
+def test_bf16_logits_within_tolerance_of_peft(adapters, overlap, base_shrink):
+    """``base_shrink`` None: the default, the shrink inside the extended first GEMM of each target
+    (54 rows), so nothing forks; False: the pool's whole delta per target."""
     base, dirs = adapters
     model = on_cuda(base, torch.bfloat16)
     ref16 = PeftReference(model, dirs)
@@ -71,11 +74,13 @@ def test_bf16_logits_within_tolerance_of_peft(adapters, overlap):
     ids = torch.randint(0, VOCAB, (len(rows), 9), device="cuda")
     spec = spec_for_adapters(model, dirs, num_slots=5)
     with LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
-            attach(model, pool, overlap=overlap) as att:
+            attach(model, pool, overlap=overlap, shrink_in_base=base_shrink) as att:
         planned_step(pool, rows, ids.shape[1])
         with torch.inference_mode():
             got = model(input_ids=ids).logits.float()
-        assert att.overlap == overlap and (att.side.forks > 0 if overlap else att.side is None)
+        assert att.shrink_in_base == (base_shrink is None)
+        forked = overlap and not att.shrink_in_base
+        assert att.overlap == overlap and (att.side.forks > 0 if forked else (att.side is None or att.side.forks == 0))
     agree = 0
     errs = []
     for i, (_rid, adapter) in enumerate(rows):
