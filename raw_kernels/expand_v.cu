@@ -12,9 +12,9 @@
 // most TG positions of one slot, chunks numbered in slot order) x one slice x 4 * blockDim.x
 // columns, each thread 4 adjacent columns (8-byte rows of y; B and v in 16-byte pieces: every row
 // pointer and stride of y a multiple of 4 elements and of v of 8, R a multiple of 8, which the
-// host checks). Rounds of dependent loads: the chunk (a scan of slot_indptr by one warp), then
-// the chunk's token rows, its rank and B's first rank block, then y and the chunk's v rows (into
-// shared memory, masked past the rank), then the stores. 2-byte element types only (bfloat16,
+// host checks). Rounds of dependent loads: the chunk (a scan of slot_indptr by one warp, 64 slots
+// a round), then the chunk's token rows, its rank and B's first rank block, then y and the chunk's
+// v rows (into shared memory, masked past the rank), then the stores. 2-byte element types only (bfloat16,
 // float16).
 #include "common.cuh"
 
@@ -86,16 +86,19 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   const int out = j == 0 ? out0 : (j == 1 ? out1 : out2);
   const int boff = j == 0 ? boff0 : (j == 1 ? boff1 : boff2);
   if (threadIdx.x < 32) {  // warp 0: chunk blockIdx.y, slots 1.. in order, each cut every TG positions
-    const int lane = threadIdx.x;
+    const int lane = threadIdx.x;  // a pass covers 64 slots, two a lane, in one round of loads
     int want = blockIdx.y;
     bool found = false;
-    for (int base = 1; base < num_slots && !found; base += 32) {
-      const int s = base + lane;
-      int cnt = 0, lo = 0;
-      if (s < num_slots) {
-        lo = slot_indptr[s];
-        cnt = (slot_indptr[s + 1] - lo + TG - 1) / TG;
+    for (int base = 1; base < num_slots && !found; base += 64) {
+      const int sa = base + 2 * lane;
+      int p0 = 0, p1 = 0, p2 = 0;  // slot_indptr at sa, sa + 1, sa + 2 (clamped to the table)
+      if (sa < num_slots) {
+        p0 = slot_indptr[sa];
+        p1 = slot_indptr[sa + 1];
+        p2 = sa + 1 < num_slots ? slot_indptr[sa + 2] : p1;
       }
+      const int ca = (p1 - p0 + TG - 1) / TG, cb = (p2 - p1 + TG - 1) / TG;
+      const int cnt = ca + cb;
       int incl = cnt;
 #pragma unroll
       for (int o = 1; o < 32; o <<= 1) {
@@ -107,10 +110,12 @@ __global__ void __launch_bounds__(128) lora_expand_v(
       if (hit) {
         found = true;
         if (lane == __ffs(hit) - 1) {
-          const int first = lo + (want - excl) * TG;
-          chunk[0] = s;
+          const int k = want - excl;  // the lane's k-th chunk: slot sa's, then slot sa + 1's
+          const bool a = k < ca;
+          const int first = a ? p0 + k * TG : p1 + (k - ca) * TG;
+          chunk[0] = a ? sa : sa + 1;
           chunk[1] = first;
-          chunk[2] = min(TG, slot_indptr[s + 1] - first);
+          chunk[2] = min(TG, (a ? p1 : p2) - first);
         }
       }
       want -= __shfl_sync(0xffffffffu, incl, 31);

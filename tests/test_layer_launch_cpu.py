@@ -259,3 +259,131 @@ def test_fast_path_relaunches_only_when_no_kernel_ran(fail_at):
         with pytest.raises(_DriverError):
             layer(ty, tx, views, 64)
         assert len(be.launched) == n and len(ran) == 1  # the first kernel ran once, nothing relaunched
+
+
+class _VBackend(_FakeBackend):
+    """_FakeBackend plus what LayerLaunch.expand_v reads: its kernel, the driver, torch's stream."""
+
+    def __init__(self, limits):
+        super().__init__(limits)
+        self.rec = _VRecorder()
+        self._driver = type("D", (), {"launchKernel": staticmethod(self.rec)})()
+        self.driver_error = _DriverError
+
+    def expand_v_fn(self, dtype, rank_width):
+        return _Fn(303 + rank_width)
+
+    def torch_stream(self):
+        return lambda: 11
+
+
+class _VRecorder:
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        u64 = lambda i: _read(params, i, ctypes.c_uint64)  # noqa: E731
+        i64 = lambda i: _read(params, i, ctypes.c_int64)  # noqa: E731
+        i32 = lambda i: _read(params, i, ctypes.c_int32)  # noqa: E731
+        self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), stream=stream,
+                                  ys=[u64(i) for i in range(3)], ldy=[i64(i) for i in range(3, 6)],
+                                  out=[i32(i) for i in range(6, 9)], boff=[i32(i) for i in range(9, 12)],
+                                  v=u64(12), ldv=i64(13), b=u64(14), b_slot=i64(15), S=i32(20), n=i32(21)))
+
+
+def _v_layer(S=33, R=16, slices=(4096, 1024, 1024)):
+    from lora_cupy.spec import LoraSlice
+
+    n = len(slices)
+    out = sum(slices)
+    t = LoraTarget("qkv", 4096, out, 1, tuple(LoraSlice(f"s{j}", o) for j, o in enumerate(slices)))
+    spec = LoraSpec((t,), num_slots=S, max_rank=R, dtype="bfloat16")
+    floats, ints = cb.plan_workspace(spec)
+    offs = t.out_offsets()
+    be = _VBackend(cb.CallLimits(spec, 0, cb.DEFAULT_SMS, floats, ints, {offs: 4096} if n > 1 else {}))
+    w = LayerWeights(FakeDeviceArray((S, n, R, 4096), "<u2"), FakeDeviceArray((S, out, R), "<u2"),
+                     FakeDeviceArray((S, n), "<f4"), FakeDeviceArray((S, n), "<i4"), offs)
+    return be, cb.LayerLaunch(be, w), offs
+
+
+def test_expand_v_packs_each_slice_and_v_and_refuses_misaligned_rows():
+    """lora_expand_v's arguments: each slice's y, row stride, columns and first row of B; v's
+    pointer and row stride; a grid of column blocks x chunks (at most one per position, at most
+    the bucket's tiles of 8 plus a run per slot) x slices. What it cannot serve is refused before
+    any launch."""
+    S, R = 33, 16
+    be, layer, offs = _v_layer(S, R)
+    N = 4096 + S * 3 * R  # the extended GEMM's row: y of q, then v
+    gemm = 1 << 32
+    ys = [FakeDeviceArray((64, 4096), "<u2", strides=(2 * N, 2), ptr=gemm),
+          FakeDeviceArray((64, 1024), "<u2"), FakeDeviceArray((64, 1024), "<u2")]
+    v = FakeDeviceArray((64, S * 3 * R), "<u2", strides=(2 * N, 2), ptr=gemm + 2 * 4096)
+    layer.expand_v(ys, v, _views(64, S), 64)
+    [got] = be.rec.launches
+    assert got["fn"] == 303 + R and got["block"] == (cb.EXPAND_V_BN // 4, 1, 1) and got["stream"] == 5
+    assert got["grid"] == (4096 // cb.EXPAND_V_BN, 8 + 32, 3)  # 64 positions: 8 tiles + a run per slot
+    assert got["ys"] == [gemm] + [y.__cuda_array_interface__["data"][0] for y in ys[1:]]
+    assert got["ldy"] == [N, 1024, 1024] and got["out"] == [4096, 1024, 1024] and got["boff"] == [0, 4096, 5120]
+    assert got["v"] == gemm + 2 * 4096 and got["ldv"] == N and got["S"] == S and got["n"] == 3
+    assert got["b_slot"] == 6144 * R
+    layer.expand_v(ys, v, _views(1, S), 1)
+    assert be.rec.launches[-1]["grid"][1] == 1  # one position: one chunk
+    n = len(be.rec.launches)
+    bad_v = FakeDeviceArray((64, S * 3 * R), "<u2", strides=(2 * N, 2), ptr=gemm + 2 * 4100)
+    for args, err, match in (
+            ((ys, bad_v), ValueError, "multiples of 8"),
+            ((ys[:2], v), ValueError, "outputs for"),
+            ((ys, FakeDeviceArray((64, S * 3 * R), "<f2")), TypeError, "dtype"),
+            (([FakeDeviceArray((64, 4096), "<u2", strides=(2 * N + 2, 2))] + ys[1:], v), ValueError, "multiples of 4"),
+            (([FakeDeviceArray((64, 4096), "<u2", strides=(2 * N, 4))] + ys[1:], v), ValueError, "contiguous"),
+            ((ys, FakeDeviceArray((63, S * 3 * R), "<u2")), ValueError, r"\[rows >= 64")):
+        with pytest.raises(err, match=match):
+            layer.expand_v(*args, _views(64, S), 64)
+    assert len(be.rec.launches) == n
+    _, odd, _ = _v_layer(S, 12, (4096,))
+    with pytest.raises(ValueError, match="rank widths"):
+        odd.expand_v(ys[:1], v, _views(64, S), 64)
+    _, four, _ = _v_layer(S, R, (1024, 1024, 1024, 1024))
+    with pytest.raises(ValueError, match="up\\s+to 3 slices"):
+        four.expand_v(ys, v, _views(64, S), 64)
+
+
+class _VTensor:
+    """Just enough of a torch tensor for expand_v's cache key."""
+
+    def __init__(self, shape, ptr, strides):
+        self.shape, self.dtype, self._ptr, self._strides = tuple(shape), "bf16", ptr, tuple(strides)
+        self.__cuda_array_interface__ = dict(shape=self.shape, typestr="<u2", data=(ptr, False),
+                                             strides=tuple(2 * s for s in strides), version=3)
+
+    def data_ptr(self):
+        return self._ptr
+
+    def stride(self):
+        return self._strides
+
+    def get_device(self):
+        return 0
+
+
+def test_expand_v_relaunches_a_checked_call_from_its_cache(monkeypatch):
+    """Torch tensors with the pointers, shapes and strides of a call checked before launch what it
+    packed on torch's stream without checking again; a new pointer is checked (and refused if bad)."""
+    S, R = 9, 16
+    be, layer, _ = _v_layer(S, R, (512,))
+    monkeypatch.setattr(cb, "_TORCH_TENSOR", [_VTensor])
+    checks = []
+    real = cb.rows_arg
+    monkeypatch.setattr(cb, "rows_arg", lambda *a, **k: (checks.append(a[0]), real(*a, **k))[1])
+    N = 512 + S * R
+    y, v = _VTensor((8, 512), 1 << 32, (N, 1)), _VTensor((8, S * R), (1 << 32) + 1024, (N, 1))
+    views = _views(8, S)
+    for _ in range(3):
+        layer.expand_v([y], v, views, 8)
+    assert checks == ["ys[0]", "v"]  # checked once
+    assert len(be.rec.launches) == 3 and {r["stream"] for r in be.rec.launches[1:]} == {11}
+    assert all(r["v"] == (1 << 32) + 1024 and r["ys"][0] == 1 << 32 for r in be.rec.launches)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        layer.expand_v([y], _VTensor((8, S * R), (1 << 32) + 1026, (N, 1)), views, 8)
+    layer.expand_v([y], v, _views(8, S), 8)  # other views: checked again
+    assert checks[-2:] == ["ys[0]", "v"] and len(be.rec.launches) == 4

@@ -319,6 +319,7 @@ class DeviceArg(NamedTuple):
 _TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "bfloat16", "<V2": "bfloat16", "<i4": "int32",
             "<i8": "int64", "<f8": "float64"}
 _TORCH_DTYPES: dict[Any, str] = {}  # torch.dtype -> its name, filled as tensors arrive
+_TORCH_TENSOR: list = [None]  # torch.Tensor once a torch tensor has been inspected (torch is optional)
 
 
 def inspect_arg(name: str, a) -> DeviceArg:
@@ -329,6 +330,8 @@ def inspect_arg(name: str, a) -> DeviceArg:
     """
     mod = type(a).__module__
     if mod.startswith("torch"):
+        if _TORCH_TENSOR[0] is None and type(a).__name__ == "Tensor":
+            _TORCH_TENSOR[0] = type(a)
         dev = a.get_device()
         if dev < 0:
             raise TypeError(f"{name}: a torch tensor on {a.device}; the cupy backend needs CUDA tensors")
@@ -381,10 +384,10 @@ def slot_stride(name: str, b, d: DeviceArg) -> int:
 
 
 def rows_arg(name: str, t, cols: int, rows: int, dtype: str, device: int, align: int) -> tuple[int, int]:
-    """``(pointer, row stride in elements)`` of a 2-D torch tensor or CuPy array ``[>= rows, cols]``
-    whose rows are contiguous (a column range of a wider array is fine), of ``dtype``, on
-    ``device``, its pointer and row stride multiples of ``align`` elements (TypeError /
-    ValueError naming what is wrong)."""
+    """``(pointer, row stride in elements)`` of a 2-D device array ``[>= rows, cols]`` (torch, CuPy,
+    any ``__cuda_array_interface__``) whose rows are contiguous (a column range of a wider array
+    is fine), of ``dtype``, on ``device``, its pointer and row stride multiples of ``align``
+    elements (TypeError / ValueError naming what is wrong)."""
     d = inspect_arg(name, t)
     if d.device is not None and d.device != device:
         raise ValueError(f"{name} is on device {d.device}, the backend on {device}")
@@ -392,16 +395,17 @@ def rows_arg(name: str, t, cols: int, rows: int, dtype: str, device: int, align:
         raise TypeError(f"{name} has dtype {d.dtype}, the weights {dtype}")
     if len(d.shape) != 2 or d.shape[1] != cols or d.shape[0] < rows:
         raise ValueError(f"{name} must be [rows >= {rows}, {cols}], got {d.shape}")
+    size = _ITEMSIZE[dtype]
     if d.is_torch:
         strides = tuple(t.stride())
     elif type(t).__module__.startswith("cupy"):
         strides = tuple(st // t.itemsize for st in t.strides)
     else:
-        raise TypeError(f"{name}: a torch CUDA tensor or CuPy array, got {type(t).__name__}")
+        cai = t.__cuda_array_interface__.get("strides")
+        strides = (cols, 1) if cai is None else tuple(st // size for st in cai)
     ld = strides[0] if d.shape[0] > 1 else max(strides[0], cols)
     if (cols > 1 and strides[1] != 1) or ld < cols:
         raise ValueError(f"{name}'s rows must be contiguous (strides {strides})")
-    size = _ITEMSIZE[dtype]
     if d.ptr % (align * size) or ld % align:
         raise ValueError(f"{name} must start and step its rows at multiples of {align} elements "
                          f"(pointer {d.ptr:#x}, row stride {ld})")
@@ -950,6 +954,7 @@ class LayerLaunch:
         self.weights = check_weights(backend.limits, w)
         self.held = w  # the arrays behind self.weights.ptrs: alive while any launch may read them
         self._launches: dict[Any, PackedLaunch | None] = {}
+        self._v_launches: dict[tuple, tuple] = {}  # expand_v's checked calls on torch tensors
         self._device = backend.limits.device_id
         self._tensor = self._tdtype = self._stream = None  # torch.Tensor, the weights' dtype in torch, its stream
 
@@ -1046,7 +1051,27 @@ class LayerLaunch:
         rows contiguous, a column range of a wider array allowed), ``v`` ``[T, S*n*R]`` (every
         slot's ``x @ A.T`` side by side), T >= rows; bfloat16 or float16, rank width one of
         ``EXPAND_V_RANKS``, at most 3 slices; y's pointers and row strides multiples of 4
-        elements, v's of 8. No workspace is touched (the halves' v stays as it is)."""
+        elements, v's of 8. No workspace is touched (the halves' v stays as it is).
+
+        A call on torch tensors whose pointers, shapes, strides and dtypes a checked call had
+        before (an eager decode step after step) launches what that call packed, unchecked again."""
+        key = None
+        if type(v) is _TORCH_TENSOR[0]:
+            try:
+                key = (views, rows, v.data_ptr(), v.shape, v.stride(), v.dtype, v.get_device(),
+                       *[(y.data_ptr(), y.shape, y.stride(), y.dtype, y.get_device()) for y in ys])
+            except (AttributeError, TypeError):
+                key = None
+            hit = self._v_launches.get(key) if key is not None else None
+            if hit is not None:
+                fn, grid, params = hit
+                stream = self.backend.torch_stream()()
+                try:
+                    self.backend._driver.launchKernel(fn, *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, params.ptr, 0)
+                except self.backend.driver_error:
+                    with self.backend.device:  # another device's context was current here
+                        self.backend._driver.launchKernel(fn, *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, params.ptr, 0)
+                return
         be, wa = self.backend, self.weights
         S, n, R, _in, _out = wa.dims
         if wa.dtype not in EXPAND_V_DTYPES or R not in EXPAND_V_RANKS or n > 3:
@@ -1082,7 +1107,12 @@ class LayerLaunch:
         stream = be.stream_ptr(torch)
         grid = (max(1, _ceil(widest, EXPAND_V_BN)), chunks, n)
         with be.device:
-            be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
+            fptr = int(fn.kernel.ptr)
+            be._driver.launchKernel(fptr, *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
+        if key is not None:
+            if len(self._v_launches) >= 64:  # pointers that keep changing: keep the recent ones
+                self._v_launches.clear()
+            self._v_launches[key] = (fptr, grid, packed)
 
     def packed(self, views) -> PackedLaunch | None:
         """The launch packed for ``views`` (None: not yet called there, or no positions)."""
