@@ -279,6 +279,8 @@ class _BaseShrink:
             self.bias = None
             if m0.bias is not None:
                 self.bias = torch.cat([m0.bias.detach(), m0.bias.new_zeros(S * n * R)])
+        if pool.device.is_cuda:  # the kernel's module loads here, not inside a graph capture
+            pool.backend.expand_v_fn(spec.dtype, R)
         tail = ext[self.out0:].view(S, n, R, in_f)
         like = pool.layer_weights(target, layer).a
         pool.bind_a(target, layer, _backend_view(tail, like, pool.device.is_cuda))
