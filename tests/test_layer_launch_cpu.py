@@ -262,7 +262,7 @@ def test_fast_path_relaunches_only_when_no_kernel_ran(fail_at):
 
 
 class _VBackend(_FakeBackend):
-    """_FakeBackend plus what LayerLaunch.expand_v reads: its kernel, the driver, torch's stream."""
+    """_FakeBackend plus what LayerLaunch.expand_v reads: its kernel and the driver."""
 
     def __init__(self, limits):
         super().__init__(limits)
@@ -272,9 +272,6 @@ class _VBackend(_FakeBackend):
 
     def expand_v_fn(self, dtype, rank_width):
         return _Fn(303 + rank_width)
-
-    def torch_stream(self):
-        return lambda: 11
 
 
 class _VRecorder:
@@ -346,44 +343,3 @@ def test_expand_v_packs_each_slice_and_v_and_refuses_misaligned_rows():
     _, four, _ = _v_layer(S, R, (1024, 1024, 1024, 1024))
     with pytest.raises(ValueError, match="up\\s+to 3 slices"):
         four.expand_v(ys, v, _views(64, S), 64)
-
-
-class _VTensor:
-    """Just enough of a torch tensor for expand_v's cache key."""
-
-    def __init__(self, shape, ptr, strides):
-        self.shape, self.dtype, self._ptr, self._strides = tuple(shape), "bf16", ptr, tuple(strides)
-        self.__cuda_array_interface__ = dict(shape=self.shape, typestr="<u2", data=(ptr, False),
-                                             strides=tuple(2 * s for s in strides), version=3)
-
-    def data_ptr(self):
-        return self._ptr
-
-    def stride(self):
-        return self._strides
-
-    def get_device(self):
-        return 0
-
-
-def test_expand_v_relaunches_a_checked_call_from_its_cache(monkeypatch):
-    """Torch tensors with the pointers, shapes and strides of a call checked before launch what it
-    packed on torch's stream without checking again; a new pointer is checked (and refused if bad)."""
-    S, R = 9, 16
-    be, layer, _ = _v_layer(S, R, (512,))
-    monkeypatch.setattr(cb, "_TORCH_TENSOR", [_VTensor])
-    checks = []
-    real = cb.rows_arg
-    monkeypatch.setattr(cb, "rows_arg", lambda *a, **k: (checks.append(a[0]), real(*a, **k))[1])
-    N = 512 + S * R
-    y, v = _VTensor((8, 512), 1 << 32, (N, 1)), _VTensor((8, S * R), (1 << 32) + 1024, (N, 1))
-    views = _views(8, S)
-    for _ in range(3):
-        layer.expand_v([y], v, views, 8)
-    assert checks == ["ys[0]", "v"]  # checked once
-    assert len(be.rec.launches) == 3 and {r["stream"] for r in be.rec.launches[1:]} == {11}
-    assert all(r["v"] == (1 << 32) + 1024 and r["ys"][0] == 1 << 32 for r in be.rec.launches)
-    with pytest.raises(ValueError, match="multiples of 8"):
-        layer.expand_v([y], _VTensor((8, S * R), (1 << 32) + 1026, (N, 1)), views, 8)
-    layer.expand_v([y], v, _views(8, S), 8)  # other views: checked again
-    assert checks[-2:] == ["ys[0]", "v"] and len(be.rec.launches) == 4

@@ -319,7 +319,6 @@ class DeviceArg(NamedTuple):
 _TYPESTR = {"<f4": "float32", "<f2": "float16", "<u2": "bfloat16", "<V2": "bfloat16", "<i4": "int32",
             "<i8": "int64", "<f8": "float64"}
 _TORCH_DTYPES: dict[Any, str] = {}  # torch.dtype -> its name, filled as tensors arrive
-_TORCH_TENSOR: list = [None]  # torch.Tensor once a torch tensor has been inspected (torch is optional)
 
 
 def inspect_arg(name: str, a) -> DeviceArg:
@@ -330,8 +329,6 @@ def inspect_arg(name: str, a) -> DeviceArg:
     """
     mod = type(a).__module__
     if mod.startswith("torch"):
-        if _TORCH_TENSOR[0] is None and type(a).__name__ == "Tensor":
-            _TORCH_TENSOR[0] = type(a)
         dev = a.get_device()
         if dev < 0:
             raise TypeError(f"{name}: a torch tensor on {a.device}; the cupy backend needs CUDA tensors")
@@ -954,7 +951,6 @@ class LayerLaunch:
         self.weights = check_weights(backend.limits, w)
         self.held = w  # the arrays behind self.weights.ptrs: alive while any launch may read them
         self._launches: dict[Any, PackedLaunch | None] = {}
-        self._v_launches: dict[tuple, tuple] = {}  # expand_v's checked calls on torch tensors
         self._device = backend.limits.device_id
         self._tensor = self._tdtype = self._stream = None  # torch.Tensor, the weights' dtype in torch, its stream
 
@@ -1051,27 +1047,8 @@ class LayerLaunch:
         rows contiguous, a column range of a wider array allowed), ``v`` ``[T, S*n*R]`` (every
         slot's ``x @ A.T`` side by side), T >= rows; bfloat16 or float16, rank width one of
         ``EXPAND_V_RANKS``, at most 3 slices; y's pointers and row strides multiples of 4
-        elements, v's of 8. No workspace is touched (the halves' v stays as it is).
-
-        A call on torch tensors whose pointers, shapes, strides and dtypes a checked call had
-        before (an eager decode step after step) launches what that call packed, unchecked again."""
-        key = None
-        if type(v) is _TORCH_TENSOR[0]:
-            try:
-                key = (views, rows, v.data_ptr(), v.shape, v.stride(), v.dtype, v.get_device(),
-                       *[(y.data_ptr(), y.shape, y.stride(), y.dtype, y.get_device()) for y in ys])
-            except (AttributeError, TypeError):
-                key = None
-            hit = self._v_launches.get(key) if key is not None else None
-            if hit is not None:
-                fn, grid, params = hit
-                stream = self.backend.torch_stream()()
-                try:
-                    self.backend._driver.launchKernel(fn, *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, params.ptr, 0)
-                except self.backend.driver_error:
-                    with self.backend.device:  # another device's context was current here
-                        self.backend._driver.launchKernel(fn, *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, params.ptr, 0)
-                return
+        elements, v's of 8. No workspace is touched (the halves' v stays as it is). Every call is
+        checked and packed anew (a CUDA graph pays that once, at capture)."""
         be, wa = self.backend, self.weights
         S, n, R, _in, _out = wa.dims
         if wa.dtype not in EXPAND_V_DTYPES or R not in EXPAND_V_RANKS or n > 3:
@@ -1107,12 +1084,7 @@ class LayerLaunch:
         stream = be.stream_ptr(torch)
         grid = (max(1, _ceil(widest, EXPAND_V_BN)), chunks, n)
         with be.device:
-            fptr = int(fn.kernel.ptr)
-            be._driver.launchKernel(fptr, *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
-        if key is not None:
-            if len(self._v_launches) >= 64:  # pointers that keep changing: keep the recent ones
-                self._v_launches.clear()
-            self._v_launches[key] = (fptr, grid, packed)
+            be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
 
     def packed(self, views) -> PackedLaunch | None:
         """The launch packed for ``views`` (None: not yet called there, or no positions)."""

@@ -40,9 +40,13 @@ class Comparison:
 
 
 class PeftReference:
-    """``generate(prompt, adapter, max_new_tokens)`` by PEFT, for adapters ``name -> directory``."""
+    """``generate(prompt, adapter, max_new_tokens)`` by PEFT, for adapters ``name -> directory``.
 
-    def __init__(self, base_model, adapters: Mapping[str, str | os.PathLike]):
+    ``autocast_adapter_dtype``: PEFT's own option. True (its default) keeps a float16 / bfloat16
+    model's adapter weights in float32; False keeps them in the model's dtype, as a pool of that
+    dtype holds them (the yardstick for the rounding a pool's slots add)."""
+
+    def __init__(self, base_model, adapters: Mapping[str, str | os.PathLike], autocast_adapter_dtype: bool = True):
         import peft
 
         if not adapters:
@@ -51,9 +55,11 @@ class PeftReference:
         names = list(adapters)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model = peft.PeftModel.from_pretrained(model, str(adapters[names[0]]), adapter_name=names[0])
+            self.model = peft.PeftModel.from_pretrained(model, str(adapters[names[0]]), adapter_name=names[0],
+                                                        autocast_adapter_dtype=autocast_adapter_dtype)
             for name in names[1:]:
-                self.model.load_adapter(str(adapters[name]), adapter_name=name)
+                self.model.load_adapter(str(adapters[name]), adapter_name=name,
+                                        autocast_adapter_dtype=autocast_adapter_dtype)
         self.model.eval()
         self.adapters = tuple(names)
 

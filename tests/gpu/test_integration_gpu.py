@@ -3,8 +3,12 @@ forward against PEFT, generation with CUDA-graph decode against PEFT and against
 
 Tolerances: each row's bfloat16 logits, against PEFT's float32 logits for that row's adapter
 alone (relative norm); over the adapter rows, their mean errs at most ``BF16_ERROR_FACTOR`` times
-as much as PEFT's own bfloat16 logits do (its rounding is the yardstick: the delta here rounds v
-and the sum differently, once each), and no row more than ``BF16_ROW_FACTOR`` times. Per row the
+as much as PEFT's own bfloat16 logits do with the adapter weights in bfloat16 as the pool holds
+them (its rounding is the yardstick: the delta here rounds v and the sum differently, once each.
+PEFT's default keeps a bf16 model's adapter weights in float32: against that, on the CPU over 30
+random inputs, the pool's two paths erred up to 5.5x and 9.8x as much on a rank-16 rsLoRA
+adapter, against 2.3x and 2.2x with PEFT's weights in bf16), and no row more than
+``BF16_ROW_FACTOR`` times. Per row the
 ratio swings with the random inputs (measured on an H200: 0.66x to 2.85x, PEFT's own error from
 5e-3 to 0.16), so the tight bar is on the mean. Token agreement of bf16 greedy generation is
 reported (printed), float32 generation must agree token for token.
@@ -68,7 +72,7 @@ def test_bf16_logits_within_tolerance_of_peft(adapters, overlap, base_shrink):
     (54 rows), so nothing forks; False: the pool's whole delta per target."""
     base, dirs = adapters
     model = on_cuda(base, torch.bfloat16)
-    ref16 = PeftReference(model, dirs)
+    ref16 = PeftReference(model, dirs, autocast_adapter_dtype=False)  # adapter weights in bf16, as the pool's
     ref32 = PeftReference(on_cuda(base, torch.float32), dirs)
     rows = [("a", "ad0"), ("b", None), ("c", "ad1"), ("d", "ad2"), ("e", "ad3"), ("f", "ad0")]
     ids = torch.randint(0, VOCAB, (len(rows), 9), device="cuda")
