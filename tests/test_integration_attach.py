@@ -348,3 +348,20 @@ def test_shrink_in_base_fits_says_why_not():
 
     tp = dataclasses.replace(spec, tp_size=2)
     assert "tensor parallelism" in shrink_in_base_fits(tp, False)
+
+
+def test_shrink_in_base_modes_on_the_cpu(family):
+    """On the CPU the default is never; True is "always"; "graphs" (no captures here) and an
+    unknown mode are refused before anything is hooked."""
+    _kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool:
+        with attach(base, pool) as att:
+            assert att.shrink_in_base_mode == "never" and not att.shrink_in_base
+        with attach(base, pool, shrink_in_base=True) as att:
+            assert att.shrink_in_base_mode == "always" and att.shrink_in_base
+        for mode, match in (("graphs", "graph captures; the pool is on cpu"), ("sometimes", "one of True")):
+            with pytest.raises(ValueError, match=match):
+                attach(base, pool, shrink_in_base=mode)
+        assert not any(w.bound for w in pool._slot_weights.targets.values())
+    assert all(not m._forward_hooks and "forward" not in m.__dict__ for m in base.modules())

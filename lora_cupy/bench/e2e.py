@@ -155,7 +155,8 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int,
     adapters and ``overlap``, of the step's deltas alone. ``overlap``: the attachment's default (on CUDA the deltas
     beside their linears on a side stream inside graph captures), else in line everywhere.
     ``base_shrink``: the attachment's ``shrink_in_base`` (None: its default, the shrink inside each
-    target's first GEMM where it fits; False: the pool's whole delta per target)."""
+    target's first GEMM inside graph captures where it fits; False: the pool's whole delta per
+    target)."""
     import torch
 
     cuda = pool.device.is_cuda
@@ -380,11 +381,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['case']} | {r['base_ms']:.3f} | {r['lora_ms']:.3f} | {r['ratio']:.3f}x | {goal} | {met} "
                      f"| {added} | {alone} | {inline} | {whole} | {again} | {peft} |")
     if any("whole_ms" in r for r in result["rows"]):
-        lines += ["", "with adapters / in line: the attachment's default, where it fits each target's shrink "
-                      "inside its first GEMM (the pool's A rows appended to the base weight) for steps of at "
-                      "most 64 rows, then `lora_expand_v`; whole delta: the same step with the pool's whole delta "
-                      "per target (`shrink_in_base=False`, forked inside the graph capture); deltas alone: "
-                      "those whole deltas by themselves."]
+        lines += ["", "with adapters / in line: the attachment's default, where it fits, inside graph captures, "
+                      "each target's shrink inside its first GEMM (the pool's A rows appended to the base weight) "
+                      "for steps of at most 64 rows, then `lora_expand_v` (an eager step runs the pool's whole "
+                      "delta); whole delta: the same step with the pool's whole delta per target "
+                      "(`shrink_in_base=False`, forked inside the graph capture); deltas alone: those whole "
+                      "deltas by themselves."]
     for r in result["rows"]:
         if "scratch_ms" in r:
             lines += ["", f"{r['case']}: with q/k/v and gate/up each through one launch into a shared scratch "

@@ -115,8 +115,9 @@ class LoraGenerator:
     graphs would (static cache, batch buckets) but eagerly, on any device. ``eos_token_id``: the default stop token
     (default: the model's generation config's, if any). ``overlap``: when each delta runs on a side
     stream beside its linear (:func:`~lora_cupy.integrations.attach.attach`; default: inside the
-    decode graphs' captures on CUDA); ``shrink_in_base``: whether a small step's shrink rides on
-    each target's first GEMM (the same function; default: where it fits on CUDA).
+    decode graphs' captures on CUDA); ``shrink_in_base``: when a small step's shrink rides on
+    each target's first GEMM (the same function; default: inside the decode graphs' captures,
+    where it fits on CUDA).
 
     A long-running server bounds what the generator keeps: ``keep_finished=False`` drops each
     request's record once its last event is out (``records`` then holds the queued and running
@@ -128,7 +129,7 @@ class LoraGenerator:
     def __init__(self, model, pool, *, max_batch: int | None = None, max_len: int = 256,
                  max_prefill: int = 8, cuda_graphs: bool | None = None, static_decode: bool = False,
                  eos_token_id="model", overlap: bool | str | None = None, keep_finished: bool = True,
-                 history_limit: int | None = 10_000, shrink_in_base: bool | None = None):
+                 history_limit: int | None = 10_000, shrink_in_base: bool | str | None = None):
         if history_limit is not None and history_limit < 1:
             raise ValueError(f"history_limit must be at least 1 step (or None), not {history_limit}")
         import torch
