@@ -47,6 +47,9 @@ class SlotWeights:
         """Keep layer ``l``'s A in ``view`` (a C-contiguous ``[S, n, R, in]`` array of the pool's
         dtype on its device, such as rows appended to a base weight) from now on: what it holds
         now is copied in, and installs write there. ``a`` is freed once every layer is bound."""
+        if l in self.bound:
+            raise ValueError(f"A of layer {l} is kept in another array already (another attachment's "
+                             "extended weight?): unbind it first")
         old = self.a_layer(l)
         if tuple(view.shape) != tuple(old.shape) or view.dtype != old.dtype:
             raise ValueError(f"A of layer {l} is {tuple(old.shape)} {old.dtype}, not {tuple(view.shape)} {view.dtype}")
@@ -58,15 +61,21 @@ class SlotWeights:
         if len(self.bound) == len(self.layers):
             self.a = None
 
-    def unbind(self, l: int) -> None:
+    def unbind(self, l: int, view=None) -> None:
         """Layer ``l``'s A back in the pool's own array (made again if it was freed); a no-op
-        for a layer not bound."""
-        view = self.bound.pop(l, None)
-        if view is None:
+        for a layer not bound. ``view``: the array it must be bound to (ValueError if another)."""
+        if l not in self.bound:
             return
+        if view is not None and self.bound[l] is not view:
+            raise ValueError(f"A of layer {l} is kept in another array than the one given")
+        view = self.bound.pop(l)
         if self.a is None:
             t = self.layers[0].a
             self.a = self.device.zeros((len(self.layers), *t.shape), self.spec.dtype)
+            if self.device.is_cuda:  # its zeros were written on CuPy's current stream: done before the copy
+                import cupy
+
+                cupy.cuda.get_current_stream().synchronize()
         self._copy(self.a[l], view)
         self.layers[l] = LayerWeights(self.a[l], self.b[l], self.scaling[l], self.ranks[l], self._offs)
 

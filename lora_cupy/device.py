@@ -57,6 +57,7 @@ class HostStream:
     def __init__(self, name: str = "lora-host-stream"):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -86,12 +87,17 @@ class HostStream:
             self._queue.put((event.synchronize, ()))
 
     def synchronize(self) -> None:
-        self.record().synchronize()
+        if self._closed:  # its thread runs what was queued before the close, then ends
+            self._thread.join()
+        else:
+            self.record().synchronize()
         err, self._error = self._error, None
         if err is not None:
             raise err
 
     def close(self) -> None:
+        """Run what is queued, then stop; a later :meth:`synchronize` waits for that, not forever."""
+        self._closed = True
         self._queue.put(None)
 
 

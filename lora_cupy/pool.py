@@ -312,16 +312,18 @@ class LoraAdapterPool:
         slot's ``x @ A.T`` (:meth:`LoraLayerDelta.expand_v
         <lora_cupy.delta.LoraLayerDelta.expand_v>` then adds the rest). What the slots hold is
         copied in; installs write there; every delta of the layer reads it. Call between steps.
-        Once every layer of a target is bound, the pool's own array for them is freed."""
+        Once every layer of a target is bound, the pool's own array for them is freed. A layer
+        bound already (to another attachment's array) is refused with ValueError."""
         with self._lock:
             self._slot_weights.targets[self.spec.target(target).name].bind(layer_idx, a)
             self._resolve(target, layer_idx)
 
-    def unbind_a(self, target: str, layer_idx: int) -> None:
+    def unbind_a(self, target: str, layer_idx: int, a=None) -> None:
         """Undo :meth:`bind_a`: the layer's A back in the pool's own array (the bound one is no
-        longer written or read). A no-op for a layer not bound. Call between steps."""
+        longer written or read). A no-op for a layer not bound; ``a``: the array it was bound to
+        (ValueError if it is bound to another). Call between steps."""
         with self._lock:
-            self._slot_weights.targets[self.spec.target(target).name].unbind(layer_idx)
+            self._slot_weights.targets[self.spec.target(target).name].unbind(layer_idx, a)
             self._resolve(target, layer_idx)
 
     def _resolve(self, target: str, layer_idx: int) -> None:

@@ -365,3 +365,63 @@ def test_shrink_in_base_modes_on_the_cpu(family):
                 attach(base, pool, shrink_in_base=mode)
         assert not any(w.bound for w in pool._slot_weights.targets.values())
     assert all(not m._forward_hooks and "forward" not in m.__dict__ for m in base.modules())
+
+
+def test_shrink_in_base_guards(family):
+    """A second model's attachment to the same pool cannot take the layers' A (refused, the first
+    keeps serving); a bias written in place while attached reaches the extended GEMM and stays
+    after detach; a weight swapped under the attachment is refused at the next step; a forward
+    set on a linear's instance is kept and restored; detaching after the pool closed returns."""
+    kind, shared, dirs = family
+    base = copy.deepcopy(shared)  # its parameters are written below
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    ref = PeftReference(base, dirs)
+    rows = [("a", "ad0"), ("b", None), ("c", "ad1")]
+    ids = torch.randint(0, VOCAB, (len(rows), 5))
+    other = copy.deepcopy(base)
+    q = base.model.layers[0].self_attn
+    first = q.q_proj if hasattr(q, "q_proj") else q.qkv_proj
+    calls = []
+    own = first.forward
+    first.forward = lambda x: (calls.append(1), own(x))[1]  # an instance forward set before attach
+    pool = LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()})
+    try:
+        att = attach(base, pool, shrink_in_base=True)
+        with pytest.raises(ValueError, match="another array already"):
+            attach(other, pool, shrink_in_base=True)
+        assert all(not m._forward_hooks and "forward" not in m.__dict__ for m in other.modules())
+        planned_step(pool, rows, ids.shape[1])
+        with torch.inference_mode():
+            got = base(input_ids=ids).logits
+        for i, (_rid, adapter) in enumerate(rows):
+            torch.testing.assert_close(got[i], ref.logits(ids[i:i + 1], adapter)[0], rtol=1e-4, atol=1e-5)
+        assert not calls  # the extended GEMM served the linear
+        if first.bias is not None:  # Qwen2's q_proj: an in-place write reaches the GEMM
+            with torch.no_grad():
+                first.bias.add_(0.5)
+            with torch.inference_mode():
+                moved = base(input_ids=ids).logits
+            att.shrink_in_base_rows = 0  # the usual path, same weights
+            with torch.inference_mode():
+                usual = base(input_ids=ids).logits
+            att.shrink_in_base_rows = 64
+            torch.testing.assert_close(moved, usual, rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(moved, got)
+            bias_after = first.bias.detach().clone()
+        keep = first.weight.data
+        first.weight.data = keep.clone()  # as a move or a cast while attached would
+        with pytest.raises(RuntimeError, match="detach first"), torch.inference_mode():
+            base(input_ids=ids)
+        first.weight.data = keep
+        pool.close()
+        att.detach()  # the pool is closed: still returns, every weight in storage of its own
+    finally:
+        pool.close()
+    assert first.__dict__["forward"] is not None
+    with torch.inference_mode():
+        base(input_ids=ids)
+    assert calls, "the instance forward was not restored"
+    if first.bias is not None:
+        assert torch.equal(first.bias.detach(), bias_after)
+    for p in base.parameters():
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size()

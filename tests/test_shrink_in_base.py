@@ -9,7 +9,8 @@ import pytest
 from lora_cupy.backends.reference import dense_delta64
 from lora_cupy.pool import LoraAdapterPool
 
-from pool_helpers import assert_slot_holds, check_delta, make_adapters, planned_step, small_spec
+from pool_helpers import (assert_slot_holds, check_delta, expected_image, make_adapters, planned_step,
+                          small_spec)
 
 
 def _extended(pool, target: str, layer: int, head: int, rng) -> tuple[np.ndarray, np.ndarray]:
@@ -59,9 +60,9 @@ def test_a_bound_layer_keeps_its_slots_takes_installs_and_comes_back(tmp_path):
         for rid, name in rows2:
             assert_slot_holds(pool, pool._settled[rid], name)
         check_delta(pool, [r for r, _ in rows2], None, rng)
-        s = pool._settled["s1"]
-        ad3_a = pool.device.to_host(pool.layer_weights("qkv_proj", 0).a[s])
-        assert np.array_equal(ext_q[32:].reshape(tail_q.shape)[s], ad3_a) and ad3_a.any()
+        s = pool._settled["s1"]  # ad3's A at layer 0, as its file gives it, sits in the caller's array
+        want = expected_image(pool, "ad3").targets["qkv_proj"].a[0]
+        assert np.array_equal(ext_q[32:].reshape(tail_q.shape)[s], want) and want.any()
         _settle(pool, step, ctx, [r for r, _ in rows2])
         for target, layer in (("qkv_proj", 0), ("qkv_proj", 1), ("o_proj", 1), ("o_proj", 0)):
             pool.unbind_a(target, layer)  # o_proj's layer 0 was never bound: a no-op
@@ -75,13 +76,22 @@ def test_a_bound_layer_keeps_its_slots_takes_installs_and_comes_back(tmp_path):
         _settle(pool, step, ctx, [r for r, _ in rows2])
 
 
-def test_bind_refuses_an_array_of_another_shape_or_dtype(tmp_path):
+def test_bind_refuses_an_array_of_another_shape_or_dtype_or_a_bound_layer(tmp_path):
     spec = small_spec(num_slots=4, max_rank=8)
     with LoraAdapterPool(spec, "cpu", adapters=make_adapters(tmp_path, spec, 1)) as pool:
         with pytest.raises(ValueError, match="A of layer 0"):
             pool.bind_a("o_proj", 0, np.zeros((4, 1, 4, 32), np.float32))
         with pytest.raises(ValueError, match="A of layer 0"):
             pool.bind_a("o_proj", 0, np.zeros((4, 1, 8, 32), np.float64))
+        assert not pool._slot_weights.targets["o_proj"].bound
+        mine, other = np.zeros((4, 1, 8, 32), np.float32), np.zeros((4, 1, 8, 32), np.float32)
+        pool.bind_a("o_proj", 0, mine)
+        with pytest.raises(ValueError, match="another array already"):
+            pool.bind_a("o_proj", 0, other)  # a second attachment's array: refused, the first kept
+        with pytest.raises(ValueError, match="another array than"):
+            pool.unbind_a("o_proj", 0, other)
+        assert pool._slot_weights.targets["o_proj"].bound[0] is mine
+        pool.unbind_a("o_proj", 0, mine)
         assert not pool._slot_weights.targets["o_proj"].bound
 
 

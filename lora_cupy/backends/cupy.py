@@ -1065,6 +1065,15 @@ class LayerLaunch:
         vp, ldv = rows_arg("v", v, S * n * R, rows, wa.dtype, dev, 8)
         TO, IP = inspect_arg("token_order", views.token_order), inspect_arg("slot_indptr", views.slot_indptr)
         _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
+        for nm, d in (("token_order", TO), ("slot_indptr", IP)):
+            if d.dtype != "int32":
+                raise TypeError(f"{nm} must be int32, got {d.dtype}")
+        if len(TO.shape) != 1 or IP.shape != (S + 1,):
+            raise ValueError(f"token_order must be [T] and slot_indptr [S + 1] = [{S + 1}], got {TO.shape} and {IP.shape}")
+        if TO.shape[0] > be.limits.spec.max_tokens:
+            raise ValueError(f"{TO.shape[0]} positions exceed the largest capture bucket {be.limits.spec.max_tokens}")
+        if not wa.flags & 2:
+            raise ValueError("lora_expand_v reads B in 16-byte pieces: B's pointer and slot stride must allow them")
         bucket = TO.shape[0]
         if bucket == 0 or rows == 0:
             return

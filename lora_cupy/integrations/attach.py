@@ -77,6 +77,7 @@ from ..errors import ShapeMismatchError, TargetMismatchError
 from ..spec import layer_index
 
 _ATTACHED: "weakref.WeakSet" = weakref.WeakSet()
+_NONE = object()  # a module had no forward of its own on the instance
 #: Rows of a step from which each member of a fused group runs its own slice, in place (the
 #: default of ``Attachment.members_in_place_rows``).
 MEMBERS_IN_PLACE_ROWS = 512
@@ -282,14 +283,19 @@ class _BaseShrink:
             ext = torch.empty((self.out0 + S * n * R, in_f), dtype=w.dtype, device=w.device)
             ext[:self.out0].copy_(w)
             self.bias = None
-            if m0.bias is not None:
+            if m0.bias is not None:  # zeros past the linear's own bias, which becomes its head
                 self.bias = torch.cat([m0.bias.detach(), m0.bias.new_zeros(S * n * R)])
         if pool.device.is_cuda:  # the kernel's module loads here, not inside a graph capture
             pool.backend.expand_v_fn(spec.dtype, R)
         tail = ext[self.out0:].view(S, n, R, in_f)
         like = pool.layer_weights(target, layer).a
-        pool.bind_a(target, layer, _backend_view(tail, like, pool.device.is_cuda))
-        w.data = ext[:self.out0]  # same values; the GEMM's head
+        self.tail = _backend_view(tail, like, pool.device.is_cuda)
+        pool.bind_a(target, layer, self.tail)  # refuses a layer another attachment holds
+        # same values; the linear's parameters become the heads of the arrays the GEMM reads, so an
+        # in-place write to them (load_state_dict) reaches the GEMM too
+        w.data = ext[:self.out0]
+        if self.bias is not None:
+            m0.bias.data = self.bias[:self.out0]
         self.ext = ext
         self._x = None
         self._outs = None
@@ -302,6 +308,10 @@ class _BaseShrink:
         import torch.nn.functional as F
 
         ext = self.ext
+        w = self.mods[0].weight
+        if w.data_ptr() != ext.data_ptr() or w.dtype != ext.dtype:
+            raise RuntimeError(f"{self.target}[{self.layer}]: the linear's weight is no longer the head of its "
+                               "extended array (the model was moved or cast while attached): detach first")
         plan = self.attachment.pool.current_plan()
         if plan is not None and plan.ready is not None:  # the CPU pool: its installs into A land first
             plan.wait_host()
@@ -312,6 +322,10 @@ class _BaseShrink:
         cuda = self.attachment.pool.device.is_cuda
         self.delta.expand_v([as_backend_array(y, cuda) for y in slices], as_backend_array(out[:, self.out0:], cuda))
         self._x, self._outs, self._left = x, ys, len(self.mods)
+
+    def drop(self) -> None:
+        """Forget outputs kept for members (a forward that raised or skipped one)."""
+        self._x = self._outs = None
 
     def take(self, x, j: int):
         """Member ``j``'s output for input ``x`` (``[..., cols_j]``), None: not computed for it."""
@@ -324,12 +338,17 @@ class _BaseShrink:
         return y.view(*x.shape[:-1], y.shape[1])
 
     def restore(self) -> None:
-        """The pool's A back in its own array, the linear's weight in storage of its own."""
+        """The linear's weight (and bias) in storage of their own, then the pool's A back in its
+        own array."""
         self._x = self._outs = None
-        self.attachment.pool.unbind_a(self.target, self.layer)
-        w = self.mods[0].weight
-        w.data = self.ext[:self.out0].clone()
+        if self.ext is None:
+            return
+        m0 = self.mods[0]
+        m0.weight.data = self.ext[:self.out0].clone()
+        if self.bias is not None:
+            m0.bias.data = self.bias[:self.out0].clone()
         self.ext = None
+        self.attachment.pool.unbind_a(self.target, self.layer, self.tail)
 
 
 def _backend_view(t, like, cuda: bool):
@@ -414,8 +433,8 @@ class Attachment:
                 for (tname, layer), by_j in mods.items():
                     bs = self._base[(tname, layer)] = _BaseShrink(self, tname, layer, [by_j[k] for k in sorted(by_j)])
                     for k, mod in enumerate(bs.mods):
+                        self._patched.append((mod, mod.__dict__.get("forward", _NONE)))
                         mod.forward = self._base_forward(bs, k, mod)
-                        self._patched.append(mod)
             for path, mod, t, layer, c0, c1, g, j in plan:
                 if g is None:
                     pre, hook = self._direct_hooks(pool.layer_delta(t.name, layer))
@@ -469,17 +488,18 @@ class Attachment:
         """Member ``j``'s forward while its target's shrink may ride on the first GEMM: the
         group's outputs computed at the first member called with a new input, each member's
         taken at its call; otherwise the linear's own forward."""
-        orig = type(mod).forward.__get__(mod)
+        orig = mod.forward  # the class's, or one already set on the instance (kept, restored at detach)
         in_f = mod.in_features
         served = self._served
 
         def forward(x, *args, **kwargs):
+            if args or kwargs or not self._base_applies(x, in_f):
+                bs.drop()
+                return orig(x, *args, **kwargs)
             y = bs.take(x, j)
-            if y is None and not args and not kwargs and self._base_applies(x, in_f):
+            if y is None:
                 bs.run(x, self._rows((x,), in_f))
                 y = bs.take(x, j)
-            if y is None:
-                return orig(x, *args, **kwargs)
             served[id(mod)] = x  # the hooks add nothing for this call
             return y
 
@@ -592,16 +612,25 @@ class Attachment:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for m in self._patched:
-            m.__dict__.pop("forward", None)
+        for m, before in reversed(self._patched):
+            if before is _NONE:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = before
         self._patched = []
-        for bs in self._base.values():
-            bs.restore()
-        self._base.clear()
+        base, self._base = list(self._base.values()), {}
         self._served.clear()
+        failed = None
+        for bs in base:  # each one, whatever another raises
+            try:
+                bs.restore()
+            except Exception as e:  # noqa: BLE001 - the first is raised once all are done
+                failed = failed or e
         for m in self._modules:
             _ATTACHED.discard(m)
         self._modules = []
+        if failed is not None:
+            raise failed
 
     @property
     def attached(self) -> bool:
