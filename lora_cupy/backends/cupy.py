@@ -380,6 +380,14 @@ def slot_stride(name: str, b, d: DeviceArg) -> int:
                      f"array (strides {strides})")
 
 
+def expand_v_grid(bucket: int, num_slots: int, widest: int, n_slices: int) -> tuple[int, int, int]:
+    """``lora_expand_v``'s grid: column blocks of the widest slice, a block per chunk a step of
+    ``bucket`` positions can have (runs of one slot cut every ``EXPAND_V_TG``: at most the bucket's
+    tiles plus one per slot with positions, and never more than the positions), slices."""
+    chunks = min(bucket, _ceil(bucket, EXPAND_V_TG) + min(num_slots - 1, bucket))
+    return max(1, _ceil(widest, EXPAND_V_BN)), max(1, chunks), n_slices
+
+
 def rows_arg(name: str, t, cols: int, rows: int, dtype: str, device: int, align: int) -> tuple[int, int]:
     """``(pointer, row stride in elements)`` of a 2-D device array ``[>= rows, cols]`` (torch, CuPy,
     any ``__cuda_array_interface__``) whose rows are contiguous (a column range of a wider array
@@ -1077,8 +1085,6 @@ class LayerLaunch:
         bucket = TO.shape[0]
         if bucket == 0 or rows == 0:
             return
-        tg = EXPAND_V_TG
-        chunks = min(bucket, _ceil(bucket, tg) + min(S - 1, bucket))
         widest = max(offs[j + 1] - offs[j] for j in range(n))
         yargs += [(0, 0)] * (3 - n)
         cols = [offs[j + 1] - offs[j] for j in range(n)] + [0] * (3 - n)
@@ -1091,7 +1097,7 @@ class LayerLaunch:
         packed = PackedArgs(args)
         torch = type(v).__module__.startswith("torch")
         stream = be.stream_ptr(torch)
-        grid = (max(1, _ceil(widest, EXPAND_V_BN)), chunks, n)
+        grid = expand_v_grid(bucket, S, widest, n)
         with be.device:
             be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
 

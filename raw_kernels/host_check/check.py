@@ -9,6 +9,7 @@ v / counter protocol; it cannot check timing, memory ordering between blocks, or
 
     python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring]
         [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
+    python raw_kernels/host_check/check.py --expand-v    # lora_expand_v (expand_v.cu)
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
@@ -95,6 +96,9 @@ def build(out_dir: Path, asan: bool) -> Path:
     (src / "lora_mma.cu").write_text(mma[: mma.index("#define LORA_PARAMS")])  # the task functions only
     lib = out_dir / "libhost_check.so"
     flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if asan else ["-O2"]
+    # the kernels read and write 2-byte elements through uint2 / uint4 (as CUDA code does): on the
+    # host that is type punning, which strict aliasing at -O2 let g++ drop (lora_expand_v's stores)
+    flags.append("-fno-strict-aliasing")
     cmd = ["g++", "-std=c++20", *flags, "-fPIC", "-shared", "-include", str(HERE / "host_cuda.h"),
            f"-I{src}", *(f"-I{d}" for d in cuda_include_dirs()), str(HERE / "harness.cpp"), "-o", str(lib)]
     subprocess.run(cmd, check=True)
@@ -191,6 +195,63 @@ def run_halves(lib, case, *, expand: str, tile: int, sms: int, misalign: bool,
     return y, flags, al
 
 
+def run_expand_v(lib, case) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """``lora_expand_v`` on the host for ``case``: v as the extended GEMM writes it beside the
+    first slice's y (one array), the other slices each in its own; (each slice's y, v, the GEMM's
+    array after the call)."""
+    from test_expand_v_gpu import _gemm_v
+
+    w = case.w
+    S, n, R, _ = w.a.shape
+    offs = w.out_offsets
+    v = _gemm_v(case)
+    gemm = np.ascontiguousarray(np.concatenate([case.y0[:, :offs[1]], v], axis=1))
+    ys = [gemm[:, :offs[1]]] + [np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]) for j in range(1, n)]
+    pad = 3 - n
+    ptrs = (ctypes.c_void_p * 3)(*[y.ctypes.data for y in ys], *[None] * pad)
+    ldy = (ctypes.c_longlong * 3)(*[y.strides[0] // y.itemsize for y in ys], *[0] * pad)
+    out = (ctypes.c_int * 3)(*[offs[j + 1] - offs[j] for j in range(n)], *[0] * pad)
+    boff = (ctypes.c_int * 3)(*offs[:n], *[0] * pad)
+    b = np.ascontiguousarray(w.b)
+    scaling = np.ascontiguousarray(w.scaling, np.float32)  # held while the call reads them
+    ranks = np.ascontiguousarray(w.ranks, np.int32)
+    grid = cb.expand_v_grid(len(case.token_order), S, max(out[:n]), n)
+    dims = np.asarray([R, *grid, S, n], np.int32)
+    rc = lib.emu_expand_v(DTYPE_CODE[case.spec.dtype], ptrs, ldy, out, boff,
+                          ctypes.c_void_p(gemm[:, offs[1]:].ctypes.data), ctypes.c_longlong(gemm.shape[1]),
+                          ctypes.c_void_p(b.ctypes.data), ctypes.c_longlong(b.shape[1] * R),
+                          ctypes.c_void_p(scaling.ctypes.data), ctypes.c_void_p(ranks.ctypes.data),
+                          ctypes.c_void_p(case.token_order.ctypes.data), ctypes.c_void_p(case.slot_indptr.ctypes.data),
+                          ctypes.c_void_p(dims.ctypes.data))
+    assert rc == 0, f"no lora_expand_v for rank width {R}"
+    return [y.copy() for y in ys], v, gemm
+
+
+def check_expand_v(case, got: list[np.ndarray], v: np.ndarray, gemm: np.ndarray) -> None:
+    """As tests/gpu/test_expand_v_gpu.py: v untouched, rows of slot 0 and padding bit-exact,
+    every slice on the float64 oracle within the dtype's tolerance, and moved by its delta."""
+    from test_expand_v_gpu import _oracle
+
+    offs = case.w.out_offsets
+    assert np.array_equal(gemm[:, offs[1]:].view(np.uint16), v.view(np.uint16)), "v was written"
+    want = _oracle(case, v)
+    t = case.touched
+    for j in range(len(offs) - 1):
+        y0j = case.y0[:, offs[j]:offs[j + 1]]
+        assert np.array_equal(got[j][~t].view(np.uint16), y0j[~t].view(np.uint16)), f"slice {j}: untouched rows written"
+        if not t.any():
+            continue
+        assert np.isfinite(got[j][t].astype(np.float64)).all(), f"slice {j}: v or B past a rank was read"
+        delta = want[j][t] - y0j[t].astype(np.float64)
+        if np.linalg.norm(delta) == 0:
+            assert np.array_equal(got[j][t].view(np.uint16), y0j[t].view(np.uint16))
+            continue
+        err = np.linalg.norm(got[j][t].astype(np.float64) - want[j][t]) / np.linalg.norm(want[j][t])
+        assert err < cb.TOLERANCE[case.spec.dtype], f"slice {j}: relative error {err:.3g}"
+        moved = np.linalg.norm(got[j][t].astype(np.float64) - y0j[t].astype(np.float64))
+        assert moved >= 0.5 * np.linalg.norm(delta), f"slice {j}: the delta did not land"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
@@ -214,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inf", action="store_true",
                     help="an inf in x's row of one adapter token: v and counters must still end at zero "
                          "(0 * inf is NaN wherever a zero row of A meets it), the other rows exact")
+    ap.add_argument("--expand-v", action="store_true",
+                    help="lora_expand_v (expand_v.cu) on the cases of tests/gpu/test_expand_v_gpu.py, bf16 and fp16")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,6 +284,22 @@ def main(argv=None) -> int:
         lib.emu_set_cp_early(int(args.cp_async == "early"))
         rng = np.random.default_rng(args.seed)
         fails = 0
+        if args.expand_v:
+            from test_expand_v_gpu import CASES as V_CASES
+
+            for name in V_CASES:
+                for dt in ("bfloat16", "float16"):
+                    case = build_case(rng, dtype=dt, **V_CASES[name])
+                    t0 = time.time()
+                    try:
+                        check_expand_v(case, *run_expand_v(lib, case))
+                        status = "ok"
+                    except AssertionError as e:
+                        fails += 1
+                        status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
+                    print(f"expand_v {name:14s} {dt:9s} {status} ({time.time() - t0:.1f}s)", flush=True)
+            print(f"{fails} failed")
+            return 1 if fails else 0
         for name in args.cases.split(","):
             for dt in args.dtypes.split(","):
                 tiles = [cb.RING_BM] if args.expand == "expand_ring" and not args.fused else args.tiles.split(",")

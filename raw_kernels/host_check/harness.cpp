@@ -2,12 +2,14 @@
 // (check.py builds this as a shared library and calls emu_delta through ctypes).
 #include "host_cuda.h"
 #include "lora_mma.cu"
+#include "expand_v.cu"
 
 namespace emu {
 Fiber fibers[NTHREADS];
 Fiber* cur = nullptr;
 ucontext_t sched_ctx;
 int block_arrived = 0, warp_arrived[4] = {0, 0, 0, 0};
+EmuIdx block_idx{0u, 0u, 0u};
 long long mma_count = 0;
 AsyncQueue async_q[NTHREADS];
 bool cp_early = false;
@@ -180,4 +182,44 @@ extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int e
   if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
   if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
   return run_t<float>(bm, expand, shrink_blocks, expand_blocks);
+}
+
+// lora_expand_v (expand_v.cu): every block of a grid (gx, gy, gz) of 128 threads, one at a time.
+struct VLaunch {
+  void *y0, *y1, *y2;
+  long long ldy[3];
+  int out[3], boff[3];
+  const void *v, *B;
+  long long ldv, b_slot;
+  const float* scaling;
+  const int *ranks, *token_order, *slot_indptr;
+  int num_slots, n;
+};
+static VLaunch V;
+template <typename T, int R> static void expand_v_block(int) {
+  lora_expand_v<T, R, 8>((T*)V.y0, (T*)V.y1, (T*)V.y2, V.ldy[0], V.ldy[1], V.ldy[2], V.out[0], V.out[1], V.out[2],
+                         V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.scaling,
+                         V.ranks, V.token_order, V.slot_indptr, V.num_slots, V.n);
+}
+template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz) {
+  void (*fn)(int) = R == 8 ? expand_v_block<T, 8> : R == 16 ? expand_v_block<T, 16> : R == 32 ? expand_v_block<T, 32>
+                    : R == 64 ? expand_v_block<T, 64> : R == 128 ? expand_v_block<T, 128> : nullptr;
+  if (!fn) return 2;
+  for (int z = 0; z < gz; ++z)
+    for (int yb = 0; yb < gy; ++yb)
+      for (int x = 0; x < gx; ++x) {
+        emu::block_idx = EmuIdx{unsigned(x), unsigned(yb), unsigned(z)};
+        emu::run_block(fn, 0);
+      }
+  return 0;
+}
+// dtype 0 bf16, 1 fp16; ys[3], ldy[3], out[3], boff[3]; dims: R gx gy gz S n
+extern "C" int emu_expand_v(int dtype, void** ys, const long long* ldy, const int* out, const int* boff, const void* v,
+                            long long ldv, const void* B, long long b_slot, const float* scaling, const int* ranks,
+                            const int* token_order, const int* slot_indptr, const int* dims) {
+  V = VLaunch{ys[0], ys[1], ys[2], {ldy[0], ldy[1], ldy[2]}, {out[0], out[1], out[2]}, {boff[0], boff[1], boff[2]},
+              v, B, ldv, b_slot, scaling, ranks, token_order, slot_indptr, dims[4], dims[5]};
+  if (dtype == 0) return expand_v_grid<__nv_bfloat16>(dims[0], dims[1], dims[2], dims[3]);
+  if (dtype == 1) return expand_v_grid<__half>(dims[0], dims[1], dims[2], dims[3]);
+  return 3;
 }

@@ -65,6 +65,14 @@ struct EmuIdx {
 };
 inline EmuIdx emu_tidx() { return EmuIdx{unsigned(emu::cur->tid), 0u, 0u}; }
 #define threadIdx emu_tidx()
+// kernels that read their block's place (lora_expand_v): the harness sets it before each block
+namespace emu {
+extern EmuIdx block_idx;
+}
+#define blockIdx emu::block_idx
+#define blockDim (EmuIdx{unsigned(emu::NTHREADS), 1u, 1u})
+#undef __launch_bounds__
+#define __launch_bounds__(...)
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -109,6 +117,15 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
   emu::warp_barrier();
   return r;
 }
+inline int __shfl_sync(unsigned, int v, int src) {
+  auto& st = emu::stage[emu::warp()];
+  st.u[emu::lane()] = (unsigned)v;
+  emu::warp_barrier();
+  const int r = (int)st.u[src & 31];
+  emu::warp_barrier();
+  return r;
+}
+inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 inline int __shfl_up_sync(unsigned, int v, int delta) {
   auto& st = emu::stage[emu::warp()];
   st.u[emu::lane()] = (unsigned)v;
