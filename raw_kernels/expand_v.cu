@@ -20,47 +20,26 @@
 
 namespace lora_v {
 
-__device__ __forceinline__ void unpack8(const uint4& u, float* f, const __nv_bfloat16*) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+// 16-byte (8 elements) and 8-byte (4 elements) pieces of 2-byte elements as floats and back, word
+// by word through common.cuh's unpack2 / pack2
+template <typename T> __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 p = __bfloat1622float2(h[i]);
+    const float2 p = lora::unpack2<T>(w[i]);
     f[2 * i] = p.x;
     f[2 * i + 1] = p.y;
   }
 }
-__device__ __forceinline__ void unpack8(const uint4& u, float* f, const __half*) {
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 p = __half22float2(h[i]);
-    f[2 * i] = p.x;
-    f[2 * i + 1] = p.y;
-  }
+template <typename T> __device__ __forceinline__ void unpack4(const uint2& u, float* f) {
+  const float2 a = lora::unpack2<T>(u.x), b = lora::unpack2<T>(u.y);
+  f[0] = a.x;
+  f[1] = a.y;
+  f[2] = b.x;
+  f[3] = b.y;
 }
-__device__ __forceinline__ void unpack4(const uint2& u, float* f, const __nv_bfloat16*) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-  const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-}
-__device__ __forceinline__ void unpack4(const uint2& u, float* f, const __half*) {
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-  const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-  f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-}
-__device__ __forceinline__ uint2 pack4(const float* f, const __nv_bfloat16*) {
-  uint2 u;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-  h[0] = __floats2bfloat162_rn(f[0], f[1]);
-  h[1] = __floats2bfloat162_rn(f[2], f[3]);
-  return u;
-}
-__device__ __forceinline__ uint2 pack4(const float* f, const __half*) {
-  uint2 u;
-  __half2* h = reinterpret_cast<__half2*>(&u);
-  h[0] = __floats2half2_rn(f[0], f[1]);
-  h[1] = __floats2half2_rn(f[2], f[3]);
-  return u;
+template <typename T> __device__ __forceinline__ uint2 pack4(const float* f) {
+  return make_uint2(lora::pack2<T>(f[0], f[1]), lora::pack2<T>(f[2], f[3]));
 }
 
 }  // namespace lora_v
@@ -153,7 +132,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
     if (i < np && 8 * q < rank) {
       const uint4 u = *reinterpret_cast<const uint4*>(v + token_order[p0 + i] * ldv +
                                                       static_cast<long long>(s * n + j) * R + 8 * q);
-      lora_v::unpack8(u, f, static_cast<const T*>(nullptr));
+      lora_v::unpack8<T>(u, f);
 #pragma unroll
       for (int r = 0; r < 8; ++r) f[r] = 8 * q + r < rank ? f[r] : 0.f;  // v past the rank is never read
     }
@@ -180,7 +159,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
     for (int c = 0; c < COLS; ++c) {
       float bf[KB];
 #pragma unroll
-      for (int q = 0; q < P; ++q) lora_v::unpack8(b[c][q], bf + 8 * q, static_cast<const T*>(nullptr));
+      for (int q = 0; q < P; ++q) lora_v::unpack8<T>(b[c][q], bf + 8 * q);
 #pragma unroll
       for (int r = 0; r < KB; ++r) bf[r] = k0 + r < rank ? bf[r] : 0.f;  // B past the rank is never used
 #pragma unroll
@@ -196,9 +175,9 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   for (int i = 0; i < TG; ++i) {
     if (i >= np) break;
     float yf[4];
-    lora_v::unpack4(yv[i], yf, static_cast<const T*>(nullptr));
+    lora_v::unpack4<T>(yv[i], yf);
 #pragma unroll
     for (int c = 0; c < COLS; ++c) yf[c] = fmaf(sc, acc[i][c], yf[c]);
-    *reinterpret_cast<uint2*>(y + tok[i] * ldy + c0) = lora_v::pack4(yf, static_cast<const T*>(nullptr));
+    *reinterpret_cast<uint2*>(y + tok[i] * ldy + c0) = lora_v::pack4<T>(yf);
   }
 }

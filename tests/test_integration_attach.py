@@ -164,12 +164,18 @@ def test_large_steps_run_each_member_in_place(family, monkeypatch):
         torch.testing.assert_close(large[i], ref.logits(ids[i:i + 1], adapter)[0], rtol=1e-4, atol=1e-5)
 
 
-def test_attach_then_detach_is_bit_identical(family):
-    _kind, base, dirs = family
+def _before_attach(base):
+    """(every parameter and buffer copied, input ids, the model's logits on them) before an attach."""
     params = {k: v.detach().clone() for k, v in base.state_dict().items()}
     ids = torch.randint(0, VOCAB, (3, 6))
     with torch.inference_mode():
         before = base(input_ids=ids).logits.clone()
+    return params, ids, before
+
+
+def test_attach_then_detach_is_bit_identical(family):
+    _kind, base, dirs = family
+    params, ids, before = _before_attach(base)
     spec = spec_for_adapters(base, dirs, num_slots=4)
     with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool:
         att = attach(base, pool)
@@ -303,10 +309,7 @@ def test_shrink_in_base_gemm_logits_equal_peft_per_row(family, monkeypatch):
 
 def test_shrink_in_base_detach_is_bit_identical_and_gives_the_pool_its_a_back(family):
     _kind, base, dirs = family
-    params = {k: v.detach().clone() for k, v in base.state_dict().items()}
-    ids = torch.randint(0, VOCAB, (3, 6))
-    with torch.inference_mode():
-        before = base(input_ids=ids).logits.clone()
+    params, ids, before = _before_attach(base)
     spec = spec_for_adapters(base, dirs, num_slots=4)
     with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool:
         att = attach(base, pool, shrink_in_base=True)

@@ -359,6 +359,24 @@ def inspect_arg(name: str, a) -> DeviceArg:
     return DeviceArg(int(cai["data"][0]), shape, dt, None, contiguous, False)
 
 
+def element_strides(a, d: DeviceArg) -> tuple[int, ...]:
+    """``a``'s strides in elements (``d``: what :func:`inspect_arg` read of it); those of a
+    C-contiguous array where it states none."""
+    if d.is_torch:
+        return tuple(a.stride())
+    if type(a).__module__.startswith("cupy"):
+        return tuple(st // a.itemsize for st in a.strides)
+    cai = a.__cuda_array_interface__
+    size = int(cai["typestr"][2:])
+    if cai.get("strides") is None:
+        acc, out = 1, []
+        for dim in reversed(d.shape):
+            out.append(acc)
+            acc *= dim
+        return tuple(reversed(out))
+    return tuple(st // size for st in cai["strides"])
+
+
 def slot_stride(name: str, b, d: DeviceArg) -> int:
     """Elements from one slot's rows of ``b`` ``[S, out, R]`` to the next: ``out * R`` for a
     C-contiguous array; more for one slice's columns of a fused target's ``[S, out_total, R]``
@@ -366,14 +384,7 @@ def slot_stride(name: str, b, d: DeviceArg) -> int:
     S, out, R = d.shape
     if d.contiguous:
         return out * R
-    if d.is_torch:
-        strides = tuple(b.stride())
-    elif type(b).__module__.startswith("cupy"):
-        strides = tuple(st // b.itemsize for st in b.strides)
-    else:
-        cai = b.__cuda_array_interface__
-        size = int(cai["typestr"][2:])
-        strides = tuple(st // size for st in (cai.get("strides") or ()))
+    strides = element_strides(b, d)
     if len(strides) == 3 and strides[2] == 1 and strides[1] == R and (S == 1 or strides[0] >= out * R):
         return int(strides[0]) if S > 1 else out * R
     raise ValueError(f"{name} must be C-contiguous, or one slice's columns of a C-contiguous [S, out, R] "
@@ -401,13 +412,7 @@ def rows_arg(name: str, t, cols: int, rows: int, dtype: str, device: int, align:
     if len(d.shape) != 2 or d.shape[1] != cols or d.shape[0] < rows:
         raise ValueError(f"{name} must be [rows >= {rows}, {cols}], got {d.shape}")
     size = _ITEMSIZE[dtype]
-    if d.is_torch:
-        strides = tuple(t.stride())
-    elif type(t).__module__.startswith("cupy"):
-        strides = tuple(st // t.itemsize for st in t.strides)
-    else:
-        cai = t.__cuda_array_interface__.get("strides")
-        strides = (cols, 1) if cai is None else tuple(st // size for st in cai)
+    strides = element_strides(t, d)
     ld = strides[0] if d.shape[0] > 1 else max(strides[0], cols)
     if (cols > 1 and strides[1] != 1) or ld < cols:
         raise ValueError(f"{name}'s rows must be contiguous (strides {strides})")
@@ -959,6 +964,7 @@ class LayerLaunch:
         self.weights = check_weights(backend.limits, w)
         self.held = w  # the arrays behind self.weights.ptrs: alive while any launch may read them
         self._launches: dict[Any, PackedLaunch | None] = {}
+        self._v_layer = None  # lora_expand_v's function and slice columns (_expand_v_layer)
         self._device = backend.limits.device_id
         self._tensor = self._tdtype = self._stream = None  # torch.Tensor, the weights' dtype in torch, its stream
 
@@ -1059,17 +1065,12 @@ class LayerLaunch:
         checked and packed anew (a CUDA graph pays that once, at capture)."""
         be, wa = self.backend, self.weights
         S, n, R, _in, _out = wa.dims
-        if wa.dtype not in EXPAND_V_DTYPES or R not in EXPAND_V_RANKS or n > 3:
-            raise ValueError(f"lora_expand_v serves {EXPAND_V_DTYPES} at rank widths {EXPAND_V_RANKS} and up "
-                             f"to 3 slices; these weights are {wa.dtype}, rank width {R}, {n} slices")
+        fn, cols = self._expand_v_layer()
         if len(ys) != n:
             raise ValueError(f"{len(ys)} outputs for {n} slices")
         offs = self.held.out_offsets
         dev = be.limits.device_id
-        yargs = [rows_arg(f"ys[{j}]", y, offs[j + 1] - offs[j], rows, wa.dtype, dev, 4) for j, y in enumerate(ys)]
-        for j in range(n):
-            if (offs[j + 1] - offs[j]) % 4:
-                raise ValueError(f"slice {j} has {offs[j + 1] - offs[j]} columns; lora_expand_v takes multiples of 4")
+        yargs = [rows_arg(f"ys[{j}]", y, cols[j], rows, wa.dtype, dev, 4) for j, y in enumerate(ys)]
         vp, ldv = rows_arg("v", v, S * n * R, rows, wa.dtype, dev, 8)
         TO, IP = inspect_arg("token_order", views.token_order), inspect_arg("slot_indptr", views.slot_indptr)
         _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
@@ -1080,26 +1081,41 @@ class LayerLaunch:
             raise ValueError(f"token_order must be [T] and slot_indptr [S + 1] = [{S + 1}], got {TO.shape} and {IP.shape}")
         if TO.shape[0] > be.limits.spec.max_tokens:
             raise ValueError(f"{TO.shape[0]} positions exceed the largest capture bucket {be.limits.spec.max_tokens}")
-        if not wa.flags & 2:
-            raise ValueError("lora_expand_v reads B in 16-byte pieces: B's pointer and slot stride must allow them")
         bucket = TO.shape[0]
         if bucket == 0 or rows == 0:
             return
-        widest = max(offs[j + 1] - offs[j] for j in range(n))
-        yargs += [(0, 0)] * (3 - n)
-        cols = [offs[j + 1] - offs[j] for j in range(n)] + [0] * (3 - n)
+        pad = 3 - n
+        yargs += [(0, 0)] * pad
         i32, i64, u64 = np.int32, np.int64, np.uint64
         _a, b, sc, rk, _offs = wa.ptrs
-        args = (*(u64(p) for p, _ in yargs), *(i64(ld) for _, ld in yargs), *(i32(c) for c in cols),
-                *(i32(o) for o in list(offs[:n]) + [0] * (3 - n)), u64(vp), i64(ldv), u64(b), i64(wa.b_slot),
+        args = (*(u64(p) for p, _ in yargs), *(i64(ld) for _, ld in yargs), *(i32(c) for c in (*cols, *[0] * pad)),
+                *(i32(o) for o in (*offs[:n], *[0] * pad)), u64(vp), i64(ldv), u64(b), i64(wa.b_slot),
                 u64(sc), u64(rk), u64(TO.ptr), u64(IP.ptr), i32(S), i32(n))
-        fn = be.expand_v_fn(wa.dtype, R)
         packed = PackedArgs(args)
         torch = type(v).__module__.startswith("torch")
         stream = be.stream_ptr(torch)
-        grid = expand_v_grid(bucket, S, widest, n)
+        grid = expand_v_grid(bucket, S, max(cols), n)
         with be.device:
             be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
+
+    def _expand_v_layer(self) -> tuple[Any, tuple[int, ...]]:
+        """What ``lora_expand_v`` takes from this layer's weights alone, checked on the first call
+        that passes: its function and each slice's columns (ValueError while it cannot serve them)."""
+        if self._v_layer is None:
+            wa = self.weights
+            S, n, R, _in, _out = wa.dims
+            if wa.dtype not in EXPAND_V_DTYPES or R not in EXPAND_V_RANKS or n > 3:
+                raise ValueError(f"lora_expand_v serves {EXPAND_V_DTYPES} at rank widths {EXPAND_V_RANKS} and up "
+                                 f"to 3 slices; these weights are {wa.dtype}, rank width {R}, {n} slices")
+            offs = self.held.out_offsets
+            cols = tuple(offs[j + 1] - offs[j] for j in range(n))
+            for j, c in enumerate(cols):
+                if c % 4:
+                    raise ValueError(f"slice {j} has {c} columns; lora_expand_v takes multiples of 4")
+            if not wa.flags & 2:
+                raise ValueError("lora_expand_v reads B in 16-byte pieces: B's pointer and slot stride must allow them")
+            self._v_layer = (self.backend.expand_v_fn(wa.dtype, R), cols)
+        return self._v_layer
 
     def packed(self, views) -> PackedLaunch | None:
         """The launch packed for ``views`` (None: not yet called there, or no positions)."""

@@ -179,7 +179,8 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int,
             if cuda:
                 torch.cuda.synchronize()
             out = {"ms": event_ms(gen.step, min(reps, 40))}
-        if overlap and any(a is not None for a in adapters):  # the in-line run's would be the same calls
+        # the in-line and whole-delta variants' would be the same calls
+        if overlap and base_shrink is None and any(a is not None for a in adapters):
             out["deltas_alone_ms"] = deltas_alone_ms(gen, batch, reps)
         return out
     finally:

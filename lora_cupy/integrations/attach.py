@@ -114,7 +114,7 @@ def torch_dtype_name(dtype) -> str:
 
 
 def as_backend_array(t, device_is_cuda: bool):
-    """The array the pool's backend takes for a 2-D torch tensor, sharing its memory: the
+    """The array the pool's backend takes for a torch tensor, sharing its memory: the
     tensor itself on CUDA, a NumPy view on the CPU (bfloat16 through its bits)."""
     if device_is_cuda:
         return t
@@ -352,19 +352,15 @@ class _BaseShrink:
 
 
 def _backend_view(t, like, cuda: bool):
-    """A torch tensor's memory as the pool's array type and dtype (``like``'s), no copy."""
+    """A torch tensor's memory as the pool's array type and dtype (``like``'s), no copy: on the
+    CPU :func:`as_backend_array`'s NumPy view; on CUDA a CuPy array (the pool's own type)."""
+    if not cuda:
+        return as_backend_array(t, False)
+    import cupy
     import torch
 
-    if cuda:
-        import cupy
-
-        raw = t.view(torch.int16) if t.element_size() == 2 else t
-        return cupy.asarray(raw).view(like.dtype)
-    if t.dtype == torch.bfloat16:
-        from ..dtypes import bfloat16
-
-        return t.view(torch.int16).numpy().view(bfloat16)
-    return t.numpy()
+    raw = t.view(torch.int16) if t.element_size() == 2 else t
+    return cupy.asarray(raw).view(like.dtype)
 
 
 class Attachment:
