@@ -39,6 +39,15 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Programmatic dependent launch (sm_90+): wait until the grid queued before this one on the
+// stream has finished and its writes are visible. Returns at once for a kernel launched without
+// the attribute, and compiles to nothing below sm_90 (where no launch takes the attribute).
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Bytes of dynamic shared memory this launch was given (a launch given too few traps).
 __device__ __forceinline__ unsigned dynamic_smem_size() {
   unsigned r;

@@ -16,6 +16,11 @@
 // a round), then the chunk's token rows, its rank and B's first rank block, then y and the chunk's
 // v rows (into shared memory, masked past the rank), then the stores. 2-byte element types only (bfloat16,
 // float16).
+//
+// Launched with programmatic dependent launch after the GEMM that wrote y and v (the host's
+// after_gemm; lora_cupy/backends/launch_ex.py), everything up to B's first rank block runs while
+// that GEMM finishes: the block waits for it (lora::wait_prior_grid) just before it reads y and v,
+// the only arrays the GEMM writes. Launched the usual way, the wait returns at once.
 #include "common.cuh"
 
 namespace lora_v {
@@ -108,7 +113,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   const int rank = ranks[s * n + j];
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * COLS;
   const bool mine = c0 < out && rank > 0;  // the thread has columns to add to
-  // before the barrier, a thread's own loads (token rows, then y and B's first rank block) go out
+  // before the barrier, a thread's own loads (token rows, B's first rank block, then y) go out
   // with the block's load of v
   int tok[TG];
 #pragma unroll
@@ -118,12 +123,15 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   uint4 b[COLS][P];
   if (mine) {
 #pragma unroll
-    for (int i = 0; i < TG; ++i)
-      if (i < np) yv[i] = *reinterpret_cast<const uint2*>(y + tok[i] * ldy + c0);
-#pragma unroll
     for (int c = 0; c < COLS; ++c)
 #pragma unroll
       for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + 8 * q);
+  }
+  lora::wait_prior_grid();  // y and v below: the GEMM's (every thread reads v)
+  if (mine) {
+#pragma unroll
+    for (int i = 0; i < TG; ++i)
+      if (i < np) yv[i] = *reinterpret_cast<const uint2*>(y + tok[i] * ldy + c0);
   }
   // the chunk's v rows, rank-masked, into shared memory as float (every thread reads all of them)
   for (int e = threadIdx.x; e < TG * (R / 8); e += blockDim.x) {

@@ -721,7 +721,10 @@ class CupyBackend:
     multiprocessor count. Each tensor-core kernel has two instantiations: a call whose x, y and
     weights allow every 16-byte path (access flags ``ALIGNED_FLAGS``) runs the ``ALIGNED`` one,
     which has no element-wise code; any other call the one that reads the flags at run time.
-    ``aligned=False`` runs the latter for every call (tests and A/B timing).
+    ``aligned=False`` runs the latter for every call (tests and A/B timing). ``pdl``: whether
+    ``lora_expand_v`` may launch with programmatic dependent launch where its caller allows
+    (:mod:`~lora_cupy.backends.launch_ex`): None (the default) where the device (compute
+    capability 9.0 or above) and the driver support it, False never (A/B timing).
 
     Two ways in: :meth:`delta` checks every argument on every call (tests, benchmarks, one-off
     calls); :meth:`prepare` checks one layer's weights once and returns a :class:`LayerLaunch`
@@ -732,7 +735,7 @@ class CupyBackend:
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
                  fused: bool | None = None, expand: str | None = None, chunks: bool | None = None,
-                 num_sms: int | None = None, aligned: bool | None = None):
+                 num_sms: int | None = None, aligned: bool | None = None, pdl: bool | None = None):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -744,6 +747,8 @@ class CupyBackend:
             raise ValueError(f"num_slots={spec.num_slots} above the {MAX_SLOTS} a launch takes")
         if aligned not in (None, False):
             raise ValueError(f"aligned must be None (per call) or False (never), got {aligned!r}")
+        if pdl not in (None, False):
+            raise ValueError(f"pdl must be None (where supported) or False (never), got {pdl!r}")
         self.aligned = aligned
         if device is None:
             dev_id = cupy.cuda.runtime.getDevice()
@@ -769,6 +774,12 @@ class CupyBackend:
             self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
+        from .launch_ex import PdlLauncher, pdl_supported
+
+        #: Whether ``lora_expand_v`` launches with programmatic dependent launch where its caller
+        #: allows (``pdl``); set False to compare.
+        self.pdl = pdl is None and pdl_supported(divmod(int(self._device.compute_capability), 10))
+        self._pdl_launch = PdlLauncher() if self.pdl else None
 
     def clear_v(self) -> None:
         """Zero v (the workspace) on the stream the deltas run on (torch's current one once a layer
@@ -1054,7 +1065,7 @@ class LayerLaunch:
         if packed is not None:  # the operand a half does not touch is given t's pointer: flags stay true
             be.launch(packed, be.stream_ptr(A.is_torch), A.ptr, A.ptr, _xy_flags(wa.flags, A.ptr, A.ptr))
 
-    def expand_v(self, ys, v, views, rows: int) -> None:
+    def expand_v(self, ys, v, views, rows: int, after_gemm: bool = False) -> None:
         """The delta's expand from a v the base GEMM wrote, on the caller's stream
         (``lora_expand_v``, expand_v.cu; :meth:`LoraLayerDelta.expand_v
         <lora_cupy.delta.LoraLayerDelta.expand_v>`): ``ys`` one output per slice (``[T, cols_j]``,
@@ -1062,7 +1073,12 @@ class LayerLaunch:
         slot's ``x @ A.T`` side by side), T >= rows; bfloat16 or float16, rank width one of
         ``EXPAND_V_RANKS``, at most 3 slices; y's pointers and row strides multiples of 4
         elements, v's of 8. No workspace is touched (the halves' v stays as it is). Every call is
-        checked and packed anew (a CUDA graph pays that once, at capture)."""
+        checked and packed anew (a CUDA graph pays that once, at capture).
+
+        ``after_gemm``: the caller's word that the kernel queued just before this call on the
+        stream writes nothing the kernel reads but y and v (the GEMM that wrote them): the kernel
+        then launches with programmatic dependent launch where the backend allows it
+        (``backend.pdl``), reading the step's addressing and B while that GEMM finishes."""
         be, wa = self.backend, self.weights
         S, n, R, _in, _out = wa.dims
         fn, cols = self._expand_v_layer()
@@ -1096,7 +1112,10 @@ class LayerLaunch:
         stream = be.stream_ptr(torch)
         grid = expand_v_grid(bucket, S, max(cols), n)
         with be.device:
-            be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
+            if after_gemm and be.pdl:
+                be._pdl_launch(int(fn.kernel.ptr), grid, (EXPAND_V_BN // 4, 1, 1), 0, stream, packed.ptr)
+            else:
+                be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
 
     def _expand_v_layer(self) -> tuple[Any, tuple[int, ...]]:
         """What ``lora_expand_v`` takes from this layer's weights alone, checked on the first call

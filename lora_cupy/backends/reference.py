@@ -161,10 +161,10 @@ class ReferenceLaunch:
             if not v.any():
                 be.v = None
 
-    def expand_v(self, ys, v, views, rows: int) -> None:
+    def expand_v(self, ys, v, views, rows: int, after_gemm: bool = False) -> None:
         """The expand from a v the base GEMM wrote (:func:`reference_expand_v`); ``ys`` one
         array per slice, ``[T, cols_j]``, ``v`` ``[T, S*n*R]``, T >= rows, all of the weights'
-        dtype."""
+        dtype. ``after_gemm`` changes nothing here (the CUDA backend's launch takes it)."""
         w = self.weights
         S, n, R = w.a.shape[:3]
         offs = w.out_offsets

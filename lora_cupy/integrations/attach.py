@@ -320,7 +320,9 @@ class _BaseShrink:
         ys = [head] + [F.linear(x2d, m.weight, m.bias) for m in self.mods[1:]]
         slices = [head[:, a:b] for a, b in zip(self.offs, self.offs[1:])] if self.split else ys
         cuda = self.attachment.pool.device.is_cuda
-        self.delta.expand_v([as_backend_array(y, cuda) for y in slices], as_backend_array(out[:, self.out0:], cuda))
+        # the kernel before the expand on the stream is a GEMM of this group (writing y or v alone)
+        self.delta.expand_v([as_backend_array(y, cuda) for y in slices], as_backend_array(out[:, self.out0:], cuda),
+                            after_gemm=True)
         self._x, self._outs, self._left = x, ys, len(self.mods)
 
     def drop(self) -> None:

@@ -170,3 +170,69 @@ def test_expand_v_refuses_what_it_cannot_serve(make_case):
     with pytest.raises(ValueError, match="lora_expand_v serves"):
         backend_for(case32.spec).prepare(dev_weights(case32.w)).expand_v([g], g, views, 8)
     assert not bool(g.any()), "a refused call wrote"
+
+
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+def test_expand_v_after_its_gemm_with_pdl(make_case, graphed):
+    """Launched right after the GEMM that writes y and v (``after_gemm``: programmatic dependent
+    launch on an H200), the expand still reads only what that GEMM wrote: the GEMM's output starts
+    as NaN, so a y or v read before the GEMM finished shows; eager, and captured in a graph with
+    the GEMM and replayed on fresh x."""
+    import torch
+
+    dtype = "bfloat16"
+    shape = dict(T=64, in_f=4096, slices=(4096, 1024, 1024), max_rank=16, ranks=(8, 16), mix="distinct",
+                 num_slots=17, active=12, poison_beyond_rank=False)
+    case = make_case(dtype=dtype, **shape)
+    S, n, R, in_f = case.w.a.shape
+    offs = case.w.out_offsets
+    be = backend_for(case.spec)
+    major = int(torch.cuda.get_device_capability()[0])
+    assert be.pdl == (major >= 9), "the backend takes programmatic dependent launch where the device has it"
+    launch = be.prepare(dev_weights(case.w))
+    tt = lambda h: torch.as_tensor(h.view(np.int16), device="cuda").view(torch.bfloat16)  # noqa: E731
+    rng = np.random.default_rng(7)
+    head = tt((rng.standard_normal((offs[1], in_f)) / 64).astype(case.x.dtype))
+    ext = torch.cat([head, tt(case.w.a.reshape(S * n * R, in_f))])
+    others = [tt((rng.standard_normal((offs[j + 1] - offs[j], in_f)) / 64).astype(case.x.dtype)) for j in range(1, n)]
+    x = tt(case.x)
+    views = LaunchViews(64, 0, torch.as_tensor(case.token_order, device="cuda"),
+                        torch.as_tensor(case.slot_indptr, device="cuda"))
+    gemm = torch.empty((64, ext.shape[0]), dtype=torch.bfloat16, device="cuda")
+    ys = [gemm[:, :offs[1]]] + [torch.empty((64, w.shape[0]), dtype=torch.bfloat16, device="cuda") for w in others]
+
+    def step():
+        gemm.fill_(float("nan"))
+        for y in ys[1:]:
+            y.fill_(float("nan"))
+        torch.mm(x, ext.t(), out=gemm)
+        for y, w in zip(ys[1:], others):
+            torch.mm(x, w.t(), out=y)
+        launch.expand_v(ys, gemm[:, offs[1]:], views, 64, after_gemm=True)
+
+    def check():
+        with torch.no_grad():  # the GEMMs again, into fresh arrays: the base outputs and v
+            want_gemm = torch.mm(x, ext.t())
+            base = [want_gemm[:, :offs[1]]] + [torch.mm(x, w.t()) for w in others]
+        torch.cuda.synchronize()
+        h = lambda t: t.contiguous().view(torch.int16).cpu().numpy().view(numpy_dtype(dtype))  # noqa: E731
+        v = h(gemm[:, offs[1]:])
+        assert np.array_equal(v.view(np.uint16), h(want_gemm[:, offs[1]:]).view(np.uint16)), "v is the GEMM's"
+        case.y0 = np.concatenate([h(b) for b in base], axis=1)
+        want = _oracle(case, v)
+        for j in range(n):
+            got = h(ys[j]).astype(np.float64)
+            assert np.isfinite(got).all(), f"slice {j}: NaN: y or v read before the GEMM wrote them"
+            err = np.linalg.norm(got - want[j]) / np.linalg.norm(want[j])
+            assert err < TOLERANCE[dtype], f"slice {j}: relative error {err:.3g}"
+
+    step()
+    check()
+    if graphed:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(3):
+            x.copy_(tt(rng.standard_normal(case.x.shape).astype(case.x.dtype)))
+            graph.replay()
+            check()

@@ -1,0 +1,33 @@
+"""The driver structures of programmatic dependent launch (lora_cupy/backends/launch_ex.py) laid out
+as cuda.h's ``CUlaunchConfig`` and ``CUlaunchAttribute`` on 64-bit hosts, and the support check."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from lora_cupy.backends import launch_ex
+
+
+def test_structures_match_the_driver_layout():
+    a, c = launch_ex.LaunchAttribute, launch_ex.LaunchConfig
+    assert ctypes.sizeof(a) == 72  # id padded to 8 bytes, then the 64-byte value union
+    assert a.value.offset == 8
+    assert ctypes.sizeof(c) == 56
+    assert [getattr(c, f).offset for f in ("grid_x", "block_x", "shared_mem_bytes", "stream", "attrs", "num_attrs")] \
+        == [0, 12, 24, 32, 40, 48]
+    attr = a(id=launch_ex.PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    raw = bytes(attr)
+    assert raw[:4] == (4).to_bytes(4, "little") and raw[8:12] == (1).to_bytes(4, "little")
+    assert not any(raw[12:])
+
+
+def test_support_needs_compute_capability_9_and_the_driver(monkeypatch):
+    monkeypatch.setattr(launch_ex, "_driver", lambda: None)
+    assert not launch_ex.pdl_supported((9, 0))
+    with pytest.raises(RuntimeError, match="cuLaunchKernelEx"):
+        launch_ex.PdlLauncher()
+    monkeypatch.setattr(launch_ex, "_driver", lambda: (print, print))
+    assert launch_ex.pdl_supported((9, 0)) and launch_ex.pdl_supported((10, 0))
+    assert not launch_ex.pdl_supported((8, 9))
