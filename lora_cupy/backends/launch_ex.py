@@ -22,7 +22,7 @@ import ctypes
 import functools
 
 #: ``CUlaunchAttributeID``: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-PROGRAMMATIC_STREAM_SERIALIZATION = 4
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
 #: The first driver version whose stream capture records programmatic edges (CUDA 12.3).
 MIN_DRIVER = 12030
 
