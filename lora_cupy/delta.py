@@ -53,7 +53,7 @@ class LoraLayerDelta:
             self.out_features = self.weights.out_offsets[-1]
         self._launch = self.pool.backend.prepare(self.weights)
 
-    def expand_v(self, ys, v, after_gemm: bool = False):
+    def expand_v(self, ys, v, after_gemm: bool = False, compact: int = 0):
         """The delta when the base GEMM already computed v: ``ys[j][t] += scaling[s, j] *
         v[t, (s*n + j)*R : +r] @ B[s, cols_j, :r].T`` for each row t of the step on slot s and
         each slice j (``r = ranks[s, j]``). ``v`` ``[T, S*n*R]`` holds every slot's ``x @ A.T`` side
@@ -63,10 +63,14 @@ class LoraLayerDelta:
         Changes each y in place; touches no workspace. A whole target's delta only (not a
         ``member``'s). ``after_gemm``: the kernel queued just before on the stream writes nothing
         of what the delta reads but y and v (on CUDA the expand then may overlap that kernel's
-        tail: :meth:`LayerLaunch.expand_v <lora_cupy.backends.cupy.LayerLaunch.expand_v>`)."""
+        tail: :meth:`LayerLaunch.expand_v <lora_cupy.backends.cupy.LayerLaunch.expand_v>`).
+        ``compact`` = kb > 0: ``v`` ``[T, kb*n*R]`` holds the blocks of the step's slots with
+        positions alone, the k-th at block ``kb - 1 - k`` (a GEMM over the A rows the backend's
+        ``gather_a`` placed before the base weight writes them so); kb >= the step's rows."""
         if self.member is not None:
             raise ValueError(f"{self!r}.expand_v: a member's delta; call the whole target's")
-        self._run(functools.partial(self._launch.expand_v, after_gemm=after_gemm), " expand_v", tuple(ys), v)
+        self._run(functools.partial(self._launch.expand_v, after_gemm=after_gemm, compact=compact), " expand_v",
+                  tuple(ys), v)
         return ys
 
     def __call__(self, y, x):

@@ -115,6 +115,12 @@ EXPAND_V_BN = 512
 EXPAND_V_DTYPES = ("float16", "bfloat16")
 
 
+#: ``lora_gather_a`` (expand_v.cu): a small step's slots' A rows placed beside the base weight.
+GATHER_A_NAME = "lora_gather_a"
+#: Threads of a ``lora_gather_a`` block.
+GATHER_A_THREADS = 256
+
+
 def expand_v_name(ctype: str, rank_width: int) -> str:
     """The name expression of ``lora_expand_v`` (expand_v.cu) for one element type and rank width."""
     return f"lora_expand_v<{ctype}, {rank_width}, {EXPAND_V_TG}>"
@@ -133,7 +139,8 @@ FAMILIES: dict[str, KernelFamily] = {
     ),
     **{mma_family(d): KernelFamily("lora_mma.cu", _mma_names(t)) for d, t in CUDA_TYPES.items()},
     "lora_expand_v": KernelFamily(
-        "expand_v.cu", tuple(expand_v_name(CUDA_TYPES[d], r) for d in EXPAND_V_DTYPES for r in EXPAND_V_RANKS)),
+        "expand_v.cu", (*(expand_v_name(CUDA_TYPES[d], r) for d in EXPAND_V_DTYPES for r in EXPAND_V_RANKS),
+                        GATHER_A_NAME)),
 }
 
 

@@ -29,6 +29,34 @@ __device__ __forceinline__ int slot_of_position(const int* __restrict__ slot_ind
   return lo;
 }
 
+// Slots with positions (s >= 1, slot_indptr[s + 1] > slot_indptr[s]), counted by one warp (every
+// lane calls, lane its lane index; the result is the same in every lane), 32 slots a round:
+// how many of them come before slot s, and which is the k-th of them (-1: fewer than k + 1).
+__device__ __forceinline__ int active_slots_before(const int* __restrict__ slot_indptr, int s, int lane) {
+  int count = 0;
+  for (int base = 1; base < s; base += 32) {
+    const int t = base + lane;
+    const bool on = t < s && slot_indptr[t + 1] > slot_indptr[t];
+    count += __popc(__ballot_sync(0xffffffffu, on));
+  }
+  return count;
+}
+__device__ __forceinline__ int nth_active_slot(const int* __restrict__ slot_indptr, int num_slots, int k, int lane) {
+  for (int base = 1; base < num_slots; base += 32) {
+    const int t = base + lane;
+    const bool on = t < num_slots && slot_indptr[t + 1] > slot_indptr[t];
+    const unsigned m = __ballot_sync(0xffffffffu, on);
+    const int c = __popc(m);
+    if (k < c) {  // the (k+1)-th set bit of m
+      unsigned left = m;
+      for (int i = 0; i < k; ++i) left &= left - 1;
+      return base + __ffs(left) - 1;
+    }
+    k -= c;
+  }
+  return -1;
+}
+
 // ---- cp.async: 16-byte global -> shared copies; bytes past src_bytes (0..16) are zero-filled.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

@@ -50,19 +50,24 @@ template <typename T> __device__ __forceinline__ uint2 pack4(const float* f) {
 }  // namespace lora_v
 
 // Up to 3 slices (y_j, its row stride ldy_j, its columns out_j, its first row boff_j of B); a
-// slice with no columns (out_j = 0) is skipped. Grid: x = column blocks of 4 * blockDim.x of the
+// slice with no columns (out_j = 0) is skipped. compact = 0: v holds every slot's block, slot s at
+// columns (s*n + j)*R. compact = kb > 0 (a step of few rows, whose GEMM appended only the A rows
+// lora_gather_a placed for it): v points at the block of the step's first slot with positions,
+// and the k-th such slot (k = 0, 1, ..., kb - 1) sits k blocks of n*R columns to the left of it;
+// a slot past the kb-th adds nothing (the host passes kb >= the step's rows, so there is none). Grid: x = column blocks of 4 * blockDim.x of the
 // widest slice, y = at least the step's chunk count (blocks past it return), z = slices.
 template <typename T, int R, int TG>
 __global__ void __launch_bounds__(128) lora_expand_v(
     T* y0, T* y1, T* y2, long long ldy0, long long ldy1, long long ldy2, int out0, int out1, int out2,
     int boff0, int boff1, int boff2, const T* __restrict__ v, long long ldv, const T* __restrict__ B,
     long long b_slot, const float* __restrict__ scaling, const int* __restrict__ ranks,
-    const int* __restrict__ token_order, const int* __restrict__ slot_indptr, int num_slots, int n) {
+    const int* __restrict__ token_order, const int* __restrict__ slot_indptr, int num_slots, int n,
+    int compact) {
   static_assert(R % 8 == 0, "the rank width comes in 16-byte pieces");
   constexpr int KB = R < 16 ? R : 16;  // ranks a step of the rank loop
   constexpr int P = KB / 8;            // 16-byte pieces of one row a step
   constexpr int COLS = 4;              // adjacent columns a thread (8-byte rows of y)
-  __shared__ int chunk[3];             // slot, first position, positions
+  __shared__ int chunk[4];             // slot, first position, positions, v's block of the slot
   __shared__ float vs[TG][R];          // the chunk's v rows
   const int j = blockIdx.z;
   T* const y = j == 0 ? y0 : (j == 1 ? y1 : y2);
@@ -105,11 +110,20 @@ __global__ void __launch_bounds__(128) lora_expand_v(
       want -= __shfl_sync(0xffffffffu, incl, 31);
     }
     if (!found && lane == 0) chunk[0] = -1;
+    __syncwarp();
+    if (found) {  // v's block of the chunk's slot: s, or (compact) minus the slot's ordinal
+      const int cs = chunk[0];
+      const int vb = compact ? -lora::active_slots_before(slot_indptr, cs, lane) : cs;
+      if (lane == 0) {
+        chunk[3] = vb;
+        if (-vb >= compact && compact) chunk[0] = -1;  // past the kb blocks v holds: nothing
+      }
+    }
   }
   __syncthreads();
   const int s = chunk[0];
   if (s < 0) return;  // block-uniform: no chunk of this step
-  const int p0 = chunk[1], np = chunk[2];
+  const int p0 = chunk[1], np = chunk[2], vblock = chunk[3];
   const int rank = ranks[s * n + j];
   const int c0 = (blockIdx.x * blockDim.x + threadIdx.x) * COLS;
   const bool mine = c0 < out && rank > 0;  // the thread has columns to add to
@@ -139,7 +153,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
     float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (i < np && 8 * q < rank) {
       const uint4 u = *reinterpret_cast<const uint4*>(v + token_order[p0 + i] * ldv +
-                                                      static_cast<long long>(s * n + j) * R + 8 * q);
+                                                      static_cast<long long>(vblock * n + j) * R + 8 * q);
       lora_v::unpack8<T>(u, f);
 #pragma unroll
       for (int r = 0; r < 8; ++r) f[r] = 8 * q + r < rank ? f[r] : 0.f;  // v past the rank is never read
@@ -188,4 +202,30 @@ __global__ void __launch_bounds__(128) lora_expand_v(
     for (int c = 0; c < COLS; ++c) yf[c] = fmaf(sc, acc[i][c], yf[c]);
     *reinterpret_cast<uint2*>(y + tok[i] * ldy + c0) = lora_v::pack4<T>(yf);
   }
+}
+
+// lora_gather_a: the A rows of a step's slots with positions, gathered where a small step's GEMM
+// reads them. For each entry e of the table (src, dst, bytes: three 64-bit words) and each k <
+// gridDim.y, the k-th slot s >= 1 in slot order whose range of token_order is not empty (none:
+// nothing) copies its block of bytes (its A [n, R, in], contiguous) from src + s * bytes to
+// dst - k * bytes: the first such slot's block ends where the base weight starts, the next one
+// before it, so a GEMM of x with rows [dst - kb * bytes, dst + weight) writes every slot's v the
+// step needs beside y (lora_expand_v with compact = 1 reads them). bytes: a multiple of 16.
+// Grid: x = blocks a slot's block is split over, y = the slots a step can have, z = entries.
+__global__ void __launch_bounds__(256) lora_gather_a(const long long* __restrict__ table,
+                                                     const int* __restrict__ slot_indptr, int num_slots) {
+  __shared__ int slot;
+  const long long* e = table + 3 * blockIdx.z;
+  if (threadIdx.x < 32) {
+    const int s = lora::nth_active_slot(slot_indptr, num_slots, blockIdx.y, threadIdx.x);
+    if (threadIdx.x == 0) slot = s;
+  }
+  __syncthreads();
+  const int s = slot;
+  if (s < 0) return;
+  const long long bytes = e[2], pieces = bytes / 16;
+  const uint4* src = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(e[0]) + s * bytes);
+  uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<char*>(e[1]) - static_cast<long long>(blockIdx.y) * bytes);
+  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < pieces; i += static_cast<long long>(gridDim.x) * blockDim.x)
+    dst[i] = src[i];
 }

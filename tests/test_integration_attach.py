@@ -284,9 +284,9 @@ def test_shrink_in_base_gemm_logits_equal_peft_per_row(family, monkeypatch):
         calls.append(("whole", self.target))
         return real_whole(self, y, x)
 
-    def expand_v(self, ys, v):
+    def expand_v(self, ys, v, **kw):
         calls.append(("expand_v", self.target))
-        return real_v(self, ys, v)
+        return real_v(self, ys, v, **kw)
 
     monkeypatch.setattr(LoraLayerDelta, "__call__", whole)
     monkeypatch.setattr(LoraLayerDelta, "expand_v", expand_v)
@@ -305,6 +305,48 @@ def test_shrink_in_base_gemm_logits_equal_peft_per_row(family, monkeypatch):
     torch.testing.assert_close(got[64], got[4], rtol=1e-4, atol=1e-5)
     for i, (_rid, adapter) in enumerate(rows):
         torch.testing.assert_close(got[64][i], ref.logits(ids[i:i + 1], adapter)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_small_step_reads_only_its_slots_a_gathered_before_the_weight(family, monkeypatch):
+    """A step of at most ``compact_rows`` rows: the GEMM reads only the A of the step's slots, which
+    the attachment gathers once a forward before each extended weight; logits equal PEFT's per row
+    and the every-slot GEMM's. With the gather left out (and the gathered rows zeroed) they do not."""
+    kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    ref = PeftReference(base, dirs)
+    rows = [("a", "ad2"), ("b", None), ("c", "ad0")]
+    ids = torch.randint(0, VOCAB, (len(rows), 1))
+    seen, real_v = [], LoraLayerDelta.expand_v
+
+    def expand_v(self, ys, v, **kw):
+        seen.append((kw.get("compact"), v.shape[1]))
+        return real_v(self, ys, v, **kw)
+
+    monkeypatch.setattr(LoraLayerDelta, "expand_v", expand_v)
+    got = {}
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
+            attach(base, pool, shrink_in_base=True) as att:
+        planned_step(pool, rows, ids.shape[1])
+        for compact in (8, 0):
+            att.compact_rows = compact
+            seen.clear()
+            with torch.inference_mode():
+                got[compact] = base(input_ids=ids).logits
+            if compact:  # 3 rows, 2 slots with positions: v holds 3 blocks of n*R columns
+                assert seen and all(kb == 3 for kb, _ in seen), seen
+            else:
+                assert seen and all(kb == 0 for kb, _ in seen), seen
+        torch.testing.assert_close(got[8], got[0], rtol=1e-4, atol=1e-5)
+        for i, (_rid, adapter) in enumerate(rows):
+            torch.testing.assert_close(got[8][i], ref.logits(ids[i:i + 1], adapter)[0], rtol=1e-4, atol=1e-5)
+        att.compact_rows = 8
+        for bs in att._base.values():
+            bs.compact[...] = 0
+        monkeypatch.setattr(att, "_gathers", {})
+        with torch.inference_mode():
+            stale = base(input_ids=ids).logits
+        assert not torch.allclose(stale[0], got[8][0], rtol=1e-4, atol=1e-5), "the gather changed nothing"
+        torch.testing.assert_close(stale[1], got[8][1], rtol=1e-4, atol=1e-5)  # the base row
 
 
 def test_shrink_in_base_detach_is_bit_identical_and_gives_the_pool_its_a_back(family):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class LayerWeights:
@@ -62,3 +64,30 @@ def member_weights(w: LayerWeights, j: int) -> LayerWeights:
     rows (each slot's rows contiguous, slots ``out * R`` elements apart: no copy)."""
     o0, o1 = w.out_offsets[j], w.out_offsets[j + 1]
     return LayerWeights(w.a, w.b[:, o0:o1], w.scaling, w.ranks, member_offsets(w.out_offsets, j))
+
+
+def check_compact(compact: int, num_slots: int, slot_indptr=None) -> None:
+    """``expand_v``'s ``compact`` (kb, the blocks of a step's slots v holds; 0: every slot's):
+    ValueError unless ``0 <= kb < num_slots``, or (given host addressing) the step has more slots
+    with positions than kb."""
+    if not isinstance(compact, (int, np.integer)) or not 0 <= compact < num_slots:
+        raise ValueError(f"compact must be 0 or the blocks v holds (1..{num_slots - 1}), got {compact!r}")
+    if compact and isinstance(slot_indptr, np.ndarray):
+        active = int(np.count_nonzero(np.diff(slot_indptr[1:])))
+        if active > compact:
+            raise ValueError(f"the step has {active} slots with positions; v holds {compact} blocks")
+
+
+def check_gather_pairs(pairs) -> list:
+    """``gather_a``'s pairs: each ``(tail [S, n, R, in], compact [K, n, R, in])`` of one dtype,
+    K >= 1 (ValueError / TypeError naming the pair)."""
+    pairs = list(pairs)
+    if not pairs:
+        raise ValueError("gather_a needs at least one (tail, compact) pair")
+    for i, (tail, compact) in enumerate(pairs):
+        if len(tail.shape) != 4 or tuple(compact.shape[1:]) != tuple(tail.shape[1:]) or compact.shape[0] < 1:
+            raise ValueError(f"pair {i}: tail [S, n, R, in] and compact [K >= 1, n, R, in] wanted, "
+                             f"got {tuple(tail.shape)} and {tuple(compact.shape)}")
+        if tail.dtype != compact.dtype:
+            raise TypeError(f"pair {i}: tail is {tail.dtype}, compact {compact.dtype}")
+    return pairs

@@ -29,10 +29,11 @@ import numpy as np
 
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_DTYPES, EXPAND_V_RANKS,
-                       EXPAND_V_TG, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN, STREAM_BN, expand_v_name,
+                       EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
+                       STREAM_BN, expand_v_name,
                        load_module, mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
-from .base import LayerWeights, member_offsets
+from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
 
 #: Threads per block of every tensor-core kernel.
 THREADS = 128
@@ -840,6 +841,12 @@ class CupyBackend:
             self._fns[key] = fn
         return fn
 
+    def gather_a(self, pairs) -> "GatherLaunch":
+        """``lora_gather_a`` (expand_v.cu) over fixed ``(tail, compact)`` pairs: each a layer's A
+        ``[S, n, R, in]`` and the ``[K, n, R, in]`` rows before a base weight that a small step's
+        GEMM reads (:class:`GatherLaunch`)."""
+        return GatherLaunch(self, pairs)
+
     def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
         S, n, R, in_f = w.a.shape
@@ -1065,7 +1072,7 @@ class LayerLaunch:
         if packed is not None:  # the operand a half does not touch is given t's pointer: flags stay true
             be.launch(packed, be.stream_ptr(A.is_torch), A.ptr, A.ptr, _xy_flags(wa.flags, A.ptr, A.ptr))
 
-    def expand_v(self, ys, v, views, rows: int, after_gemm: bool = False) -> None:
+    def expand_v(self, ys, v, views, rows: int, after_gemm: bool = False, compact: int = 0) -> None:
         """The delta's expand from a v the base GEMM wrote, on the caller's stream
         (``lora_expand_v``, expand_v.cu; :meth:`LoraLayerDelta.expand_v
         <lora_cupy.delta.LoraLayerDelta.expand_v>`): ``ys`` one output per slice (``[T, cols_j]``,
@@ -1078,7 +1085,12 @@ class LayerLaunch:
         ``after_gemm``: the caller's word that the kernel queued just before this call on the
         stream writes nothing the kernel reads but y and v (the GEMM that wrote them): the kernel
         then launches with programmatic dependent launch where the backend allows it
-        (``backend.pdl``), reading the step's addressing and B while that GEMM finishes."""
+        (``backend.pdl``), reading the step's addressing and B while that GEMM finishes.
+
+        ``compact`` = kb > 0: ``v`` is ``[T, kb*n*R]``, the blocks of the step's slots with
+        positions only, the k-th at block ``kb - 1 - k`` (a GEMM over the rows
+        :meth:`CupyBackend.gather_a` placed writes them so); the step must have at most kb such
+        slots (the attachment passes kb >= its rows; the kernel adds nothing for any past kb)."""
         be, wa = self.backend, self.weights
         S, n, R, _in, _out = wa.dims
         fn, cols = self._expand_v_layer()
@@ -1087,7 +1099,10 @@ class LayerLaunch:
         offs = self.held.out_offsets
         dev = be.limits.device_id
         yargs = [rows_arg(f"ys[{j}]", y, cols[j], rows, wa.dtype, dev, 4) for j, y in enumerate(ys)]
-        vp, ldv = rows_arg("v", v, S * n * R, rows, wa.dtype, dev, 8)
+        check_compact(compact, S)
+        vp, ldv = rows_arg("v", v, (compact or S) * n * R, rows, wa.dtype, dev, 8)
+        if compact:  # the kernel takes the first slot's block, the k-th k blocks to its left
+            vp += (compact - 1) * n * R * _ITEMSIZE[wa.dtype]
         TO, IP = inspect_arg("token_order", views.token_order), inspect_arg("slot_indptr", views.slot_indptr)
         _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
         for nm, d in (("token_order", TO), ("slot_indptr", IP)):
@@ -1106,7 +1121,7 @@ class LayerLaunch:
         _a, b, sc, rk, _offs = wa.ptrs
         args = (*(u64(p) for p, _ in yargs), *(i64(ld) for _, ld in yargs), *(i32(c) for c in (*cols, *[0] * pad)),
                 *(i32(o) for o in (*offs[:n], *[0] * pad)), u64(vp), i64(ldv), u64(b), i64(wa.b_slot),
-                u64(sc), u64(rk), u64(TO.ptr), u64(IP.ptr), i32(S), i32(n))
+                u64(sc), u64(rk), u64(TO.ptr), u64(IP.ptr), i32(S), i32(n), i32(compact))
         packed = PackedArgs(args)
         torch = type(v).__module__.startswith("torch")
         stream = be.stream_ptr(torch)
@@ -1153,3 +1168,54 @@ class LayerLaunch:
             packed = self._launches[key] = (None if call is None else
                                             PackedLaunch(be._kernels(call) if part is None else be._kernels(call, (part,))))
         return packed
+
+
+class GatherLaunch:
+    """One launch of ``lora_gather_a`` a step, over pairs fixed at construction: for each
+    ``(tail [S, n, R, in], compact [K, n, R, in])`` (device arrays of one dtype, contiguous,
+    16-byte aligned), the k-th slot with positions (k < kb) copies ``tail[s]`` into
+    ``compact[K - 1 - k]`` (:func:`~lora_cupy.backends.reference.reference_gather_a`).
+    :meth:`__call__` launches on torch's current stream (``torch=True``) or CuPy's."""
+
+    def __init__(self, backend: CupyBackend, pairs, torch: bool = True):
+        import cupy
+
+        pairs = check_gather_pairs(pairs)
+        rows, most, self.kmax = [], 0, None
+        for i, (tail, compact) in enumerate(pairs):
+            t, c = inspect_arg(f"pairs[{i}] tail", tail), inspect_arg(f"pairs[{i}] compact", compact)
+            _check_placed(backend.limits, ((f"pairs[{i}] tail", t), (f"pairs[{i}] compact", c)))
+            block = int(np.prod(t.shape[1:])) * _ITEMSIZE[t.dtype]
+            if block % 16 or t.ptr % 16 or c.ptr % 16:
+                raise ValueError(f"pairs[{i}]: lora_gather_a copies 16-byte pieces (a slot's block is {block} "
+                                 f"bytes; pointers {t.ptr:#x}, {c.ptr:#x})")
+            K = c.shape[0]
+            rows.append((t.ptr, c.ptr + (K - 1) * block, block))
+            most = max(most, block)
+            self.kmax = K if self.kmax is None else min(self.kmax, K)
+            if t.shape[0] != backend.spec.num_slots:
+                raise ValueError(f"pairs[{i}]: tail has {t.shape[0]} slots, the pool {backend.spec.num_slots}")
+        self.backend, self.torch = backend, torch
+        with backend.device:
+            self.table = cupy.asarray(np.asarray(rows, np.int64).ravel())
+            self.fn = load_module("lora_expand_v").get_function(GATHER_A_NAME)
+            self.fn.kernel  # noqa: B018 - loads the module now, not inside a capture
+        self.entries = len(rows)
+        self.blocks = max(1, min(64, _ceil(most // 16, GATHER_A_THREADS * 8)))  # ~8 pieces a thread
+
+    def __call__(self, slot_indptr, kb: int) -> None:
+        """Place the step's slots' A (``slot_indptr`` ``[S + 1]`` int32 on the device) for a
+        step of at most ``kb`` slots with positions (1 <= kb <= K)."""
+        be = self.backend
+        S = be.spec.num_slots
+        if not isinstance(kb, (int, np.integer)) or not 1 <= kb <= self.kmax:
+            raise ValueError(f"kb must be 1..{self.kmax} (the rows each compact holds), got {kb!r}")
+        IP = inspect_arg("slot_indptr", slot_indptr)
+        _check_placed(be.limits, (("slot_indptr", IP),))
+        if IP.dtype != "int32" or IP.shape != (S + 1,):
+            raise ValueError(f"slot_indptr must be int32 [{S + 1}], got {IP.dtype} {IP.shape}")
+        packed = PackedArgs((np.uint64(self.table.data.ptr), np.uint64(IP.ptr), np.int32(S)))
+        stream = be.stream_ptr(self.torch)
+        with be.device:
+            be._driver.launchKernel(int(self.fn.kernel.ptr), self.blocks, int(kb), self.entries,
+                                    GATHER_A_THREADS, 1, 1, 0, stream, packed.ptr, 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerWeights
+from .base import LayerWeights, check_compact, check_gather_pairs
 
 
 def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, slot_indptr) -> None:
@@ -31,26 +31,47 @@ def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, 
         y[rows] = acc.astype(y.dtype)
 
 
-def reference_expand_v(ys, v: np.ndarray, w: LayerWeights, token_order, slot_indptr) -> None:
+def active_slots(slot_indptr) -> list[int]:
+    """The slots ``s >= 1`` whose range of ``token_order`` is not empty, in slot order (a step's
+    k-th such slot is the one ``lora_gather_a`` places k blocks before the base weight)."""
+    indptr = np.asarray(slot_indptr)
+    return [s for s in range(1, len(indptr) - 1) if indptr[s + 1] > indptr[s]]
+
+
+def reference_expand_v(ys, v: np.ndarray, w: LayerWeights, token_order, slot_indptr, compact: int = 0) -> None:
     """The delta's expand from a v the base GEMM wrote (``LoraLayerDelta.expand_v``):
     ``ys[j][t] += scaling[s, j] * v[t, (s*n + j)*R : +r] @ b[s, cols_j, :r].T`` for each slot
     ``s >= 1``, row ``t`` in its range of ``token_order`` and slice ``j`` (``r = ranks[s, j]``),
     ``v`` ``[T, S*n*R]`` (every slot's ``x @ A.T`` side by side), ``ys[j]`` ``[T, cols_j]``.
+    ``compact`` = kb > 0: ``v`` ``[T, kb*n*R]`` holds only the blocks of the step's slots with
+    positions (:func:`active_slots`), the k-th at block ``kb - 1 - k`` (as a GEMM over the rows
+    :func:`reference_gather_a` placed writes them).
     Products accumulate in float32 and each y is rounded to its dtype once, after adding."""
     scaling = np.asarray(w.scaling, np.float32)
     ranks = np.asarray(w.ranks)
     offs = w.out_offsets
     n, R = w.a.shape[1], w.a.shape[2]
+    block = {s: compact - 1 - k for k, s in enumerate(active_slots(slot_indptr))} if compact else None
     for s, _lo, _hi, rows in slot_runs(token_order, slot_indptr, ranks):
         for j in range(n):
             r, c0, c1 = int(ranks[s, j]), offs[j], offs[j + 1]
             if r == 0 or c1 == c0:
                 continue
-            col = (s * n + j) * R
+            col = ((s if block is None else block[s]) * n + j) * R
             vs = v[rows, col:col + r].astype(np.float32)
             acc = ys[j][rows].astype(np.float32)
             acc += scaling[s, j] * (vs @ w.b[s, c0:c1, :r].astype(np.float32).T)
             ys[j][rows] = acc.astype(ys[j].dtype)
+
+
+def reference_gather_a(pairs, slot_indptr, kb: int) -> None:
+    """``lora_gather_a``: for each ``(tail [S, ...], compact [K, ...])`` pair, the k-th slot with
+    positions (k < kb, :func:`active_slots`) copies ``tail[s]`` into ``compact[K - 1 - k]``."""
+    slots = active_slots(slot_indptr)[:kb]
+    for tail, compact in pairs:
+        K = compact.shape[0]
+        for k, s in enumerate(slots):
+            compact[K - 1 - k] = tail[s]
 
 
 def slot_runs(token_order, slot_indptr, ranks):
@@ -102,6 +123,12 @@ class ReferenceBackend:
     def clear_v(self) -> None:
         """Zero v (after a shrink whose expands did not all run)."""
         self.v = None
+
+    def gather_a(self, pairs):
+        """``(slot_indptr, kb)`` -> :func:`reference_gather_a` over these pairs (the CUDA
+        backend's :meth:`~lora_cupy.backends.cupy.CupyBackend.gather_a`)."""
+        pairs = check_gather_pairs(pairs)
+        return lambda slot_indptr, kb: reference_gather_a(pairs, slot_indptr, kb)
 
     def prepare(self, w: LayerWeights) -> "ReferenceLaunch":
         """One layer's delta: x and y checked per call, the weights taken as they are."""
@@ -161,23 +188,26 @@ class ReferenceLaunch:
             if not v.any():
                 be.v = None
 
-    def expand_v(self, ys, v, views, rows: int, after_gemm: bool = False) -> None:
+    def expand_v(self, ys, v, views, rows: int, after_gemm: bool = False, compact: int = 0) -> None:
         """The expand from a v the base GEMM wrote (:func:`reference_expand_v`); ``ys`` one
-        array per slice, ``[T, cols_j]``, ``v`` ``[T, S*n*R]``, T >= rows, all of the weights'
-        dtype. ``after_gemm`` changes nothing here (the CUDA backend's launch takes it)."""
+        array per slice, ``[T, cols_j]``, ``v`` ``[T, S*n*R]`` (``compact`` = kb > 0:
+        ``[T, kb*n*R]``), T >= rows, all of the weights' dtype. ``after_gemm`` changes nothing
+        here (the CUDA backend's launch takes it)."""
         w = self.weights
         S, n, R = w.a.shape[:3]
         offs = w.out_offsets
         if len(ys) != n:
             raise ValueError(f"{len(ys)} outputs for {n} slices")
-        for name, t, want in [(f"ys[{j}]", y, offs[j + 1] - offs[j]) for j, y in enumerate(ys)] + [("v", v, S * n * R)]:
+        check_compact(compact, S, views.slot_indptr)
+        vcols = (compact or S) * n * R
+        for name, t, want in [(f"ys[{j}]", y, offs[j + 1] - offs[j]) for j, y in enumerate(ys)] + [("v", v, vcols)]:
             if not isinstance(t, np.ndarray):
                 raise TypeError(f"the reference backend takes NumPy arrays, got {type(t).__name__} for {name}")
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} ({t.dtype}) must have the weights' dtype {self.dtype}")
             if t.ndim != 2 or t.shape[1] != want or t.shape[0] < rows:
                 raise ValueError(f"{name} must be [rows >= {rows}, {want}], got {t.shape}")
-        reference_expand_v(ys, v, w, views.token_order, views.slot_indptr)
+        reference_expand_v(ys, v, w, views.token_order, views.slot_indptr, compact)
 
     def __call__(self, y, x, views, rows: int) -> None:
         if not isinstance(x, np.ndarray) or not isinstance(y, np.ndarray):

@@ -83,6 +83,9 @@ _NONE = object()  # a module had no forward of its own on the instance
 MEMBERS_IN_PLACE_ROWS = 512
 #: Rows of a step up to which the shrink rides on the base GEMM (``Attachment.shrink_in_base_rows``).
 SHRINK_IN_BASE_ROWS = 64
+#: Rows of a step up to which that GEMM reads only the A of the step's slots, gathered before the
+#: base weight (``Attachment.compact_rows``): at most this many slots' A rows are kept there.
+COMPACT_ROWS = 8
 
 
 def shrink_in_base_fits(spec, device_is_cuda: bool) -> str | None:
@@ -279,50 +282,70 @@ class _BaseShrink:
         self.offs = t.out_offsets(1)
         self.out0, in_f = w.shape
         S, n, R = spec.num_slots, t.num_slices, spec.max_rank
+        #: slots whose A a small step gathers before the base weight, and the rows they take
+        self.K = min(COMPACT_ROWS, S - 1)
+        self.block = n * R
+        C = self.C = self.K * self.block
         with torch.no_grad():
-            ext = torch.empty((self.out0 + S * n * R, in_f), dtype=w.dtype, device=w.device)
-            ext[:self.out0].copy_(w)
+            ext = torch.empty((C + self.out0 + S * n * R, in_f), dtype=w.dtype, device=w.device)
+            ext[C:C + self.out0].copy_(w)
             self.bias = None
-            if m0.bias is not None:  # zeros past the linear's own bias, which becomes its head
-                self.bias = torch.cat([m0.bias.detach(), m0.bias.new_zeros(S * n * R)])
+            if m0.bias is not None:  # zeros around the linear's own bias, which becomes its middle
+                self.bias = torch.cat([m0.bias.new_zeros(C), m0.bias.detach(), m0.bias.new_zeros(S * n * R)])
         if pool.device.is_cuda:  # the kernel's module loads here, not inside a graph capture
             pool.backend.expand_v_fn(spec.dtype, R)
-        tail = ext[self.out0:].view(S, n, R, in_f)
+        tail = ext[C + self.out0:].view(S, n, R, in_f)
         like = pool.layer_weights(target, layer).a
         self.tail = _backend_view(tail, like, pool.device.is_cuda)
+        #: [K, n, R, in] before the weight: the k-th slot with positions of a small step at K-1-k
+        self.compact = _backend_view(ext[:C].view(self.K, n, R, in_f), like, pool.device.is_cuda)
         pool.bind_a(target, layer, self.tail)  # refuses a layer another attachment holds
-        # same values; the linear's parameters become the heads of the arrays the GEMM reads, so an
+        # same values; the linear's parameters become views of the arrays the GEMM reads, so an
         # in-place write to them (load_state_dict) reaches the GEMM too
-        w.data = ext[:self.out0]
+        w.data = ext[C:C + self.out0]
         if self.bias is not None:
-            m0.bias.data = self.bias[:self.out0]
+            m0.bias.data = self.bias[C:C + self.out0]
         self.ext = ext
+        self.head_ptr = w.data_ptr()
         self._x = None
         self._outs = None
         self._left = 0
 
     def run(self, x, x2d) -> None:
         """The group's outputs for input ``x`` (rows ``x2d``): one GEMM with the extended weight,
-        the other members' own GEMMs, then the expand into each."""
+        the other members' own GEMMs, then the expand into each. A step of at most
+        ``compact_rows`` rows (kb of them) reads only the kb blocks before the weight, where the
+        attachment gathered its slots' A (:meth:`Attachment._gather`); a larger one every slot's."""
         import torch
         import torch.nn.functional as F
 
-        ext = self.ext
+        ext, C, out0 = self.ext, self.C, self.out0
         w = self.mods[0].weight
-        if w.data_ptr() != ext.data_ptr() or w.dtype != ext.dtype:
-            raise RuntimeError(f"{self.target}[{self.layer}]: the linear's weight is no longer the head of its "
+        if w.data_ptr() != self.head_ptr or w.dtype != ext.dtype:
+            raise RuntimeError(f"{self.target}[{self.layer}]: the linear's weight is no longer a view of its "
                                "extended array (the model was moved or cast while attached): detach first")
-        plan = self.attachment.pool.current_plan()
+        att = self.attachment
+        plan = att.pool.current_plan()
         if plan is not None and plan.ready is not None:  # the CPU pool: its installs into A land first
             plan.wait_host()
-        out = torch.mm(x2d, ext.t()) if self.bias is None else torch.addmm(self.bias, x2d, ext.t())
-        head = out[:, :self.out0]
+        rows = x2d.shape[0]
+        kb = rows if rows <= min(self.K, att.compact_rows) else 0
+        if kb:
+            att._gather(plan, kb)
+            lo, vcols = C - kb * self.block, slice(0, kb * self.block)
+            cols = slice(kb * self.block, kb * self.block + out0)
+        else:
+            lo, vcols, cols = C, slice(out0, None), slice(0, out0)
+        wt = ext[lo:].t() if not kb else ext[lo:C + out0].t()
+        bias = None if self.bias is None else (self.bias[lo:] if not kb else self.bias[lo:C + out0])
+        out = torch.mm(x2d, wt) if bias is None else torch.addmm(bias, x2d, wt)
+        head = out[:, cols]
         ys = [head] + [F.linear(x2d, m.weight, m.bias) for m in self.mods[1:]]
         slices = [head[:, a:b] for a, b in zip(self.offs, self.offs[1:])] if self.split else ys
-        cuda = self.attachment.pool.device.is_cuda
+        cuda = att.pool.device.is_cuda
         # the kernel before the expand on the stream is a GEMM of this group (writing y or v alone)
-        self.delta.expand_v([as_backend_array(y, cuda) for y in slices], as_backend_array(out[:, self.out0:], cuda),
-                            after_gemm=True)
+        self.delta.expand_v([as_backend_array(y, cuda) for y in slices], as_backend_array(out[:, vcols], cuda),
+                            after_gemm=True, compact=kb)
         self._x, self._outs, self._left = x, ys, len(self.mods)
 
     def drop(self) -> None:
@@ -345,12 +368,33 @@ class _BaseShrink:
         self._x = self._outs = None
         if self.ext is None:
             return
-        m0 = self.mods[0]
-        m0.weight.data = self.ext[:self.out0].clone()
+        m0, C = self.mods[0], self.C
+        m0.weight.data = self.ext[C:C + self.out0].clone()
         if self.bias is not None:
-            m0.bias.data = self.bias[:self.out0].clone()
+            m0.bias.data = self.bias[C:C + self.out0].clone()
         self.ext = None
         self.attachment.pool.unbind_a(self.target, self.layer, self.tail)
+
+
+def _enclosing(model, paths: list[str]):
+    """The innermost module holding every linear at ``paths`` whose forward runs (a container
+    such as ``nn.ModuleList`` is called by its parent): a forward reaching any of them passes
+    through it (a decoder's, where the model's ``forward`` is not what a generator calls)."""
+    import torch
+
+    parts = [p.split(".") for p in paths]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    common = common[:min(len(p) for p in parts) - 1]  # a module above the linears themselves
+    while common:
+        mod = model.get_submodule(".".join(common))
+        if not isinstance(mod, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            return mod
+        common.pop()
+    return model
 
 
 def _backend_view(t, like, cuda: bool):
@@ -411,6 +455,11 @@ class Attachment:
         self.shrink_in_base = base_mode != "never"
         #: Rows of a step up to which it does.
         self.shrink_in_base_rows = SHRINK_IN_BASE_ROWS
+        #: Rows of a step up to which its GEMM reads only the step's slots' A, gathered once a step
+        #: before each base weight (at most ``COMPACT_ROWS``, the slots kept there).
+        self.compact_rows = COMPACT_ROWS
+        self._gathers: dict[int, object] = {}  # row grouping -> the backend's gather over its targets
+        self._gathered = None  # (plan seq, kb) of the last gather; None: a new forward began
         self._base: dict[tuple, _BaseShrink] = {}
         self._served: dict[int, object] = {}  # id(linear) -> the input its forward served whole
         self._patched = []
@@ -433,6 +482,15 @@ class Attachment:
                     for k, mod in enumerate(bs.mods):
                         self._patched.append((mod, mod.__dict__.get("forward", _NONE)))
                         mod.forward = self._base_forward(bs, k, mod)
+                pairs: dict[int, list] = {}
+                for (tname, _layer), bs in self._base.items():
+                    pairs.setdefault(pool.spec.target(tname).row_grouping, []).append((bs.tail, bs.compact))
+                self._gathers = {g: pool.backend.gather_a(p) for g, p in pairs.items()}
+
+                def new_forward(_mod, _args):  # a forward (or a capture of one) gathers anew
+                    self._gathered = None
+
+                self._handles.append(_enclosing(model, [p for p, *_ in plan]).register_forward_pre_hook(new_forward))
             for path, mod, t, layer, c0, c1, g, j in plan:
                 if g is None:
                     pre, hook = self._direct_hooks(pool.layer_delta(t.name, layer))
@@ -481,6 +539,19 @@ class Attachment:
         if self.shrink_in_base_mode == "graphs" and not torch.cuda.is_current_stream_capturing():
             return False
         return self.pool.current_plan() is not None
+
+    def _gather(self, plan, kb: int) -> None:
+        """Place the step's slots' A before every extended weight, at the first small-step
+        target of each forward (a pre-hook on the module enclosing every target clears the key)
+        and again whenever the step, kb or capturing changes (a call of one layer alone): a
+        capture records it, so each replay gathers for its own step."""
+        import torch
+
+        key = (plan.seq, kb, self.pool.device.is_cuda and torch.cuda.is_current_stream_capturing())
+        if self._gathered != key:
+            for g, gather in self._gathers.items():
+                gather(plan.launch[g].slot_indptr, kb)
+            self._gathered = key
 
     def _base_forward(self, bs: _BaseShrink, j: int, mod):
         """Member ``j``'s forward while its target's shrink may ride on the first GEMM: the

@@ -10,6 +10,7 @@ Fiber* cur = nullptr;
 ucontext_t sched_ctx;
 int block_arrived = 0, warp_arrived[4] = {0, 0, 0, 0};
 EmuIdx block_idx{0u, 0u, 0u};
+EmuIdx grid_dim{1u, 1u, 1u};
 long long mma_count = 0;
 AsyncQueue async_q[NTHREADS];
 bool cp_early = false;
@@ -193,13 +194,13 @@ struct VLaunch {
   long long ldv, b_slot;
   const float* scaling;
   const int *ranks, *token_order, *slot_indptr;
-  int num_slots, n;
+  int num_slots, n, compact;
 };
 static VLaunch V;
 template <typename T, int R> static void expand_v_block(int) {
   lora_expand_v<T, R, 8>((T*)V.y0, (T*)V.y1, (T*)V.y2, V.ldy[0], V.ldy[1], V.ldy[2], V.out[0], V.out[1], V.out[2],
                          V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.scaling,
-                         V.ranks, V.token_order, V.slot_indptr, V.num_slots, V.n);
+                         V.ranks, V.token_order, V.slot_indptr, V.num_slots, V.n, V.compact);
 }
 template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz) {
   void (*fn)(int) = R == 8 ? expand_v_block<T, 8> : R == 16 ? expand_v_block<T, 16> : R == 32 ? expand_v_block<T, 32>
@@ -218,7 +219,7 @@ extern "C" int emu_expand_v(int dtype, void** ys, const long long* ldy, const in
                             long long ldv, const void* B, long long b_slot, const float* scaling, const int* ranks,
                             const int* token_order, const int* slot_indptr, const int* dims) {
   V = VLaunch{ys[0], ys[1], ys[2], {ldy[0], ldy[1], ldy[2]}, {out[0], out[1], out[2]}, {boff[0], boff[1], boff[2]},
-              v, B, ldv, b_slot, scaling, ranks, token_order, slot_indptr, dims[4], dims[5]};
+              v, B, ldv, b_slot, scaling, ranks, token_order, slot_indptr, dims[4], dims[5], 0};
   if (dtype == 0) return expand_v_grid<__nv_bfloat16>(dims[0], dims[1], dims[2], dims[3]);
   if (dtype == 1) return expand_v_grid<__half>(dims[0], dims[1], dims[2], dims[3]);
   return 3;

@@ -67,9 +67,10 @@ inline EmuIdx emu_tidx() { return EmuIdx{unsigned(emu::cur->tid), 0u, 0u}; }
 #define threadIdx emu_tidx()
 // kernels that read their block's place (lora_expand_v): the harness sets it before each block
 namespace emu {
-extern EmuIdx block_idx;
+extern EmuIdx block_idx, grid_dim;
 }
 #define blockIdx emu::block_idx
+#define gridDim emu::grid_dim
 #define blockDim (EmuIdx{unsigned(emu::NTHREADS), 1u, 1u})
 #undef __launch_bounds__
 #define __launch_bounds__(...)

@@ -236,3 +236,75 @@ def test_expand_v_after_its_gemm_with_pdl(make_case, graphed):
             x.copy_(tt(rng.standard_normal(case.x.shape).astype(case.x.dtype)))
             graph.replay()
             check()
+
+
+COMPACT_CASES = {
+    "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
+    "T7-qkv": dict(T=7, in_f=200, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64), mix="uniform"),
+    "T8-distinct": dict(T=8, in_f=128, slices=(1024, 256, 256), max_rank=16, ranks=(8, 16), mix="distinct",
+                        num_slots=33, active=8),
+    "pad8": dict(T=5, in_f=128, slices=(264,), max_rank=32, ranks=(16, 32), mix="uniform", pad_to=8),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPACT_CASES))
+def test_gather_then_compact_expand_v_matches_oracle(make_case, name):
+    """A small step: ``gather_a`` places the A of its slots with positions before a base weight
+    (the k-th at block K-1-k; the rest of the rows untouched), a GEMM over the kb blocks and the
+    weight writes v beside y, and ``expand_v(compact=kb)`` adds what the float64 oracle says."""
+    import cupy
+
+    from lora_cupy.backends.reference import active_slots, reference_gather_a
+
+    dtype = "bfloat16"
+    case = make_case(dtype=dtype, **COMPACT_CASES[name])
+    S, n, R, in_f = case.w.a.shape
+    offs = case.w.out_offsets
+    kb = len(case.token_order)  # the bucket's rows: at least the slots with positions
+    K = 8
+    be = backend_for(case.spec)
+    launch = be.prepare(dev_weights(case.w))
+    tail = dev(case.w.a)
+    rng = np.random.default_rng(3)
+    head = (rng.standard_normal((offs[1], in_f)) / 16).astype(case.x.dtype)
+    ext_h = np.concatenate([np.full((K * n * R, in_f), np.nan, case.x.dtype), head])
+    ext = dev(ext_h)
+    compact = ext[:K * n * R].reshape(K, n, R, in_f)
+    gather = be.gather_a([(tail, compact)])
+    gather(dev(case.slot_indptr), kb)
+    cupy.cuda.get_current_stream().synchronize()
+    want_ext = ext_h.copy()
+    reference_gather_a([(case.w.a, want_ext[:K * n * R].reshape(K, n, R, in_f))], case.slot_indptr, kb)
+    got_ext = host(ext, dtype)
+    assert np.array_equal(got_ext.view(np.uint16), want_ext.view(np.uint16)), "the gathered rows differ"
+    slots = active_slots(case.slot_indptr)
+    assert 1 <= len(slots) <= kb
+    # the GEMM over the kb blocks and the weight (float64, rounded), then the expand
+    rows_w = want_ext[(K - kb) * n * R:].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        gemm = (case.x.astype(np.float64) @ rows_w.T).astype(case.x.dtype)
+    gemm[:, kb * n * R:] = case.y0[:, :offs[1]]
+    d_gemm = dev(gemm)
+    ys = [d_gemm[:, kb * n * R:]] + [dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]])) for j in range(1, n)]
+    views = LaunchViews(len(case.token_order), 0, dev(case.token_order), dev(case.slot_indptr))
+    launch.expand_v(ys, d_gemm[:, :kb * n * R], views, case.x.shape[0], compact=kb)
+    cupy.cuda.get_current_stream().synchronize()
+    full = np.zeros((gemm.shape[0], S * n * R), case.x.dtype)  # the same v, as every slot's blocks
+    for k, s in enumerate(slots):
+        b = kb - 1 - k
+        full[:, s * n * R:(s + 1) * n * R] = gemm[:, b * n * R:(b + 1) * n * R]
+    want = _oracle(case, full)
+    t = case.touched
+    for j in range(n):
+        got = host(ys[j], dtype)
+        y0j = case.y0[:, offs[j]:offs[j + 1]]
+        np.testing.assert_array_equal(got[~t].view(np.uint16), y0j[~t].view(np.uint16))
+        ref = want[j][t]
+        if np.linalg.norm(ref - y0j[t].astype(np.float64)) == 0:
+            continue
+        err = np.linalg.norm(got[t].astype(np.float64) - ref) / np.linalg.norm(ref)
+        assert err < TOLERANCE[dtype], f"slice {j}: relative error {err:.3g}"
+    with pytest.raises(ValueError, match="kb must be"):
+        gather(dev(case.slot_indptr), K + 1)
+    with pytest.raises(ValueError, match="compact"):
+        launch.expand_v(ys, d_gemm[:, :kb * n * R], views, case.x.shape[0], compact=S)
