@@ -58,8 +58,14 @@ a 64-row eager decode step of the e2e bench's model took 9.58 ms this way agains
 the pool's whole delta (graphs: 2.43 against 2.60 ms). ``True`` (``"always"``) runs it in eager
 calls too, ``False`` (``"never"``) not at all.
 What the extended GEMM costs is reading every slot's A (which a shrink of the step's adapters
-reads in part). :meth:`Attachment.detach` gives each linear a weight of its own again and the
-pool its A.
+reads in part). A step of at most ``Attachment.compact_rows`` rows (8) reads only its own slots'
+A: each extended weight also keeps K = min(8, S-1) blocks of ``n*R`` rows *before* the base
+weight (``[K*n*R | out | S*n*R]``), one ``lora_gather_a`` launch a forward copies the A of the
+step's slots with positions into them (every target at once), and the GEMM takes the kb blocks
+next to the weight (kb: the step's rows); on an H200 this took the e2e bench's batch-1 decode
+step from 1.126x to 1.070x its base step. ``lora_expand_v`` launches with programmatic
+dependent launch after its GEMM where the device allows. :meth:`Attachment.detach` gives each
+linear a weight of its own again and the pool its A.
 
 Rows: a ``[B, q, in]`` input is ``B * q`` token rows in batch order; the step's addressing
 (``LoraStep`` rows in the same order, ``q`` tokens each) says which slot each row reads. On
