@@ -19,7 +19,7 @@ ROOT = Path(lora_cupy.__file__).parent
 #: Bottom to top. A module not listed sits above every listed one.
 LAYERS = (
     ("errors", "dtypes"),
-    ("spec", "adapter", "addressing", "kernels", "backends.base"),
+    ("spec", "adapter", "addressing", "kernels", "backends.base", "backends.launch_ex"),
     ("peft", "backends.reference", "backends.cupy"),
     ("device", "engine.resource"),
     ("store", "slots", "buffers", "planning", "engine.admission"),
