@@ -10,6 +10,7 @@ v / counter protocol; it cannot check timing, memory ordering between blocks, or
     python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring]
         [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
     python raw_kernels/host_check/check.py --expand-v    # lora_expand_v (expand_v.cu)
+    python raw_kernels/host_check/check.py --expand-v --compact    # lora_gather_a, then compact
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
@@ -195,17 +196,38 @@ def run_halves(lib, case, *, expand: str, tile: int, sms: int, misalign: bool,
     return y, flags, al
 
 
-def run_expand_v(lib, case) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+def run_expand_v(lib, case, compact: bool = False) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     """``lora_expand_v`` on the host for ``case``: v as the extended GEMM writes it beside the
     first slice's y (one array), the other slices each in its own; (each slice's y, v, the GEMM's
-    array after the call)."""
+    array after the call). ``compact``: v holds only the blocks of the step's slots with
+    positions (kb = the bucket's positions, the k-th slot's block at kb-1-k),
+    placed there by ``lora_gather_a`` run on the host too (checked against the NumPy reference,
+    every row it must not write left at 3.0),
+    and the kernel runs with compact = kb; the returned v is the every-slot one it stands for."""
     from test_expand_v_gpu import _gemm_v
 
     w = case.w
-    S, n, R, _ = w.a.shape
+    S, n, R, in_f = w.a.shape
     offs = w.out_offsets
     v = _gemm_v(case)
-    gemm = np.ascontiguousarray(np.concatenate([case.y0[:, :offs[1]], v], axis=1))
+    kb = len(case.token_order) if compact else 0
+    if compact:  # the gather, then the GEMM's v over the kb gathered blocks
+        from lora_cupy.backends.reference import reference_gather_a
+
+        K = 8
+        a = np.ascontiguousarray(w.a)
+        rows = np.full((K, n, R, in_f), 3.0, a.dtype)  # finite, unlike the poison past each rank
+        want = rows.copy()
+        reference_gather_a([(a, want)], case.slot_indptr, kb)
+        block = n * R * in_f * a.itemsize
+        table = np.asarray([a.ctypes.data, rows.ctypes.data + (K - 1) * block, block], np.int64)
+        rc = lib.emu_gather_a(ctypes.c_void_p(table.ctypes.data), ctypes.c_void_p(case.slot_indptr.ctypes.data),
+                              ctypes.c_int(S), ctypes.c_int(2), ctypes.c_int(kb), ctypes.c_int(1))
+        assert rc == 0 and np.array_equal(rows.view(np.uint16), want.view(np.uint16)), "lora_gather_a's rows differ"
+        with np.errstate(invalid="ignore"):
+            vk = (case.x.astype(np.float64) @ rows[K - kb:].reshape(kb * n * R, in_f).astype(np.float64).T
+                  ).astype(case.x.dtype)
+    gemm = np.ascontiguousarray(np.concatenate([case.y0[:, :offs[1]], vk if compact else v], axis=1))
     ys = [gemm[:, :offs[1]]] + [np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]) for j in range(1, n)]
     pad = 3 - n
     ptrs = (ctypes.c_void_p * 3)(*[y.ctypes.data for y in ys], *[None] * pad)
@@ -216,14 +238,17 @@ def run_expand_v(lib, case) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
     scaling = np.ascontiguousarray(w.scaling, np.float32)  # held while the call reads them
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     grid = cb.expand_v_grid(len(case.token_order), S, max(out[:n]), n)
-    dims = np.asarray([R, *grid, S, n], np.int32)
+    dims = np.asarray([R, *grid, S, n, kb], np.int32)
+    vptr = gemm[:, offs[1] + max(kb - 1, 0) * n * R:].ctypes.data  # compact: the first slot's block
     rc = lib.emu_expand_v(DTYPE_CODE[case.spec.dtype], ptrs, ldy, out, boff,
-                          ctypes.c_void_p(gemm[:, offs[1]:].ctypes.data), ctypes.c_longlong(gemm.shape[1]),
+                          ctypes.c_void_p(vptr), ctypes.c_longlong(gemm.shape[1]),
                           ctypes.c_void_p(b.ctypes.data), ctypes.c_longlong(b.shape[1] * R),
                           ctypes.c_void_p(scaling.ctypes.data), ctypes.c_void_p(ranks.ctypes.data),
                           ctypes.c_void_p(case.token_order.ctypes.data), ctypes.c_void_p(case.slot_indptr.ctypes.data),
                           ctypes.c_void_p(dims.ctypes.data))
     assert rc == 0, f"no lora_expand_v for rank width {R}"
+    if compact:  # the every-slot v and GEMM array the compact ones stand for
+        return [y.copy() for y in ys], v, np.concatenate([case.y0[:, :offs[1]], v], axis=1)
     return [y.copy() for y in ys], v, gemm
 
 
@@ -277,6 +302,9 @@ def main(argv=None) -> int:
                          "(0 * inf is NaN wherever a zero row of A meets it), the other rows exact")
     ap.add_argument("--expand-v", action="store_true",
                     help="lora_expand_v (expand_v.cu) on the cases of tests/gpu/test_expand_v_gpu.py, bf16 and fp16")
+    ap.add_argument("--compact", action="store_true",
+                    help="with --expand-v: lora_gather_a, then lora_expand_v with compact = kb, on the "
+                         "small-step cases of tests/gpu/test_expand_v_gpu.py")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,14 +313,14 @@ def main(argv=None) -> int:
         rng = np.random.default_rng(args.seed)
         fails = 0
         if args.expand_v:
-            from test_expand_v_gpu import CASES as V_CASES
+            from test_expand_v_gpu import CASES as V_CASES, COMPACT_CASES
 
-            for name in V_CASES:
+            for name in (COMPACT_CASES if args.compact else V_CASES):
                 for dt in ("bfloat16", "float16"):
-                    case = build_case(rng, dtype=dt, **V_CASES[name])
+                    case = build_case(rng, dtype=dt, **(COMPACT_CASES if args.compact else V_CASES)[name])
                     t0 = time.time()
                     try:
-                        check_expand_v(case, *run_expand_v(lib, case))
+                        check_expand_v(case, *run_expand_v(lib, case, args.compact))
                         status = "ok"
                     except AssertionError as e:
                         fails += 1

@@ -214,13 +214,33 @@ template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz) {
       }
   return 0;
 }
-// dtype 0 bf16, 1 fp16; ys[3], ldy[3], out[3], boff[3]; dims: R gx gy gz S n
+// dtype 0 bf16, 1 fp16; ys[3], ldy[3], out[3], boff[3]; dims: R gx gy gz S n compact
 extern "C" int emu_expand_v(int dtype, void** ys, const long long* ldy, const int* out, const int* boff, const void* v,
                             long long ldv, const void* B, long long b_slot, const float* scaling, const int* ranks,
                             const int* token_order, const int* slot_indptr, const int* dims) {
   V = VLaunch{ys[0], ys[1], ys[2], {ldy[0], ldy[1], ldy[2]}, {out[0], out[1], out[2]}, {boff[0], boff[1], boff[2]},
-              v, B, ldv, b_slot, scaling, ranks, token_order, slot_indptr, dims[4], dims[5], 0};
+              v, B, ldv, b_slot, scaling, ranks, token_order, slot_indptr, dims[4], dims[5], dims[6]};
   if (dtype == 0) return expand_v_grid<__nv_bfloat16>(dims[0], dims[1], dims[2], dims[3]);
   if (dtype == 1) return expand_v_grid<__half>(dims[0], dims[1], dims[2], dims[3]);
   return 3;
+}
+
+// lora_gather_a (expand_v.cu): every block of a grid (gx, kb, entries), 128 threads here.
+struct GLaunch {
+  const long long* table;
+  const int* slot_indptr;
+  int num_slots;
+};
+static GLaunch G;
+static void gather_block(int) { lora_gather_a(G.table, G.slot_indptr, G.num_slots); }
+extern "C" int emu_gather_a(const long long* table, const int* slot_indptr, int num_slots, int gx, int kb, int entries) {
+  G = GLaunch{table, slot_indptr, num_slots};
+  emu::grid_dim = EmuIdx{unsigned(gx), unsigned(kb), unsigned(entries)};
+  for (int z = 0; z < entries; ++z)
+    for (int yb = 0; yb < kb; ++yb)
+      for (int x = 0; x < gx; ++x) {
+        emu::block_idx = EmuIdx{unsigned(x), unsigned(yb), unsigned(z)};
+        emu::run_block(gather_block, 0);
+      }
+  return 0;
 }

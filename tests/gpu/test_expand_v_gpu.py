@@ -250,7 +250,7 @@ COMPACT_CASES = {
 @pytest.mark.parametrize("name", list(COMPACT_CASES))
 def test_gather_then_compact_expand_v_matches_oracle(make_case, name):
     """A small step: ``gather_a`` places the A of its slots with positions before a base weight
-    (the k-th at block K-1-k; the rest of the rows untouched), a GEMM over the kb blocks and the
+    (the k-th at block K-1-k; the rest of the rows untouched, bit for bit), a GEMM over the kb blocks and the
     weight writes v beside y, and ``expand_v(compact=kb)`` adds what the float64 oracle says."""
     import cupy
 
@@ -267,7 +267,8 @@ def test_gather_then_compact_expand_v_matches_oracle(make_case, name):
     tail = dev(case.w.a)
     rng = np.random.default_rng(3)
     head = (rng.standard_normal((offs[1], in_f)) / 16).astype(case.x.dtype)
-    ext_h = np.concatenate([np.full((K * n * R, in_f), np.nan, case.x.dtype), head])
+    # rows the gather must not write hold 3.0 (the weights hold NaN past each rank and in slot 0)
+    ext_h = np.concatenate([np.full((K * n * R, in_f), 3.0, case.x.dtype), head])
     ext = dev(ext_h)
     compact = ext[:K * n * R].reshape(K, n, R, in_f)
     gather = be.gather_a([(tail, compact)])
