@@ -349,6 +349,26 @@ def test_a_small_step_reads_only_its_slots_a_gathered_before_the_weight(family, 
         torch.testing.assert_close(stale[1], got[8][1], rtol=1e-4, atol=1e-5)  # the base row
 
 
+def test_a_layer_called_alone_gathers_for_each_new_plan(family):
+    """A decoder layer's MLP called alone (no pre-hook on the way) in two steps of the same seq (a
+    caller's number, which may repeat) with different adapters: the second gathers its own slot's
+    A, so the compact GEMM agrees with the every-slot one (the key is the plan object, not its seq)."""
+    kind, base, dirs = family
+    spec = spec_for_adapters(base, dirs, num_slots=4)
+    mlp = base.model.layers[0].mlp
+    x = torch.randn(1, 1, base.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
+            attach(base, pool, shrink_in_base=True) as att, torch.inference_mode():
+        planned_step(pool, [("a", "ad0")], 1, seq=0)
+        first = mlp(x).clone()
+        planned_step(pool, [("b", "ad2")], 1, seq=0)
+        got = mlp(x).clone()
+        att.compact_rows = 0
+        want = mlp(x).clone()
+    assert not torch.allclose(first, want, rtol=1e-4, atol=1e-5), "the two adapters give one output"
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_shrink_in_base_detach_is_bit_identical_and_gives_the_pool_its_a_back(family):
     _kind, base, dirs = family
     params, ids, before = _before_attach(base)

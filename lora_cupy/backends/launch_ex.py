@@ -69,8 +69,8 @@ def pdl_supported(compute_capability: tuple[int, int]) -> bool:
 
 
 class PdlLauncher:
-    """Launches one kernel shape after shape with PDL: the config and its attribute are built once
-    and refilled per launch (no allocation a call)."""
+    """Launches kernels with PDL: the attribute is built once, the config per launch (so threads
+    launching at once do not share one)."""
 
     def __init__(self):
         drv = _driver()
@@ -78,19 +78,14 @@ class PdlLauncher:
             raise RuntimeError("cuLaunchKernelEx (CUDA 12.3 or later driver) is not available")
         self._launch, self._name = drv
         self._attr = LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        self._config = LaunchConfig(attrs=ctypes.pointer(self._attr), num_attrs=1)
-        self._config_ref = ctypes.byref(self._config)
+        self._attrs = ctypes.pointer(self._attr)
 
     def __call__(self, fn: int, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
                  stream: int, params: int) -> None:
         """Launch function ``fn`` (a ``CUfunction``) with ``params`` (a ``void**`` of its
         arguments) on ``stream``; RuntimeError with the driver's error name if it refuses."""
-        c = self._config
-        c.grid_x, c.grid_y, c.grid_z = grid
-        c.block_x, c.block_y, c.block_z = block
-        c.shared_mem_bytes = smem
-        c.stream = stream or None
-        err = self._launch(self._config_ref, fn, params, None)
+        c = LaunchConfig(*grid, *block, smem, stream or None, self._attrs, 1)
+        err = self._launch(ctypes.byref(c), fn, params, None)
         if err:
             text = ctypes.c_char_p()
             self._name(err, ctypes.byref(text))

@@ -465,7 +465,7 @@ class Attachment:
         #: before each base weight (at most ``COMPACT_ROWS``, the slots kept there).
         self.compact_rows = COMPACT_ROWS
         self._gathers: dict[int, object] = {}  # row grouping -> the backend's gather over its targets
-        self._gathered = None  # (plan seq, kb) of the last gather; None: a new forward began
+        self._gathered = None  # (plan, kb, capturing) of the last gather; None: a new forward began
         self._base: dict[tuple, _BaseShrink] = {}
         self._served: dict[int, object] = {}  # id(linear) -> the input its forward served whole
         self._patched = []
@@ -549,15 +549,19 @@ class Attachment:
     def _gather(self, plan, kb: int) -> None:
         """Place the step's slots' A before every extended weight, at the first small-step
         target of each forward (a pre-hook on the module enclosing every target clears the key)
-        and again whenever the step, kb or capturing changes (a call of one layer alone): a
-        capture records it, so each replay gathers for its own step."""
+        and again whenever the plan (the object: a step's seq is the caller's and may repeat),
+        kb or capturing changes (a call of one layer alone): a capture records it, so each
+        replay gathers for its own step. Not covered: two captures in one step that each reach
+        the targets without passing through that module (graphs of single layers); the second
+        would record no gather, so such captures want ``compact_rows = 0``."""
         import torch
 
-        key = (plan.seq, kb, self.pool.device.is_cuda and torch.cuda.is_current_stream_capturing())
-        if self._gathered != key:
+        capturing = self.pool.device.is_cuda and torch.cuda.is_current_stream_capturing()
+        last = self._gathered
+        if last is None or last[0] is not plan or last[1] != kb or last[2] != capturing:
             for g, gather in self._gathers.items():
                 gather(plan.launch[g].slot_indptr, kb)
-            self._gathered = key
+            self._gathered = (plan, kb, capturing)
 
     def _base_forward(self, bs: _BaseShrink, j: int, mod):
         """Member ``j``'s forward while its target's shrink may ride on the first GEMM: the
