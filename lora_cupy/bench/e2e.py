@@ -150,19 +150,22 @@ def deltas_alone_ms(gen, batch: int, reps: int) -> float:
 
 
 def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int, overlap: bool = True,
-               base_shrink: bool | None = None) -> dict:
+               base_shrink: bool | None = None, compact: bool = True) -> dict:
     """Device ms of one decode step of ``batch`` requests on ``adapters`` (None: base) and, with
     adapters and ``overlap``, of the step's deltas alone. ``overlap``: the attachment's default (on CUDA the deltas
     beside their linears on a side stream inside graph captures), else in line everywhere.
     ``base_shrink``: the attachment's ``shrink_in_base`` (None: its default, the shrink inside each
     target's first GEMM inside graph captures where it fits; False: the pool's whole delta per
-    target)."""
+    target). ``compact=False``: that GEMM reads every slot's A even in a step of a few rows
+    (``Attachment.compact_rows = 0``)."""
     import torch
 
     cuda = pool.device.is_cuda
     gen = generator(model, pool, max_batch=max(batch, 1), max_len=192, max_prefill=8,
                     cuda_graphs=graphs and cuda, static_decode=graphs and not cuda, overlap=None if overlap else False,
                     shrink_in_base=base_shrink)
+    if not compact:
+        gen.attachment.compact_rows = 0
     try:
         fill(gen, batch, 128, adapters, max_new=60)
         for _ in range(3 + batch):  # until 3 steps in a row decode the whole batch: both parities'
@@ -180,7 +183,7 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int,
                 torch.cuda.synchronize()
             out = {"ms": event_ms(gen.step, min(reps, 40))}
         # the in-line and whole-delta variants' would be the same calls
-        if overlap and base_shrink is None and any(a is not None for a in adapters):
+        if overlap and base_shrink is None and compact and any(a is not None for a in adapters):
             out["deltas_alone_ms"] = deltas_alone_ms(gen, batch, reps)
         return out
     finally:
@@ -289,7 +292,7 @@ def run(args) -> dict:
         names = sorted(adapters)
         try:
             def decode(batch: int, graphs: bool):
-                return lambda a, o, w=None: decode_row(model, pool, batch, a, graphs, args.reps, o, w)
+                return lambda a, o, w=None, c=True: decode_row(model, pool, batch, a, graphs, args.reps, o, w, c)
 
             cases = [
                 ("decode b64 graphs 8 adapters", decode(64, True), names[:8]),
@@ -326,6 +329,10 @@ def run(args) -> dict:
                     if case.startswith("decode"):
                         log(f"{case}: adapters, the pool's whole delta per target (shrink_in_base=False)")
                         whole = fn(ads, True, False)["ms"]
+                    every = None
+                    if case.startswith("decode b1") and device != "cpu":
+                        log(f"{case}: adapters, the GEMM over every slot's A (compact_rows=0)")
+                        every = fn(ads, True, None, False)["ms"]
                     log(f"{case}: base again")
                     base2 = fn([None], True)["ms"]
                 goal = GOALS[case]
@@ -342,6 +349,8 @@ def run(args) -> dict:
                     row["scratch_ratio"] = round(scratch["ms"] / scratch["base_ms"], 3)
                 elif whole is not None:
                     row["whole_ms"], row["whole_ratio"] = round(whole, 4), round(whole / base, 3)
+                    if every is not None:
+                        row["every_slot_ms"], row["every_slot_ratio"] = round(every, 4), round(every / base, 3)
                 if "deltas_alone_ms" in got:
                     row["deltas_alone_ms"] = round(got["deltas_alone_ms"], 4)
                     row["lora_launches"] = sum(t.num_layers for t in spec.targets)
@@ -389,6 +398,10 @@ def markdown(result: dict) -> str:
                       "(`shrink_in_base=False`, forked inside the graph capture); deltas alone: those whole "
                       "deltas by themselves."]
     for r in result["rows"]:
+        if "every_slot_ms" in r:
+            lines += ["", f"{r['case']}: with the extended GEMM over every slot's A (`compact_rows=0`) instead of "
+                          f"the step's slots' gathered beside the weight: {r['every_slot_ms']:.3f} ms "
+                          f"({r['every_slot_ratio']:.3f}x)."]
         if "scratch_ms" in r:
             lines += ["", f"{r['case']}: with q/k/v and gate/up each through one launch into a shared scratch "
                           f"(as a decode step runs them) instead of each member in place: {r['scratch_ms']:.3f} ms "
