@@ -46,7 +46,7 @@ With ``shrink_in_base`` (the default where it fits: a CUDA pool of bfloat16 or f
 tensor parallelism, rank width 8, 16, 32, 64 or 128, at most 3 slices a target), each target's
 first linear gets its weight extended by the pool's A rows of every slot, ``[out + S*n*R, in]``
 (the pool keeps the layer's A there: :meth:`~lora_cupy.pool.LoraAdapterPool.bind_a`; the
-linear's own weight becomes the head of that array, same values), so a step of at most
+linear's own weight becomes a view of that array, same values), so a step of at most
 ``Attachment.shrink_in_base_rows`` rows (64) runs one GEMM that writes y and every slot's
 ``x @ A.T`` side by side, and one launch of ``lora_expand_v`` adds the rest into each member's
 output (:meth:`~lora_cupy.delta.LoraLayerDelta.expand_v`). The group's other members run their
@@ -270,8 +270,9 @@ class _FusedGroup:
 
 class _BaseShrink:
     """One target at one layer whose shrink rides on its first linear's GEMM (module docstring):
-    the extended weight ``[out_0 + S*n*R, in]`` (head: that linear's weight, tail: the pool's A of
-    the layer), and the outputs of one call kept for the group's other members."""
+    the extended weight ``[K*n*R + out_0 + S*n*R, in]`` (the compact blocks a small step's slots'
+    A is gathered into, that linear's weight, the pool's A of the layer), and the outputs of one
+    call kept for the group's other members."""
 
     def __init__(self, attachment: "Attachment", target: str, layer: int, mods: list):
         import torch
@@ -336,15 +337,14 @@ class _BaseShrink:
             plan.wait_host()
         rows = x2d.shape[0]
         kb = rows if rows <= min(self.K, att.compact_rows) else 0
-        if kb:
+        if kb:  # rows [C - kb*n*R, C + out0): v first, then y
             att._gather(plan, kb)
-            lo, vcols = C - kb * self.block, slice(0, kb * self.block)
-            cols = slice(kb * self.block, kb * self.block + out0)
-        else:
-            lo, vcols, cols = C, slice(out0, None), slice(0, out0)
-        wt = ext[lo:].t() if not kb else ext[lo:C + out0].t()
-        bias = None if self.bias is None else (self.bias[lo:] if not kb else self.bias[lo:C + out0])
-        out = torch.mm(x2d, wt) if bias is None else torch.addmm(bias, x2d, wt)
+            v0 = kb * self.block
+            lo, hi, vcols, cols = C - v0, C + out0, slice(0, v0), slice(v0, v0 + out0)
+        else:  # rows [C, end): y first, then every slot's v
+            lo, hi, vcols, cols = C, None, slice(out0, None), slice(0, out0)
+        wt = ext[lo:hi].t()
+        out = torch.mm(x2d, wt) if self.bias is None else torch.addmm(self.bias[lo:hi], x2d, wt)
         head = out[:, cols]
         ys = [head] + [F.linear(x2d, m.weight, m.bias) for m in self.mods[1:]]
         slices = [head[:, a:b] for a, b in zip(self.offs, self.offs[1:])] if self.split else ys

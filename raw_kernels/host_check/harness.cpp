@@ -197,6 +197,16 @@ struct VLaunch {
   int num_slots, n, compact;
 };
 static VLaunch V;
+// Every block of a grid (gx, gy, gz), one at a time, with blockIdx and gridDim set for each.
+static void run_grid(void (*fn)(int), int gx, int gy, int gz) {
+  emu::grid_dim = EmuIdx{unsigned(gx), unsigned(gy), unsigned(gz)};
+  for (int z = 0; z < gz; ++z)
+    for (int yb = 0; yb < gy; ++yb)
+      for (int x = 0; x < gx; ++x) {
+        emu::block_idx = EmuIdx{unsigned(x), unsigned(yb), unsigned(z)};
+        emu::run_block(fn, 0);
+      }
+}
 template <typename T, int R> static void expand_v_block(int) {
   lora_expand_v<T, R, 8>((T*)V.y0, (T*)V.y1, (T*)V.y2, V.ldy[0], V.ldy[1], V.ldy[2], V.out[0], V.out[1], V.out[2],
                          V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.scaling,
@@ -206,12 +216,7 @@ template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz) {
   void (*fn)(int) = R == 8 ? expand_v_block<T, 8> : R == 16 ? expand_v_block<T, 16> : R == 32 ? expand_v_block<T, 32>
                     : R == 64 ? expand_v_block<T, 64> : R == 128 ? expand_v_block<T, 128> : nullptr;
   if (!fn) return 2;
-  for (int z = 0; z < gz; ++z)
-    for (int yb = 0; yb < gy; ++yb)
-      for (int x = 0; x < gx; ++x) {
-        emu::block_idx = EmuIdx{unsigned(x), unsigned(yb), unsigned(z)};
-        emu::run_block(fn, 0);
-      }
+  run_grid(fn, gx, gy, gz);
   return 0;
 }
 // dtype 0 bf16, 1 fp16; ys[3], ldy[3], out[3], boff[3]; dims: R gx gy gz S n compact
@@ -235,12 +240,6 @@ static GLaunch G;
 static void gather_block(int) { lora_gather_a(G.table, G.slot_indptr, G.num_slots); }
 extern "C" int emu_gather_a(const long long* table, const int* slot_indptr, int num_slots, int gx, int kb, int entries) {
   G = GLaunch{table, slot_indptr, num_slots};
-  emu::grid_dim = EmuIdx{unsigned(gx), unsigned(kb), unsigned(entries)};
-  for (int z = 0; z < entries; ++z)
-    for (int yb = 0; yb < kb; ++yb)
-      for (int x = 0; x < gx; ++x) {
-        emu::block_idx = EmuIdx{unsigned(x), unsigned(yb), unsigned(z)};
-        emu::run_block(gather_block, 0);
-      }
+  run_grid(gather_block, gx, kb, entries);
   return 0;
 }
