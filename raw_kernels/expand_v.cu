@@ -139,12 +139,12 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   for (int i = 0; i < TG; ++i) tok[i] = i < np ? token_order[p0 + i] : 0;
   const T* bs = B + s * b_slot + static_cast<long long>(boff + (mine ? c0 : 0)) * R;
   uint2 yv[TG];
-  uint4 b0[COLS][P];  // B's first rank block: kept for every group
+  uint4 b[COLS][P];  // B's first rank block (kept for every group while the rank fits one block)
   if (mine) {
 #pragma unroll
     for (int c = 0; c < COLS; ++c)
 #pragma unroll
-      for (int q = 0; q < P; ++q) b0[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + 8 * q);
+      for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + 8 * q);
   }
   lora::wait_prior_grid();  // y and v below: the GEMM's (every thread reads v)
   if (mine) {
@@ -169,8 +169,9 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   __syncthreads();
   if (!mine) return;
   const float sc = scaling[s * n + j];
+  // groups of TG positions (a chunk has at least one); with CH = TG the loop is one pass at g0 = 0
 #pragma unroll 1
-  for (int g0 = 0; g0 < np; g0 += TG) {  // groups of TG positions; with CH = TG, one
+  for (int g0 = 0; g0 < (CH == TG ? 1 : np); g0 += TG) {
     const int ng = min(TG, np - g0);
     int tn[TG];  // the next group's token rows and y, loaded before this group's products
     uint2 yn[TG];
@@ -189,12 +190,12 @@ __global__ void __launch_bounds__(128) lora_expand_v(
       for (int c = 0; c < COLS; ++c) acc[i][c] = 0.f;
 #pragma unroll 1
     for (int k0 = 0; k0 < rank; k0 += KB) {  // rank blocks past the adapter's rank are never read
-      uint4 b[COLS][P];
+      if (k0 > 0) {
 #pragma unroll
-      for (int c = 0; c < COLS; ++c)
+        for (int c = 0; c < COLS; ++c)
 #pragma unroll
-        for (int q = 0; q < P; ++q)
-          b[c][q] = k0 == 0 ? b0[c][q] : *reinterpret_cast<const uint4*>(bs + c * R + k0 + 8 * q);
+          for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + k0 + 8 * q);
+      }
 #pragma unroll
       for (int c = 0; c < COLS; ++c) {
         float bf[KB];
@@ -225,6 +226,12 @@ __global__ void __launch_bounds__(128) lora_expand_v(
       for (int i = 0; i < TG; ++i) {
         tok[i] = tn[i];
         yv[i] = yn[i];
+      }
+      if (rank > KB && g0 + TG < np) {  // the rank loop left a later block in b: the first again
+#pragma unroll
+        for (int c = 0; c < COLS; ++c)
+#pragma unroll
+          for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + 8 * q);
       }
     }
   }
