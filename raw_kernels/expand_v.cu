@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   const long long ldy = j == 0 ? ldy0 : (j == 1 ? ldy1 : ldy2);
   const int out = j == 0 ? out0 : (j == 1 ? out1 : out2);
   const int boff = j == 0 ? boff0 : (j == 1 ? boff1 : boff2);
+  if (static_cast<int>(blockIdx.x * blockDim.x) * COLS >= out) return;  // block-uniform: past this slice's columns
   if (threadIdx.x < 32) {  // warp 0: chunk blockIdx.y, slots 1.. in order, each cut every CH positions
     const int lane = threadIdx.x;  // a pass covers 64 slots, two a lane, in one round of loads
     int want = blockIdx.y;
