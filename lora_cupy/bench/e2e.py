@@ -404,7 +404,7 @@ def markdown(result: dict) -> str:
     if any("whole_ms" in r for r in result["rows"]):
         lines += ["", "with adapters / in line: the attachment's default, where it fits, inside graph captures, "
                       "each target's shrink inside its first GEMM (the pool's A rows appended to the base weight) "
-                      "for steps of at most 64 rows, then `lora_expand_v` (an eager step runs the pool's whole "
+                      "for steps of at most 64 rows, then `lora_expand_v` (an eager decode step runs the pool's whole "
                       "delta); whole delta: the same step with the pool's whole delta per target "
                       "(`shrink_in_base=False`, forked inside the graph capture); deltas alone: those whole "
                       "deltas by themselves."]
