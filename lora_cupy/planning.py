@@ -84,8 +84,10 @@ class RowSlots(dict):
         self.version += 1
 
     def update(self, pairs) -> None:
-        for rid, slot in dict(pairs).items():
-            self[rid] = slot
+        pairs = dict(pairs)
+        super().update(pairs)
+        self.rids.update(pairs)
+        self.version += len(pairs)
 
     def pop(self, rid, *default):
         self.rids.discard(rid)

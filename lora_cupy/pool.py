@@ -214,29 +214,30 @@ class LoraAdapterPool:
             self._settled.update(picks.hits)
             taken += [rid for rid, _ in picks.hits]
             copies = [self._store.get(m.name) for m in picks.misses]
-        errors, agreed = self._agreement.outcomes(copies)
-        with self._lock:
-            for i, m in enumerate(picks.misses):  # failures first: they hold nothing, no reservation
-                if agreed[i] != READY:
-                    err = errors[i] or LoraError("its read failed on another rank of the instance", adapter=m.name,
-                                                 path=getattr(copies[i], "path", None))
-                    for rid in m.rids:
-                        failed[rid] = err
-                        self.slots.unreserve(rid)
-            for i, m in enumerate(picks.misses):
-                rids = [r for r in m.rids if r in self._requests]
-                if agreed[i] != READY or not rids:
-                    continue
-                slot = self.slots.finish_miss(picks, m, rids)
-                if slot is not None:
-                    self._slot_weights.install(slot, copies[i].image)
-                    self._settled.update(dict.fromkeys(rids, slot))
-                    taken += rids
-                    self.stats["loads"] += 1
-            for rid, why in picks.refused.items():
-                name = getattr(self._requests.get(rid), "adapter", None)
-                failed[rid] = CapacityError(f"request {rid!r} gets no slot: {why}", adapter=name,
-                                            path=getattr(self._catalog.info(name), "path", None))
+        if picks.misses:  # none (every row's adapter resident): nothing to agree on, install or refuse
+            errors, agreed = self._agreement.outcomes(copies)
+            with self._lock:
+                for i, m in enumerate(picks.misses):  # failures first: they hold nothing, no reservation
+                    if agreed[i] != READY:
+                        err = errors[i] or LoraError("its read failed on another rank of the instance", adapter=m.name,
+                                                     path=getattr(copies[i], "path", None))
+                        for rid in m.rids:
+                            failed[rid] = err
+                            self.slots.unreserve(rid)
+                for i, m in enumerate(picks.misses):
+                    rids = [r for r in m.rids if r in self._requests]
+                    if agreed[i] != READY or not rids:
+                        continue
+                    slot = self.slots.finish_miss(picks, m, rids)
+                    if slot is not None:
+                        self._slot_weights.install(slot, copies[i].image)
+                        self._settled.update(dict.fromkeys(rids, slot))
+                        taken += rids
+                        self.stats["loads"] += 1
+                for rid, why in picks.refused.items():
+                    name = getattr(self._requests.get(rid), "adapter", None)
+                    failed[rid] = CapacityError(f"request {rid!r} gets no slot: {why}", adapter=name,
+                                                path=getattr(self._catalog.info(name), "path", None))
         ctx.state[self] = taken
         self.stats["admits"] += 1
         return AdmitOutcome.fail(failed) if failed else AdmitOutcome.OK

@@ -126,7 +126,15 @@ class SlotTable:
         return {name for name in self._res_count if not self.held(name)}
 
     def _demand_count(self) -> int:
-        return sum(1 for name in self._res_count if not self.held(name))
+        """``len(demand())`` without building the set (:meth:`held` inlined: an admission asks
+        this for every reservation, over every adapter reserved)."""
+        entries, refcounts = self.entries, self.refcounts
+        n = 0
+        for name in self._res_count:
+            s = entries.get(name)
+            if s is None or refcounts[s] <= 0:
+                n += 1
+        return n
 
     def can_reserve(self, name: str) -> bool:
         """Whether a reservation for ``name`` keeps ``len(demand()) <= unheld_count()``."""
@@ -229,7 +237,8 @@ class SlotTable:
                 picks.misses.append(MissGroup(name, rids))
                 continue
             picks.hits += [(rid, slot) for rid in self._take(name, rids, slot, picks)]
-        picks.victims = self.eviction_order()[: len(picks.misses)]
+        if picks.misses:  # an admit of hits alone (a prefill of resident adapters) orders no slot
+            picks.victims = self.eviction_order()[: len(picks.misses)]
         return picks
 
     def finish_miss(self, picks: AdmitPicks, miss: MissGroup, rids: Sequence[Hashable] | None = None

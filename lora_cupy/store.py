@@ -38,6 +38,7 @@ from .spec import LoraSpec
 READY, READING, FAILED = 0, 1, 2
 
 Reader = Callable[..., AdapterWeights]
+_ALIGN = 256  # bytes: where each array of an image starts in its host block
 
 
 def default_reader(path, spec: LoraSpec, name: str | None = None) -> AdapterWeights:
@@ -101,12 +102,16 @@ class LoraAdapterStore:
         self.dtype = numpy_dtype(dtype or spec.dtype)
         self._entries: dict[str, HostCopy] = {}
         self._jobs: deque = deque()
-        self._cond = threading.Condition()
+        # The condition's lock (an RLock, as Condition() makes by default) is also taken bare by
+        # get, users and release, the calls a step makes per request: it skips Condition's
+        # Python-level __enter__ and __exit__.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._held = 0  # bytes of images held, plus those being read
-        # Images dropped from the tier, freed on the reader thread before its next job (so before
-        # it allocates another image): not on the thread that removed the last request, which a
-        # serving loop runs between steps.
-        self._trash: list[AdapterWeights] = []
+        # Images dropped from the tier, and their entries, freed on the reader thread before its
+        # next job (so before it allocates another image): not on the thread that removed the last
+        # request, which a serving loop runs between steps.
+        self._trash: list[AdapterWeights | HostCopy] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="lora-adapter-reader", daemon=True)
         self._thread.start()
@@ -168,7 +173,7 @@ class LoraAdapterStore:
 
     def release(self, name: str) -> None:
         """One live request naming ``name`` went; the copy goes with the last one."""
-        with self._cond:
+        with self._lock:
             e = self._entries.get(name)
             if e is None:
                 return
@@ -177,20 +182,20 @@ class LoraAdapterStore:
                 self._drop(e)
 
     def get(self, name: str) -> HostCopy | None:
-        with self._cond:
+        with self._lock:
             return self._entries.get(name)
 
     def users(self, name: str) -> int:
-        with self._cond:
+        with self._lock:
             e = self._entries.get(name)
             return 0 if e is None else e.users
 
     def _drop(self, e: HostCopy) -> None:
-        """Forget ``e`` (under the lock): its bytes leave the count now, its image's memory when
-        the reader thread takes its next job, before that job reads (a copy into a slot keeps the
-        image alive itself: the pool's keep_alive). The reader is woken only where a job waits (a
-        read may now fit the bound), so an idle tier keeps its last dropped images' memory, which
-        :attr:`nbytes` no longer counts, until its next read or :meth:`close`."""
+        """Forget ``e`` (under the lock): its bytes leave the count now, its image's memory (and
+        the entry) when the reader thread takes its next job, before that job reads (a copy into a
+        slot keeps the image alive itself: the pool's keep_alive). The reader is woken only where a
+        job waits (a read may now fit the bound), so an idle tier keeps its last dropped images'
+        memory, which :attr:`nbytes` no longer counts, until its next read or :meth:`close`."""
         if self._entries.get(e.name) is e:
             del self._entries[e.name]
         if e.state == READY and e.image is not None:
@@ -198,6 +203,8 @@ class LoraAdapterStore:
             if not self._closed:  # no reader thread after close: freed here
                 self._trash.append(e.image)
             e.image, e.held = None, 0
+        if not self._closed:  # the entry too (its Event and Condition): freed there, not in a step
+            self._trash.append(e)
         if self._jobs:
             self._cond.notify_all()
 
@@ -301,9 +308,12 @@ class LoraAdapterStore:
         return w
 
     def build_image(self, w: AdapterWeights) -> AdapterWeights:
-        """``w`` padded to the pool's maximum rank, in host memory copies can start from."""
+        """``w`` padded to the pool's maximum rank, in host memory copies can start from: one
+        zeroed block whose aligned views are the targets' arrays, so an image is one host
+        allocation, not four per target (on CUDA each is a pinned-pool block and two gc-tracked
+        objects, alive from the read until the image is dropped)."""
         R, tp = self.spec.max_rank, self.spec.tp_size
-        targets = {}
+        layout = []  # (target, its weights, their rank, [(shape, dtype)] of a, b, ranks, scaling)
         for tname, tw in w.targets.items():
             try:
                 t = self.spec.target(tname)
@@ -321,15 +331,23 @@ class LoraAdapterStore:
             if r > R or int(tw.ranks.max(initial=0)) > r:
                 raise RankTooLargeError(f"target {tname!r} has rank {max(r, int(tw.ranks.max()))}, above the "
                                         f"pool's max_rank {R}", adapter=w.name, path=w.path)
-            img = TargetWeights(self.device.host_zeros((L, n, R, inl), self.dtype),
-                               self.device.host_zeros((L, outl, R), self.dtype),
-                               self.device.host_empty((L, n), np.int32),
-                               self.device.host_empty((L, n), np.float32))
+            layout.append((tname, tw, r, [((L, n, R, inl), self.dtype), ((L, outl, R), self.dtype),
+                                          ((L, n), np.dtype(np.int32)), ((L, n), np.dtype(np.float32))]))
+        spans, end = [], 0  # (first byte, end byte, shape, dtype) of each array in the block
+        for *_, parts in layout:
+            for shape, dt in parts:
+                start = -(-end // _ALIGN) * _ALIGN
+                end = start + int(np.prod(shape)) * dt.itemsize
+                spans.append((start, end, shape, dt))
+        block = self.device.host_zeros(end, np.uint8)
+        arrays = [block[a:b].view(dt).reshape(shape) for a, b, shape, dt in spans]
+        targets = {}
+        for k, (tname, tw, r, _) in enumerate(layout):
+            img = targets[tname] = TargetWeights(*arrays[4 * k:4 * k + 4])
             img.a[:, :, :r] = tw.a
             img.b[:, :, :r] = tw.b
             img.ranks[...] = tw.ranks
             img.scaling[...] = tw.scaling
-            targets[tname] = img
         return AdapterWeights(w.name, w.path, w.digest, targets)
 
     # -- shutdown ------------------------------------------------------------------------------
