@@ -106,15 +106,9 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
                  for aligned in (False, True) for k, bm, bn, c in mma_kernels())
 
 
-#: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block
-#: holds at once (a group).
+#: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.
 EXPAND_V_RANKS = (8, 16, 32, 64, 128)
 EXPAND_V_TG = 8
-#: Positions of one slot a block of ``lora_expand_v`` takes (its chunk), by instantiation: one
-#: group for small steps, ``EXPAND_V_CHUNK_LARGE`` (groups walked in turn, B's first rank block
-#: kept in registers) for steps of at least ``EXPAND_V_LARGE_FROM`` positions (a prefill).
-EXPAND_V_CHUNK_LARGE = 64
-EXPAND_V_LARGE_FROM = 256
 #: Columns a block of ``lora_expand_v`` (128 threads of 4 columns).
 EXPAND_V_BN = 512
 #: Element types ``lora_expand_v`` serves (it moves 8-byte pieces of 2-byte elements).
@@ -127,10 +121,9 @@ GATHER_A_NAME = "lora_gather_a"
 GATHER_A_THREADS = 256
 
 
-def expand_v_name(ctype: str, rank_width: int, chunk: int = EXPAND_V_TG) -> str:
-    """The name expression of ``lora_expand_v`` (expand_v.cu) for one element type, rank width and
-    chunk (``EXPAND_V_TG`` or ``EXPAND_V_CHUNK_LARGE`` positions)."""
-    return f"lora_expand_v<{ctype}, {rank_width}, {EXPAND_V_TG}, {chunk}>"
+def expand_v_name(ctype: str, rank_width: int) -> str:
+    """The name expression of ``lora_expand_v`` (expand_v.cu) for one element type and rank width."""
+    return f"lora_expand_v<{ctype}, {rank_width}, {EXPAND_V_TG}>"
 
 
 def mma_family(dtype: str) -> str:
@@ -146,8 +139,8 @@ FAMILIES: dict[str, KernelFamily] = {
     ),
     **{mma_family(d): KernelFamily("lora_mma.cu", _mma_names(t)) for d, t in CUDA_TYPES.items()},
     "lora_expand_v": KernelFamily(
-        "expand_v.cu", (*(expand_v_name(CUDA_TYPES[d], r, ch) for d in EXPAND_V_DTYPES for r in EXPAND_V_RANKS
-                          for ch in (EXPAND_V_TG, EXPAND_V_CHUNK_LARGE)), GATHER_A_NAME)),
+        "expand_v.cu", (*(expand_v_name(CUDA_TYPES[d], r) for d in EXPAND_V_DTYPES for r in EXPAND_V_RANKS),
+                        GATHER_A_NAME)),
 }
 
 

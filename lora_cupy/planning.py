@@ -59,8 +59,6 @@ class LoraStepPlan:
     rows: dict[int, int]
     active: bool
     ready: Any
-    #: how many slots other than 0 the step's rows address (the slots with positions)
-    slot_count: int = 0
 
     def wait_host(self) -> None:
         if self.ready is not None and not self.ready.done:
@@ -199,9 +197,8 @@ class StepPlanner:
             addressing[g], launch[g], copy = b.stage(rows, slots, parity)
             copies.append(copy)
         fence = self._fences[parity] = self.device.copy_batch(copies, reuse=fence)
-        used = int(np.count_nonzero(np.bincount(slots, minlength=1)[1:])) if len(slots) else 0
         plan = LoraStepPlan(seq, addressing, launch, {g: a.num_tokens for g, a in addressing.items()},
-                            addressing[1].active, None if self.device.is_cuda else fence, used)
+                            addressing[1].active, None if self.device.is_cuda else fence)
         if not preplanned:
             self.current = plan
         return plan

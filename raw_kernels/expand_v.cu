@@ -9,8 +9,8 @@
 // (B of one slot [out_total, R], R contiguous; slots b_slot elements apart).
 //
 // CUDA cores, no shared-memory pipeline, no workspace, no counters: a block takes one chunk (at
-// most CH positions of one slot, chunks numbered in slot order; CH = TG = 8 for a small step, 64
-// for a prefill, walked TG positions at a time) x one slice x 4 * blockDim.x columns, each thread 4 adjacent columns (8-byte rows of y; B and v in 16-byte pieces: every row
+// most TG positions of one slot, chunks numbered in slot order) x one slice x 4 * blockDim.x
+// columns, each thread 4 adjacent columns (8-byte rows of y; B and v in 16-byte pieces: every row
 // pointer and stride of y a multiple of 4 elements and of v of 8, R a multiple of 8, which the
 // host checks). Rounds of dependent loads: the chunk (a scan of slot_indptr by one warp, 64 slots
 // a round), then the chunk's token rows, its rank and B's first rank block, then y and the chunk's
@@ -51,16 +51,12 @@ template <typename T> __device__ __forceinline__ uint2 pack4(const float* f) {
 
 // Up to 3 slices (y_j, its row stride ldy_j, its columns out_j, its first row boff_j of B); a
 // slice with no columns (out_j = 0) is skipped. compact = 0: v holds every slot's block, slot s at
-// columns (s*n + j)*R. compact = kb > 0 (a step whose GEMM appended only the A rows lora_gather_a
-// placed for it): v points at the block of the step's first slot with positions, and the k-th
-// such slot (k = 0, 1, ..., kb - 1) sits k blocks of n*R columns to the left of it; a slot past
-// the kb-th adds nothing (the host passes kb >= the step's slots with positions, so there is none).
-// Chunks: runs of one slot cut every CH positions (CH a multiple of TG); a block walks its chunk
-// TG positions at a time, B's first rank block in registers throughout and the next group's token
-// rows and y loaded before the current group's products (CH = TG, for small steps: one group).
-// Grid: x = column blocks of 4 * blockDim.x of the widest slice, y = at least the step's chunk
-// count (blocks past it return), z = slices.
-template <typename T, int R, int TG, int CH>
+// columns (s*n + j)*R. compact = kb > 0 (a step of few rows, whose GEMM appended only the A rows
+// lora_gather_a placed for it): v points at the block of the step's first slot with positions,
+// and the k-th such slot (k = 0, 1, ..., kb - 1) sits k blocks of n*R columns to the left of it;
+// a slot past the kb-th adds nothing (the host passes kb >= the step's rows, so there is none). Grid: x = column blocks of 4 * blockDim.x of the
+// widest slice, y = at least the step's chunk count (blocks past it return), z = slices.
+template <typename T, int R, int TG>
 __global__ void __launch_bounds__(128) lora_expand_v(
     T* y0, T* y1, T* y2, long long ldy0, long long ldy1, long long ldy2, int out0, int out1, int out2,
     int boff0, int boff1, int boff2, const T* __restrict__ v, long long ldv, const T* __restrict__ B,
@@ -68,19 +64,18 @@ __global__ void __launch_bounds__(128) lora_expand_v(
     const int* __restrict__ token_order, const int* __restrict__ slot_indptr, int num_slots, int n,
     int compact) {
   static_assert(R % 8 == 0, "the rank width comes in 16-byte pieces");
-  static_assert(CH % TG == 0, "a chunk is whole groups of TG positions");
   constexpr int KB = R < 16 ? R : 16;  // ranks a step of the rank loop
   constexpr int P = KB / 8;            // 16-byte pieces of one row a step
   constexpr int COLS = 4;              // adjacent columns a thread (8-byte rows of y)
   __shared__ int chunk[4];             // slot, first position, positions, v's block of the slot
-  __shared__ float vs[CH][R];          // the chunk's v rows
+  __shared__ float vs[TG][R];          // the chunk's v rows
   const int j = blockIdx.z;
   T* const y = j == 0 ? y0 : (j == 1 ? y1 : y2);
   const long long ldy = j == 0 ? ldy0 : (j == 1 ? ldy1 : ldy2);
   const int out = j == 0 ? out0 : (j == 1 ? out1 : out2);
   const int boff = j == 0 ? boff0 : (j == 1 ? boff1 : boff2);
   if (static_cast<int>(blockIdx.x * blockDim.x) * COLS >= out) return;  // block-uniform: past this slice's columns
-  if (threadIdx.x < 32) {  // warp 0: chunk blockIdx.y, slots 1.. in order, each cut every CH positions
+  if (threadIdx.x < 32) {  // warp 0: chunk blockIdx.y, slots 1.. in order, each cut every TG positions
     const int lane = threadIdx.x;  // a pass covers 64 slots, two a lane, in one round of loads
     int want = blockIdx.y;
     bool found = false;
@@ -92,7 +87,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
         p1 = slot_indptr[sa + 1];
         p2 = sa + 1 < num_slots ? slot_indptr[sa + 2] : p1;
       }
-      const int ca = (p1 - p0 + CH - 1) / CH, cb = (p2 - p1 + CH - 1) / CH;
+      const int ca = (p1 - p0 + TG - 1) / TG, cb = (p2 - p1 + TG - 1) / TG;
       const int cnt = ca + cb;
       int incl = cnt;
 #pragma unroll
@@ -107,10 +102,10 @@ __global__ void __launch_bounds__(128) lora_expand_v(
         if (lane == __ffs(hit) - 1) {
           const int k = want - excl;  // the lane's k-th chunk: slot sa's, then slot sa + 1's
           const bool a = k < ca;
-          const int first = a ? p0 + k * CH : p1 + (k - ca) * CH;
+          const int first = a ? p0 + k * TG : p1 + (k - ca) * TG;
           chunk[0] = a ? sa : sa + 1;
           chunk[1] = first;
-          chunk[2] = min(CH, (a ? p1 : p2) - first);
+          chunk[2] = min(TG, (a ? p1 : p2) - first);
         }
       }
       want -= __shfl_sync(0xffffffffu, incl, 31);
@@ -140,7 +135,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   for (int i = 0; i < TG; ++i) tok[i] = i < np ? token_order[p0 + i] : 0;
   const T* bs = B + s * b_slot + static_cast<long long>(boff + (mine ? c0 : 0)) * R;
   uint2 yv[TG];
-  uint4 b[COLS][P];  // B's first rank block (kept for every group while the rank fits one block)
+  uint4 b[COLS][P];
   if (mine) {
 #pragma unroll
     for (int c = 0; c < COLS; ++c)
@@ -154,7 +149,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
       if (i < np) yv[i] = *reinterpret_cast<const uint2*>(y + tok[i] * ldy + c0);
   }
   // the chunk's v rows, rank-masked, into shared memory as float (every thread reads all of them)
-  for (int e = threadIdx.x; e < CH * (R / 8); e += blockDim.x) {
+  for (int e = threadIdx.x; e < TG * (R / 8); e += blockDim.x) {
     const int i = e / (R / 8), q = e % (R / 8);
     float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (i < np && 8 * q < rank) {
@@ -170,71 +165,43 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   __syncthreads();
   if (!mine) return;
   const float sc = scaling[s * n + j];
-  // groups of TG positions (a chunk has at least one); with CH = TG the loop is one pass at g0 = 0
+  float acc[TG][COLS];
+#pragma unroll
+  for (int i = 0; i < TG; ++i)
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) acc[i][c] = 0.f;
 #pragma unroll 1
-  for (int g0 = 0; g0 < (CH == TG ? 1 : np); g0 += TG) {
-    const int ng = min(TG, np - g0);
-    int tn[TG];  // the next group's token rows and y, loaded before this group's products
-    uint2 yn[TG];
-    if constexpr (CH > TG) {
-      const int nn = min(TG, np - g0 - TG);  // <= 0: no next group
+  for (int k0 = 0; k0 < rank; k0 += KB) {  // rank blocks past the adapter's rank are never read
+    if (k0 > 0) {
 #pragma unroll
-      for (int i = 0; i < TG; ++i) tn[i] = i < nn ? token_order[p0 + g0 + TG + i] : 0;
+      for (int c = 0; c < COLS; ++c)
 #pragma unroll
-      for (int i = 0; i < TG; ++i)
-        if (i < nn) yn[i] = *reinterpret_cast<const uint2*>(y + tn[i] * ldy + c0);
-    }
-    float acc[TG][COLS];
-#pragma unroll
-    for (int i = 0; i < TG; ++i)
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) acc[i][c] = 0.f;
-#pragma unroll 1
-    for (int k0 = 0; k0 < rank; k0 += KB) {  // rank blocks past the adapter's rank are never read
-      if (k0 > 0) {
-#pragma unroll
-        for (int c = 0; c < COLS; ++c)
-#pragma unroll
-          for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + k0 + 8 * q);
-      }
-#pragma unroll
-      for (int c = 0; c < COLS; ++c) {
-        float bf[KB];
-#pragma unroll
-        for (int q = 0; q < P; ++q) lora_v::unpack8<T>(b[c][q], bf + 8 * q);
-#pragma unroll
-        for (int r = 0; r < KB; ++r) bf[r] = k0 + r < rank ? bf[r] : 0.f;  // B past the rank is never used
-#pragma unroll
-        for (int i = 0; i < TG; ++i) {
-          float a = acc[i][c];
-#pragma unroll
-          for (int r = 0; r < KB; ++r) a = fmaf(vs[g0 + i][k0 + r], bf[r], a);
-          acc[i][c] = a;
-        }
-      }
+        for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + k0 + 8 * q);
     }
 #pragma unroll
-    for (int i = 0; i < TG; ++i) {
-      if (i >= ng) break;
-      float yf[4];
-      lora_v::unpack4<T>(yv[i], yf);
+    for (int c = 0; c < COLS; ++c) {
+      float bf[KB];
 #pragma unroll
-      for (int c = 0; c < COLS; ++c) yf[c] = fmaf(sc, acc[i][c], yf[c]);
-      *reinterpret_cast<uint2*>(y + tok[i] * ldy + c0) = lora_v::pack4<T>(yf);
-    }
-    if constexpr (CH > TG) {
+      for (int q = 0; q < P; ++q) lora_v::unpack8<T>(b[c][q], bf + 8 * q);
+#pragma unroll
+      for (int r = 0; r < KB; ++r) bf[r] = k0 + r < rank ? bf[r] : 0.f;  // B past the rank is never used
 #pragma unroll
       for (int i = 0; i < TG; ++i) {
-        tok[i] = tn[i];
-        yv[i] = yn[i];
-      }
-      if (rank > KB && g0 + TG < np) {  // the rank loop left a later block in b: the first again
+        float a = acc[i][c];
 #pragma unroll
-        for (int c = 0; c < COLS; ++c)
-#pragma unroll
-          for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + 8 * q);
+        for (int r = 0; r < KB; ++r) a = fmaf(vs[i][k0 + r], bf[r], a);
+        acc[i][c] = a;
       }
     }
+  }
+#pragma unroll
+  for (int i = 0; i < TG; ++i) {
+    if (i >= np) break;
+    float yf[4];
+    lora_v::unpack4<T>(yv[i], yf);
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) yf[c] = fmaf(sc, acc[i][c], yf[c]);
+    *reinterpret_cast<uint2*>(y + tok[i] * ldy + c0) = lora_v::pack4<T>(yf);
   }
 }
 

@@ -295,7 +295,6 @@ def test_shrink_in_base_gemm_logits_equal_peft_per_row(family, monkeypatch):
             attach(base, pool, shrink_in_base=True) as att:
         assert att.shrink_in_base
         planned_step(pool, rows, ids.shape[1])
-        att.large_steps_in_base = False  # a step above the limit: the pool's delta (its own test below)
         for limit in (64, 4):  # 35 rows: through the extended GEMM, then the usual way
             att.shrink_in_base_rows = limit
             calls.clear()
@@ -308,18 +307,6 @@ def test_shrink_in_base_gemm_logits_equal_peft_per_row(family, monkeypatch):
         torch.testing.assert_close(got[64][i], ref.logits(ids[i:i + 1], adapter)[0], rtol=1e-4, atol=1e-5)
 
 
-def record_expand_v(monkeypatch) -> list:
-    """``(compact, v's columns)`` of every ``LoraLayerDelta.expand_v`` call from now on."""
-    seen, real_v = [], LoraLayerDelta.expand_v
-
-    def expand_v(self, ys, v, **kw):
-        seen.append((kw.get("compact"), v.shape[1]))
-        return real_v(self, ys, v, **kw)
-
-    monkeypatch.setattr(LoraLayerDelta, "expand_v", expand_v)
-    return seen
-
-
 def test_a_small_step_reads_only_its_slots_a_gathered_before_the_weight(family, monkeypatch):
     """A step of at most ``compact_rows`` rows: the GEMM reads only the A of the step's slots, which
     the attachment gathers once a forward before each extended weight; logits equal PEFT's per row
@@ -329,7 +316,13 @@ def test_a_small_step_reads_only_its_slots_a_gathered_before_the_weight(family, 
     ref = PeftReference(base, dirs)
     rows = [("a", "ad2"), ("b", None), ("c", "ad0")]
     ids = torch.randint(0, VOCAB, (len(rows), 1))
-    seen = record_expand_v(monkeypatch)
+    seen, real_v = [], LoraLayerDelta.expand_v
+
+    def expand_v(self, ys, v, **kw):
+        seen.append((kw.get("compact"), v.shape[1]))
+        return real_v(self, ys, v, **kw)
+
+    monkeypatch.setattr(LoraLayerDelta, "expand_v", expand_v)
     got = {}
     with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
             attach(base, pool, shrink_in_base=True) as att:
@@ -354,38 +347,6 @@ def test_a_small_step_reads_only_its_slots_a_gathered_before_the_weight(family, 
             stale = base(input_ids=ids).logits
         assert not torch.allclose(stale[0], got[8][0], rtol=1e-4, atol=1e-5), "the gather changed nothing"
         torch.testing.assert_close(stale[1], got[8][1], rtol=1e-4, atol=1e-5)  # the base row
-
-
-def test_a_large_step_on_few_adapters_reads_their_gathered_a_in_its_gemm(family, monkeypatch):
-    """A step of more rows than ``shrink_in_base_rows`` (a prefill) whose slots with positions fit
-    the compact blocks: each target's shrink rides on its first GEMM over those slots' gathered A
-    (kb = the step's slots, not its rows) and logits equal PEFT's per row and the pool's whole
-    delta's. With more slots than the blocks hold, the step runs the pool's delta as before."""
-    kind, base, dirs = family
-    spec = spec_for_adapters(base, dirs, num_slots=4)
-    ref = PeftReference(base, dirs)
-    rows = [("a", "ad2"), ("b", None), ("c", "ad0"), ("d", "ad2")]
-    ids = torch.randint(0, VOCAB, (len(rows), 20))  # 80 rows of tokens > 64
-    seen = record_expand_v(monkeypatch)
-    got = {}
-    with LoraAdapterPool(spec, "cpu", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
-            attach(base, pool, shrink_in_base=True) as att:
-        assert ids.numel() > att.shrink_in_base_rows
-        planned_step(pool, rows, ids.shape[1])
-        for case, (large, blocks) in {"in base": (True, 3), "off": (False, 3), "too many": (True, 1)}.items():
-            att.large_steps_in_base, att._compact_blocks = large, blocks
-            seen.clear()
-            with torch.inference_mode():
-                got[case] = base(input_ids=ids).logits
-            if case == "in base":  # 2 slots with positions: v holds 2 blocks of n*R columns
-                assert seen and all(kb == 2 for kb, _ in seen), seen
-            else:
-                assert not seen, seen
-        torch.testing.assert_close(got["in base"], got["off"], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got["too many"], got["off"], rtol=1e-4, atol=1e-5)
-        for i, (_rid, adapter) in enumerate(rows):  # 20 positions of float32 sums: a looser bound
-            torch.testing.assert_close(got["in base"][i], ref.logits(ids[i:i + 1], adapter)[0],
-                                       rtol=1e-3, atol=5e-4)
 
 
 def test_a_layer_called_alone_gathers_for_each_new_plan(family):

@@ -270,8 +270,8 @@ class _VBackend(_FakeBackend):
         self._driver = type("D", (), {"launchKernel": staticmethod(self.rec)})()
         self.driver_error = _DriverError
 
-    def expand_v_fn(self, dtype, rank_width, chunk=cb.EXPAND_V_TG):
-        return _Fn(303 + rank_width + 1000 * chunk)
+    def expand_v_fn(self, dtype, rank_width):
+        return _Fn(303 + rank_width)
 
 
 class _VRecorder:
@@ -317,8 +317,7 @@ def test_expand_v_packs_each_slice_and_v_and_refuses_misaligned_rows():
     v = FakeDeviceArray((64, S * 3 * R), "<u2", strides=(2 * N, 2), ptr=gemm + 2 * 4096)
     layer.expand_v(ys, v, _views(64, S), 64)
     [got] = be.rec.launches
-    assert got["fn"] == 303 + R + 1000 * cb.EXPAND_V_TG  # 64 positions: chunks of one group
-    assert got["block"] == (cb.EXPAND_V_BN // 4, 1, 1) and got["stream"] == 5
+    assert got["fn"] == 303 + R and got["block"] == (cb.EXPAND_V_BN // 4, 1, 1) and got["stream"] == 5
     assert got["grid"] == (4096 // cb.EXPAND_V_BN, 8 + 32, 3)  # 64 positions: 8 tiles + a run per slot
     assert got["ys"] == [gemm] + [y.__cuda_array_interface__["data"][0] for y in ys[1:]]
     assert got["ldy"] == [N, 1024, 1024] and got["out"] == [4096, 1024, 1024] and got["boff"] == [0, 4096, 5120]

@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_CHUNK_LARGE, EXPAND_V_DTYPES,
-                       EXPAND_V_LARGE_FROM, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS,
-                       MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN, STREAM_BN, expand_v_name,
+from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_DTYPES, EXPAND_V_RANKS,
+                       EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
+                       STREAM_BN, expand_v_name,
                        load_module, mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
@@ -392,19 +392,11 @@ def slot_stride(name: str, b, d: DeviceArg) -> int:
                      f"array (strides {strides})")
 
 
-def expand_v_chunk(bucket: int) -> int:
-    """Positions of one slot a ``lora_expand_v`` block takes for a step of ``bucket`` positions:
-    ``EXPAND_V_CHUNK_LARGE`` from ``EXPAND_V_LARGE_FROM`` on (fewer blocks, each walking its chunk
-    with B's first rank block kept), else ``EXPAND_V_TG`` (one group: short dependent chains)."""
-    return EXPAND_V_CHUNK_LARGE if bucket >= EXPAND_V_LARGE_FROM else EXPAND_V_TG
-
-
 def expand_v_grid(bucket: int, num_slots: int, widest: int, n_slices: int) -> tuple[int, int, int]:
     """``lora_expand_v``'s grid: column blocks of the widest slice, a block per chunk a step of
-    ``bucket`` positions can have (runs of one slot cut every :func:`expand_v_chunk` positions: at
-    most the bucket's tiles plus one per slot with positions, and never more than the positions),
-    slices."""
-    chunks = min(bucket, _ceil(bucket, expand_v_chunk(bucket)) + min(num_slots - 1, bucket))
+    ``bucket`` positions can have (runs of one slot cut every ``EXPAND_V_TG``: at most the bucket's
+    tiles plus one per slot with positions, and never more than the positions), slices."""
+    chunks = min(bucket, _ceil(bucket, EXPAND_V_TG) + min(num_slots - 1, bucket))
     return max(1, _ceil(widest, EXPAND_V_BN)), max(1, chunks), n_slices
 
 
@@ -838,14 +830,13 @@ class CupyBackend:
                 fn.max_dynamic_shared_size_bytes = smem[kind](bm, bn) + extra
                 self._fns[(dtype, *key, aligned)] = fn
 
-    def expand_v_fn(self, dtype: str, rank_width: int, chunk: int = EXPAND_V_TG):
-        """``lora_expand_v`` (expand_v.cu) for one dtype, rank width and chunk
-        (:func:`expand_v_chunk`), loaded on first use."""
-        key = ("expand_v", dtype, rank_width, chunk)
+    def expand_v_fn(self, dtype: str, rank_width: int):
+        """``lora_expand_v`` (expand_v.cu) for one dtype and rank width, loaded on first use."""
+        key = ("expand_v", dtype, rank_width)
         fn = self._fns.get(key)
         if fn is None:
             with self._device:
-                fn = load_module("lora_expand_v").get_function(expand_v_name(CUDA_TYPES[dtype], rank_width, chunk))
+                fn = load_module("lora_expand_v").get_function(expand_v_name(CUDA_TYPES[dtype], rank_width))
                 fn.kernel  # noqa: B018 - loads the module on this device now, not inside a capture
             self._fns[key] = fn
         return fn
@@ -1102,7 +1093,7 @@ class LayerLaunch:
         slots (the attachment passes kb >= its rows; the kernel adds nothing for any past kb)."""
         be, wa = self.backend, self.weights
         S, n, R, _in, _out = wa.dims
-        fns, cols = self._expand_v_layer()
+        fn, cols = self._expand_v_layer()
         if len(ys) != n:
             raise ValueError(f"{len(ys)} outputs for {n} slices")
         offs = self.held.out_offsets
@@ -1135,7 +1126,6 @@ class LayerLaunch:
         torch = type(v).__module__.startswith("torch")
         stream = be.stream_ptr(torch)
         grid = expand_v_grid(bucket, S, max(cols), n)
-        fn = fns[expand_v_chunk(bucket)]
         with be.device:
             if after_gemm and be.pdl:
                 be._pdl_launch(int(fn.kernel.ptr), grid, (EXPAND_V_BN // 4, 1, 1), 0, stream, packed.ptr)
@@ -1158,8 +1148,7 @@ class LayerLaunch:
                     raise ValueError(f"slice {j} has {c} columns; lora_expand_v takes multiples of 4")
             if not wa.flags & 2:
                 raise ValueError("lora_expand_v reads B in 16-byte pieces: B's pointer and slot stride must allow them")
-            self._v_layer = ({ch: self.backend.expand_v_fn(wa.dtype, R, ch)
-                              for ch in (EXPAND_V_TG, EXPAND_V_CHUNK_LARGE)}, cols)
+            self._v_layer = (self.backend.expand_v_fn(wa.dtype, R), cols)
         return self._v_layer
 
     def packed(self, views) -> PackedLaunch | None:

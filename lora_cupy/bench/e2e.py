@@ -192,25 +192,19 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int,
             pool.remove_request(rid)
 
 
-def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in_place: bool = True,
-                whole: bool = False) -> dict:
+def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in_place: bool = True) -> dict:
     """Device ms of one eager step prefilling 8 requests of 512 tokens on ``adapters`` (``ms``)
     and of the same step on the base model (``base_ms``), medians over ``reps`` (at most 20)
     steps of each. The two alternate in one generator (adapters, base, adapters, ...), so a drift
     of the device's clocks over the run moves both alike: a prefill step is long and
     compute-bound, and timed in separate phases its base moved by up to 10% within one run.
-    ``whole=True``: each target's pool delta (its shrink, then each member's expand into its own
-    output) instead of the shrink inside the target's first GEMM over the step's slots' gathered A
-    (the attachment's default for a large step on at most 8 adapters: ``large_steps_in_base``).
-    ``in_place=False`` (implies ``whole``): the q/k/v and gate/up groups through one launch into a
-    shared scratch, as decode steps of the pool's delta run them, rather than each member's slice
-    into its own output."""
+    ``in_place=False``: the q/k/v and gate/up groups through one launch into a shared scratch,
+    as decode steps run them, rather than each member's slice into its own output (what a step
+    this large runs)."""
     from ..integrations import GenerationRequest
 
     gen = generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False,
                     overlap=None if overlap else False)
-    if whole or not in_place:
-        gen.attachment.large_steps_in_base = False
     if not in_place:
         gen.attachment.members_in_place_rows = 1 << 62
     rng = np.random.default_rng(2)
@@ -323,9 +317,6 @@ def run(args) -> dict:
                     log(f"{case}: adapters, deltas in line, alternating with base steps")
                     inline = fn(ads, False)
                     serial, base2 = inline["ms"], inline["base_ms"]
-                    log(f"{case}: adapters, the pool's delta per target (large_steps_in_base=False), "
-                        "alternating with base steps")
-                    whole = prefill_row(model, pool, ads, args.reps, True, whole=True)
                 else:
                     log(f"{case}: base")
                     base = fn([None], True)["ms"]
@@ -352,8 +343,6 @@ def run(args) -> dict:
                        "inline_ratio": round(serial / base, 3), "base_again_ms": round(base2, 4)}
                 if case.startswith("prefill"):
                     row["inline_ratio"] = round(serial / base2, 3)  # against the base steps beside it
-                    row["whole_ms"] = round(whole["ms"], 4)
-                    row["whole_ratio"] = round(whole["ms"] / whole["base_ms"], 3)
                     log(f"{case}: adapters, fused groups through a shared scratch, alternating with base steps")
                     scratch = prefill_row(model, pool, ads, args.reps, True, in_place=False)
                     row["scratch_ms"] = round(scratch["ms"], 4)
@@ -404,7 +393,7 @@ def markdown(result: dict) -> str:
     if any("whole_ms" in r for r in result["rows"]):
         lines += ["", "with adapters / in line: the attachment's default, where it fits, inside graph captures, "
                       "each target's shrink inside its first GEMM (the pool's A rows appended to the base weight) "
-                      "for steps of at most 64 rows, then `lora_expand_v` (an eager decode step runs the pool's whole "
+                      "for steps of at most 64 rows, then `lora_expand_v` (an eager step runs the pool's whole "
                       "delta); whole delta: the same step with the pool's whole delta per target "
                       "(`shrink_in_base=False`, forked inside the graph capture); deltas alone: those whole "
                       "deltas by themselves."]
@@ -420,10 +409,7 @@ def markdown(result: dict) -> str:
         if r["case"].startswith("prefill"):
             lines += ["", f"{r['case']}: steps on adapters alternate with base steps in one generator; base and "
                           "base again are the base steps beside the default and the in-line variant, each "
-                          "variant's ratio is against its own. With adapters and in line: each target's shrink "
-                          "inside its first GEMM over the step's slots' gathered A, then `lora_expand_v` "
-                          "(`large_steps_in_base`); whole delta: the pool's shrink and each member's expand "
-                          "instead."]
+                          "variant's ratio is against its own."]
     return "\n".join(lines)
 
 

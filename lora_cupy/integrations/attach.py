@@ -63,11 +63,7 @@ A: each extended weight also keeps K = min(8, S-1) blocks of ``n*R`` rows *befor
 weight (``[K*n*R | out | S*n*R]``), one ``lora_gather_a`` launch a forward copies the A of the
 step's slots with positions into them (every target at once), and the GEMM takes the kb blocks
 next to the weight (kb: the step's rows); on an H200 this took the e2e bench's batch-1 decode
-step from 1.126x to 1.070x its base step. A larger eager step whose slots with positions fit
-those K blocks (a prefill on at most 8 adapters; ``Attachment.large_steps_in_base``, on wherever
-``shrink_in_base`` is not "never") runs the same way with kb = its slots: the first GEMM writes
-every row's v for each of the step's slots (K*n*R more columns, about 2% of gate/up's), and
-``lora_expand_v`` picks each row's own; this replaces the pool's shrink kernel. ``lora_expand_v`` launches with programmatic
+step from 1.126x to 1.070x its base step. ``lora_expand_v`` launches with programmatic
 dependent launch after its GEMM where the device allows. :meth:`Attachment.detach` gives each
 linear a weight of its own again and the pool its A.
 
@@ -340,12 +336,7 @@ class _BaseShrink:
         if plan is not None and plan.ready is not None:  # the CPU pool: its installs into A land first
             plan.wait_host()
         rows = x2d.shape[0]
-        if rows <= min(self.K, att.compact_rows):  # a small step: at most one slot a row
-            kb = rows
-        elif rows > att.shrink_in_base_rows:  # a large step, whose slots fit the blocks (_base_applies)
-            kb = plan.slot_count
-        else:
-            kb = 0
+        kb = rows if rows <= min(self.K, att.compact_rows) else 0
         if kb:  # rows [C - kb*n*R, C + out0): v first, then y
             att._gather(plan, kb)
             v0 = kb * self.block
@@ -473,11 +464,6 @@ class Attachment:
         #: Rows of a step up to which its GEMM reads only the step's slots' A, gathered once a step
         #: before each base weight (at most ``COMPACT_ROWS``, the slots kept there).
         self.compact_rows = COMPACT_ROWS
-        #: Whether an eager step of more than ``shrink_in_base_rows`` rows whose slots with positions
-        #: fit the compact blocks (a prefill on at most ``COMPACT_ROWS`` adapters) also runs its
-        #: shrink in the first GEMM, over those slots' gathered A (module docstring).
-        self.large_steps_in_base = True
-        self._compact_blocks = min(COMPACT_ROWS, pool.spec.num_slots - 1)
         self._gathers: dict[int, object] = {}  # row grouping -> the backend's gather over its targets
         self._gathered = None  # (plan, kb, capturing) of the last gather; None: a new forward began
         self._base: dict[tuple, _BaseShrink] = {}
@@ -548,23 +534,17 @@ class Attachment:
         return torch.cuda.is_current_stream_capturing()
 
     def _base_applies(self, x, in_f: int) -> bool:
-        """Whether this call's target runs its shrink inside its first GEMM: a small step with
-        adapter rows, no autograd (with "graphs", inside a capture); or, with
-        ``large_steps_in_base``, a larger eager step whose slots with positions fit the compact
-        blocks (a prefill of at most ``COMPACT_ROWS`` adapters)."""
+        """Whether this call's target runs its shrink inside its first GEMM (a small step with
+        adapter rows, no autograd; with "graphs", inside a capture)."""
         if not self.shrink_in_base or not self.enabled:
             return False
         import torch
 
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or x.numel() > self.shrink_in_base_rows * in_f:
             return False
-        plan = self.pool.current_plan()
-        if plan is None:
+        if self.shrink_in_base_mode == "graphs" and not torch.cuda.is_current_stream_capturing():
             return False
-        capturing = self.pool.device.is_cuda and torch.cuda.is_current_stream_capturing()
-        if x.numel() <= self.shrink_in_base_rows * in_f:
-            return self.shrink_in_base_mode != "graphs" or capturing
-        return self.large_steps_in_base and not capturing and plan.slot_count <= self._compact_blocks
+        return self.pool.current_plan() is not None
 
     def _gather(self, plan, kb: int) -> None:
         """Place the step's slots' A before every extended weight, at the first small-step

@@ -204,13 +204,13 @@ def run_expand_v(lib, case, compact: bool = False) -> tuple[list[np.ndarray], np
     placed there by ``lora_gather_a`` run on the host too (checked against the NumPy reference,
     every row it must not write left at 3.0),
     and the kernel runs with compact = kb; the returned v is the every-slot one it stands for."""
-    from test_expand_v_gpu import _gemm_v, compact_blocks
+    from test_expand_v_gpu import _gemm_v
 
     w = case.w
     S, n, R, in_f = w.a.shape
     offs = w.out_offsets
     v = _gemm_v(case)
-    kb = compact_blocks(case) if compact else 0
+    kb = len(case.token_order) if compact else 0
     if compact:  # the gather, then the GEMM's v over the kb gathered blocks
         from lora_cupy.backends.reference import reference_gather_a
 
@@ -238,7 +238,7 @@ def run_expand_v(lib, case, compact: bool = False) -> tuple[list[np.ndarray], np
     scaling = np.ascontiguousarray(w.scaling, np.float32)  # held while the call reads them
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     grid = cb.expand_v_grid(len(case.token_order), S, max(out[:n]), n)
-    dims = np.asarray([R, *grid, S, n, kb, cb.expand_v_chunk(len(case.token_order))], np.int32)
+    dims = np.asarray([R, *grid, S, n, kb], np.int32)
     vptr = gemm[:, offs[1] + max(kb - 1, 0) * n * R:].ctypes.data  # compact: the first slot's block
     rc = lib.emu_expand_v(DTYPE_CODE[case.spec.dtype], ptrs, ldy, out, boff,
                           ctypes.c_void_p(vptr), ctypes.c_longlong(gemm.shape[1]),

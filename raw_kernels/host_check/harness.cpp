@@ -207,29 +207,26 @@ static void run_grid(void (*fn)(int), int gx, int gy, int gz) {
         emu::run_block(fn, 0);
       }
 }
-template <typename T, int R, int CH> static void expand_v_block(int) {
-  lora_expand_v<T, R, 8, CH>((T*)V.y0, (T*)V.y1, (T*)V.y2, V.ldy[0], V.ldy[1], V.ldy[2], V.out[0], V.out[1], V.out[2],
-                             V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.scaling,
-                             V.ranks, V.token_order, V.slot_indptr, V.num_slots, V.n, V.compact);
+template <typename T, int R> static void expand_v_block(int) {
+  lora_expand_v<T, R, 8>((T*)V.y0, (T*)V.y1, (T*)V.y2, V.ldy[0], V.ldy[1], V.ldy[2], V.out[0], V.out[1], V.out[2],
+                         V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.scaling,
+                         V.ranks, V.token_order, V.slot_indptr, V.num_slots, V.n, V.compact);
 }
-template <typename T, int CH> static void (*expand_v_fn(int R))(int) {
-  return R == 8 ? expand_v_block<T, 8, CH> : R == 16 ? expand_v_block<T, 16, CH> : R == 32 ? expand_v_block<T, 32, CH>
-         : R == 64 ? expand_v_block<T, 64, CH> : R == 128 ? expand_v_block<T, 128, CH> : nullptr;
-}
-template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz, int chunk) {
-  void (*fn)(int) = chunk == 8 ? expand_v_fn<T, 8>(R) : chunk == 64 ? expand_v_fn<T, 64>(R) : nullptr;
+template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz) {
+  void (*fn)(int) = R == 8 ? expand_v_block<T, 8> : R == 16 ? expand_v_block<T, 16> : R == 32 ? expand_v_block<T, 32>
+                    : R == 64 ? expand_v_block<T, 64> : R == 128 ? expand_v_block<T, 128> : nullptr;
   if (!fn) return 2;
   run_grid(fn, gx, gy, gz);
   return 0;
 }
-// dtype 0 bf16, 1 fp16; ys[3], ldy[3], out[3], boff[3]; dims: R gx gy gz S n compact chunk
+// dtype 0 bf16, 1 fp16; ys[3], ldy[3], out[3], boff[3]; dims: R gx gy gz S n compact
 extern "C" int emu_expand_v(int dtype, void** ys, const long long* ldy, const int* out, const int* boff, const void* v,
                             long long ldv, const void* B, long long b_slot, const float* scaling, const int* ranks,
                             const int* token_order, const int* slot_indptr, const int* dims) {
   V = VLaunch{ys[0], ys[1], ys[2], {ldy[0], ldy[1], ldy[2]}, {out[0], out[1], out[2]}, {boff[0], boff[1], boff[2]},
               v, B, ldv, b_slot, scaling, ranks, token_order, slot_indptr, dims[4], dims[5], dims[6]};
-  if (dtype == 0) return expand_v_grid<__nv_bfloat16>(dims[0], dims[1], dims[2], dims[3], dims[7]);
-  if (dtype == 1) return expand_v_grid<__half>(dims[0], dims[1], dims[2], dims[3], dims[7]);
+  if (dtype == 0) return expand_v_grid<__nv_bfloat16>(dims[0], dims[1], dims[2], dims[3]);
+  if (dtype == 1) return expand_v_grid<__half>(dims[0], dims[1], dims[2], dims[3]);
   return 3;
 }
 

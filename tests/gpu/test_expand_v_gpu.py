@@ -22,12 +22,6 @@ CASES = {
                           mix="zipf", num_slots=17, active=12),
     "T61-skew-r8": dict(T=61, in_f=96, slices=(2056,), max_rank=8, ranks=(3, 8), mix="skewed"),
     "pad100": dict(T=100, in_f=256, slices=(256,), max_rank=32, ranks=(16, 32), mix="uniform", pad_to=128),
-    # from EXPAND_V_LARGE_FROM positions: chunks of 64 walked 8 at a time (partial chunks and groups)
-    "T300-qkv-r64": dict(T=300, in_f=128, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64), mix="uniform",
-                         num_slots=9, active=6),
-    "T521-skew-r16": dict(T=521, in_f=64, slices=(1032,), max_rank=16, ranks=(5, 16), mix="skewed"),
-    "pad260-r128": dict(T=260, in_f=64, slices=(520, 264), max_rank=128, ranks=(1, 64, 128), mix="zipf",
-                        num_slots=17, active=12, pad_to=384),
 }
 
 
@@ -250,19 +244,7 @@ COMPACT_CASES = {
     "T8-distinct": dict(T=8, in_f=128, slices=(1024, 256, 256), max_rank=16, ranks=(8, 16), mix="distinct",
                         num_slots=33, active=8),
     "pad8": dict(T=5, in_f=128, slices=(264,), max_rank=32, ranks=(16, 32), mix="uniform", pad_to=8),
-    # a prefill on few adapters: kb = its slots with positions, chunks of 64
-    "T300-slots": dict(T=300, in_f=128, slices=(1024, 256, 256), max_rank=16, ranks=(8, 16), mix="uniform",
-                       num_slots=33, active=6),
 }
-
-
-def compact_blocks(case, K: int = 8) -> int:
-    """kb for a compact expand of ``case``: its positions (a small step; at least its slots), or,
-    past K of them (a prefill on few adapters), its slots with positions."""
-    from lora_cupy.backends.reference import active_slots
-
-    T = len(case.token_order)
-    return T if T <= K else len(active_slots(case.slot_indptr))
 
 
 @pytest.mark.parametrize("name", list(COMPACT_CASES))
@@ -278,8 +260,8 @@ def test_gather_then_compact_expand_v_matches_oracle(make_case, name):
     case = make_case(dtype=dtype, **COMPACT_CASES[name])
     S, n, R, in_f = case.w.a.shape
     offs = case.w.out_offsets
+    kb = len(case.token_order)  # the bucket's rows: at least the slots with positions
     K = 8
-    kb = compact_blocks(case, K)
     be = backend_for(case.spec)
     launch = be.prepare(dev_weights(case.w))
     tail = dev(case.w.a)
