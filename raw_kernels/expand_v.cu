@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(128) lora_expand_v(
 // nothing) copies its block of bytes (its A [n, R, in], contiguous) from src + s * bytes to
 // dst - k * bytes: the first such slot's block ends where the base weight starts, the next one
 // before it, so a GEMM of x with rows [dst - kb * bytes, dst + weight) writes every slot's v the
-// step needs beside y (lora_expand_v with compact = 1 reads them). bytes: a multiple of 16.
+// step needs beside y (lora_expand_v with compact = kb reads them). bytes: a multiple of 16.
 // Grid: x = blocks a slot's block is split over, y = the slots a step can have, z = entries.
 __global__ void __launch_bounds__(256) lora_gather_a(const long long* __restrict__ table,
                                                      const int* __restrict__ slot_indptr, int num_slots) {

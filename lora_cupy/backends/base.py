@@ -66,6 +66,13 @@ def member_weights(w: LayerWeights, j: int) -> LayerWeights:
     return LayerWeights(w.a, w.b[:, o0:o1], w.scaling, w.ranks, member_offsets(w.out_offsets, j))
 
 
+def active_slots(slot_indptr) -> list[int]:
+    """The slots ``s >= 1`` whose range of ``token_order`` is not empty, in slot order (a step's
+    k-th such slot is the one ``lora_gather_a`` places k blocks before the base weight)."""
+    indptr = np.asarray(slot_indptr)
+    return [s for s in range(1, len(indptr) - 1) if indptr[s + 1] > indptr[s]]
+
+
 def check_compact(compact: int, num_slots: int, slot_indptr=None) -> None:
     """``expand_v``'s ``compact`` (kb, the blocks of a step's slots v holds; 0: every slot's):
     ValueError unless ``0 <= kb < num_slots``, or (given host addressing) the step has more slots
@@ -73,7 +80,7 @@ def check_compact(compact: int, num_slots: int, slot_indptr=None) -> None:
     if not isinstance(compact, (int, np.integer)) or not 0 <= compact < num_slots:
         raise ValueError(f"compact must be 0 or the blocks v holds (1..{num_slots - 1}), got {compact!r}")
     if compact and isinstance(slot_indptr, np.ndarray):
-        active = int(np.count_nonzero(np.diff(slot_indptr[1:])))
+        active = len(active_slots(slot_indptr))
         if active > compact:
             raise ValueError(f"the step has {active} slots with positions; v holds {compact} blocks")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerWeights, check_compact, check_gather_pairs
+from .base import LayerWeights, active_slots, check_compact, check_gather_pairs
 
 
 def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, slot_indptr) -> None:
@@ -29,13 +29,6 @@ def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, 
             v = xs @ w.a[s, j, :r].astype(np.float32).T  # [m, r]
             acc[:, c0:c1] += scaling[s, j] * (v @ w.b[s, c0:c1, :r].astype(np.float32).T)
         y[rows] = acc.astype(y.dtype)
-
-
-def active_slots(slot_indptr) -> list[int]:
-    """The slots ``s >= 1`` whose range of ``token_order`` is not empty, in slot order (a step's
-    k-th such slot is the one ``lora_gather_a`` places k blocks before the base weight)."""
-    indptr = np.asarray(slot_indptr)
-    return [s for s in range(1, len(indptr) - 1) if indptr[s + 1] > indptr[s]]
 
 
 def reference_expand_v(ys, v: np.ndarray, w: LayerWeights, token_order, slot_indptr, compact: int = 0) -> None:
