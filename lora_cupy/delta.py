@@ -124,6 +124,34 @@ class LoraLayerDelta:
             self.pool.open_halves = None
         return y
 
+    def glu(self, g, u, h):
+        """A gated MLP's activation with this gate_up target's delta folded in: ``h = silu(g + dg) *
+        (u + du)`` for the step's rows, g and u the model's gate and up outputs (``[T, inter]``,
+        base GEMMs only), dg / du the delta's two slices (CUDA: ``lora_expand_glu``). With a plan,
+        after :meth:`shrink` of the same step, target and layer (whose v it reads and zeroes); with
+        no plan (no adapter row), the plain fused activation of every row of g. h may be g.
+        Returns h. RuntimeError: a plan, but no shrink of this target open for both slices."""
+        if self.member is not None:
+            raise ValueError(f"{self!r}.glu: a member's delta; call the whole target's")
+        fn = getattr(self._launch, "glu", None)
+        if fn is None:
+            raise NotImplementedError(f"the {self.pool.backend.name} backend has no fused gated activation")
+        if self.pool.current_plan() is None:
+            try:
+                fn(g, u, h, None, g.shape[0])
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{self.target}[{self.layer_idx}] glu: {e}") from None
+            return h
+        rows = self.pool.current_plan().rows[self.grouping]
+        if g.shape[0] != rows:  # a row the addressing does not cover would keep g, not h
+            raise ValueError(f"{self.target}[{self.layer_idx}] glu: g has {g.shape[0]} rows, the step addresses {rows}")
+        if not self.shrink_open():
+            raise RuntimeError(f"{self!r}.glu: no shrink of {self.target}[{self.layer_idx}] is open for "
+                               f"slices {list(self.slices)} (open: {self.pool.open_halves})")
+        self._run(fn, " glu", g, u, h)
+        self.pool.open_halves = None
+        return h
+
     def shrink_open(self) -> bool:
         """Whether the pool's open shrink (:meth:`shrink`) is this target's and layer's, with this
         delta's slices still to expand."""

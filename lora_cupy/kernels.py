@@ -101,9 +101,21 @@ def mma_kernels():
     yield "expand_ring", RING_BM, RING_BN, False
 
 
+#: k-steps of 16 ranks ``lora_expand_glu`` is built for (its rank width / 16, chosen as the smallest
+#: that covers the pool's), and the element types it serves.
+GLU_KS = (1, 2, 4)
+GLU_DTYPES = ("float16", "bfloat16")
+
+
+def glu_name(ctype: str, ks: int) -> str:
+    """The name expression of ``lora_expand_glu`` (expand_glu.cuh, in the tensor-core family)."""
+    return f"lora_expand_glu<{ctype}, {ks}>"
+
+
 def _mma_names(ctype: str) -> tuple[str, ...]:
+    glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
-                 for aligned in (False, True) for k, bm, bn, c in mma_kernels())
+                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu
 
 
 #: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.

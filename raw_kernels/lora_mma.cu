@@ -33,6 +33,9 @@
 //     by each warp on its own; chosen for the buckets where it measured fastest (256 positions).
 //   lora_expand_ring (expand_ring.cuh): tiles of 64 positions, y and B through a ring of cp.async
 //     stages with v in registers; unfused launches from 1024 positions on.
+//   lora_expand_glu (expand_glu.cuh): a gated MLP's activation with its gate / up expands folded
+//     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
+//     large steps on models with a silu gated MLP.
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
 //     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink
@@ -893,6 +896,7 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 
 #include "expand_stream.cuh"
 #include "expand_ring.cuh"
+#include "expand_glu.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -969,4 +973,17 @@ __global__ void __launch_bounds__(128, sizeof(T) == 4 ? 2 : 3) lora_expand_ring(
   LORA_ARGS;
   lora::require_smem(lora::Ring<T>::SMEM + 4 * (num_slots + 1));
   lora::expand_ring_task<T, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Ring<T>::SMEM), tr, blockIdx.x);
+}
+
+// lora_expand_glu (expand_glu.cuh): a gated MLP's silu(g + dg) * (u + du) into h, tiles of 64
+// positions; KS k-steps of 16 ranks (the pool's rank width / 16, at most 4); 16-bit types only.
+// Registers capped for the 4 blocks per multiprocessor its shared memory allows.
+template <typename T, int KS>
+__global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* up, T* h, int ld, int ld_h, int inter) {
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::TileRows<64> tr;
+  LORA_ARGS;
+  lora::require_smem(lora::Glu<T>::SMEM + 4 * (num_slots + 1));
+  lora::expand_glu_task<T, KS>(g, up, h, ld, ld_h, inter, dsmem, reinterpret_cast<int*>(dsmem + lora::Glu<T>::SMEM),
+                               tr, blockIdx.x);
 }

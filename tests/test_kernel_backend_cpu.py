@@ -38,6 +38,8 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
         wanted |= {f"lora_fused<{ct}, {bm}, {bn}, {c}, {al}>" for bm, bn in kernels.MMA_TILES for c in ("false", "true")}
         wanted |= {f"lora_expand_stream<{ct}, {bm}, {al}>" for bm, _ in kernels.MMA_TILES}
         wanted.add(f"lora_expand_ring<{ct}, {al}>")
+    if dtype in kernels.GLU_DTYPES:  # the gated activation with the gate / up expand: 16-bit only
+        wanted |= {f"lora_expand_glu<{ct}, {ks}>" for ks in kernels.GLU_KS}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt

@@ -29,8 +29,8 @@ import numpy as np
 
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_DTYPES, EXPAND_V_RANKS,
-                       EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       STREAM_BN, expand_v_name,
+                       EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
+                       STREAM_BN, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
@@ -87,6 +87,16 @@ def ring_smem(dtype: str) -> int:
     size = _ITEMSIZE[dtype]
     rk = 32 if size == 4 else 64
     return 3 * (RING_BM * (RING_BN + 8) + RING_BN * (rk + 16)) * size
+
+
+def glu_smem(dtype: str) -> int:
+    """``Glu<T>::SMEM`` of expand_glu.cuh: 3 stages of a g and a u tile (64 x 64 columns, rows padded by 8)."""
+    return 3 * 2 * RING_BM * (RING_BN + 8) * _ITEMSIZE[dtype]
+
+
+#: Blocks per multiprocessor ``lora_expand_glu`` is built for (``__launch_bounds__(128, 4)``, what its
+#: shared memory allows): its grid is one wave of them.
+GLU_BLOCKS_PER_SM = 4
 
 
 #: Blocks per multiprocessor ``lora_expand_ring`` is built for (``__launch_bounds__(128, 3)``, fp32 2:
@@ -421,6 +431,22 @@ def rows_arg(name: str, t, cols: int, rows: int, dtype: str, device: int, align:
         raise ValueError(f"{name} must start and step its rows at multiples of {align} elements "
                          f"(pointer {d.ptr:#x}, row stride {ld})")
     return d.ptr, ld
+
+
+def views_args(limits: "CallLimits", views, num_slots: int) -> tuple[DeviceArg, DeviceArg]:
+    """``views``' token_order ``[T]`` and slot_indptr ``[S + 1]``, checked: int32, on the backend's
+    device, C-contiguous, T within the largest capture bucket (TypeError / ValueError)."""
+    TO, IP = inspect_arg("token_order", views.token_order), inspect_arg("slot_indptr", views.slot_indptr)
+    _check_placed(limits, (("token_order", TO), ("slot_indptr", IP)))
+    for nm, d in (("token_order", TO), ("slot_indptr", IP)):
+        if d.dtype != "int32":
+            raise TypeError(f"{nm} must be int32, got {d.dtype}")
+    if len(TO.shape) != 1 or IP.shape != (num_slots + 1,):
+        raise ValueError(f"token_order must be [T] and slot_indptr [S + 1] = [{num_slots + 1}], "
+                         f"got {TO.shape} and {IP.shape}")
+    if TO.shape[0] > limits.spec.max_tokens:
+        raise ValueError(f"{TO.shape[0]} positions exceed the largest capture bucket {limits.spec.max_tokens}")
+    return TO, IP
 
 
 def _check_placed(limits: "CallLimits", named) -> None:
@@ -823,6 +849,11 @@ class CupyBackend:
                 "fused": lambda bm, bn: fused_smem(dtype, bm, bn),
                 "expand_stream": lambda bm, bn: 0,  # expand_stream: slot_indptr alone
                 "expand_ring": lambda bm, bn: ring_smem(dtype)}
+        if dtype in GLU_DTYPES:
+            for ks in GLU_KS:
+                fn = mod.get_function(glu_name(ct, ks))
+                fn.max_dynamic_shared_size_bytes = glu_smem(dtype) + extra
+                self._fns[(dtype, "glu", ks)] = fn
         for kind, bm, bn, chunks in mma_kernels():  # both instantiations; the key ends in `aligned`
             key = (kind, bm, chunks) if kind == "fused" else (kind, bm)
             for aligned in (False, True):
@@ -1103,15 +1134,7 @@ class LayerLaunch:
         vp, ldv = rows_arg("v", v, (compact or S) * n * R, rows, wa.dtype, dev, 8)
         if compact:  # the kernel takes the first slot's block, the k-th k blocks to its left
             vp += (compact - 1) * n * R * _ITEMSIZE[wa.dtype]
-        TO, IP = inspect_arg("token_order", views.token_order), inspect_arg("slot_indptr", views.slot_indptr)
-        _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
-        for nm, d in (("token_order", TO), ("slot_indptr", IP)):
-            if d.dtype != "int32":
-                raise TypeError(f"{nm} must be int32, got {d.dtype}")
-        if len(TO.shape) != 1 or IP.shape != (S + 1,):
-            raise ValueError(f"token_order must be [T] and slot_indptr [S + 1] = [{S + 1}], got {TO.shape} and {IP.shape}")
-        if TO.shape[0] > be.limits.spec.max_tokens:
-            raise ValueError(f"{TO.shape[0]} positions exceed the largest capture bucket {be.limits.spec.max_tokens}")
+        TO, IP = views_args(be.limits, views, S)
         bucket = TO.shape[0]
         if bucket == 0 or rows == 0:
             return
@@ -1131,6 +1154,74 @@ class LayerLaunch:
                 be._pdl_launch(int(fn.kernel.ptr), grid, (EXPAND_V_BN // 4, 1, 1), 0, stream, packed.ptr)
             else:
                 be._driver.launchKernel(int(fn.kernel.ptr), *grid, EXPAND_V_BN // 4, 1, 1, 0, stream, packed.ptr, 0)
+
+    def glu_fits(self) -> str | None:
+        """Why :meth:`glu` cannot serve this layer's weights (None: it can): a gate_up target of two
+        slices of equal width, 16-bit, rank width at most 64, R a multiple of 4."""
+        wa = self.weights
+        S, n, R, _in, out = wa.dims
+        offs = tuple(self.held.out_offsets)
+        if self.backend.kernel != "mma":
+            return f"lora_expand_glu is a tensor-core kernel; the backend runs {self.backend.kernel!r}"
+        if wa.dtype not in GLU_DTYPES:
+            return f"lora_expand_glu serves {GLU_DTYPES}; the weights are {wa.dtype}"
+        if n != 2 or offs != (0, out // 2, out):
+            return f"lora_expand_glu takes a target of two slices of equal width (gate, up); out offsets {offs}"
+        if rank_width(R) > 16 * max(GLU_KS) or R % 4:
+            return f"lora_expand_glu takes rank widths up to {16 * max(GLU_KS)} in multiples of 4; R = {R}"
+        if (out // 2) % 8:
+            return f"lora_expand_glu takes slices of a multiple of 8 columns; they have {out // 2}"
+        if not wa.flags & 2:
+            return "lora_expand_glu reads B in 8-byte pieces: B's pointer and slot stride must allow them"
+        return None
+
+    def glu(self, g, u, h, views, rows: int) -> None:
+        """A gated MLP's activation with this gate_up target's expand folded in, on the caller's
+        stream (``lora_expand_glu``, expand_glu.cuh): ``h[t] = silu(g[t] + dg[t]) * (u[t] + du[t])``
+        for every row t < rows, dg / du slice 0's / 1's delta of row t's slot (none for slot 0),
+        from the v a shrink of this target (:meth:`half` "shrink") left in the workspace, which it
+        zeroes again. ``views`` None: no addressing, the plain fused activation of every row (no v
+        read). g, u, h ``[>= rows, inter]`` (inter: one slice's width), rows contiguous, pointers
+        and row strides multiples of 8 elements, g and u with one row stride; h may be g. Every
+        call is checked and packed anew (ValueError / TypeError naming what is wrong)."""
+        be, wa = self.backend, self.weights
+        why = self.glu_fits()
+        if why is not None:
+            raise ValueError(why)
+        S, n, R, in_f, out = wa.dims
+        inter, dev = out // 2, be.limits.device_id
+        gp, ld = rows_arg("g", g, inter, rows, wa.dtype, dev, 8)
+        up, ldu = rows_arg("u", u, inter, rows, wa.dtype, dev, 8)
+        hp, ldh = rows_arg("h", h, inter, rows, wa.dtype, dev, 8)
+        if ldu != ld:
+            raise ValueError(f"g and u must share a row stride, got {ld} and {ldu}")
+        if rows == 0:
+            return
+        to = ip = 0
+        positions = rows
+        if views is not None:
+            TO, IP = views_args(be.limits, views, S)
+            to, ip, positions = TO.ptr, IP.ptr, TO.shape[0]
+        tiles = _ceil(positions, RING_BM)
+        if 2 + 2 * tiles > be.limits.counter_ints:
+            raise ValueError(f"{tiles} tiles exceed the counters built for the spec")
+        col_blocks = _ceil(inter, RING_BN)
+        groups = max(1, min(col_blocks, (GLU_BLOCKS_PER_SM * be.limits.num_sms) // tiles))  # one wave
+        cpb = _ceil(col_blocks, groups)
+        groups = _ceil(col_blocks, cpb)
+        i32, u64 = np.int32, np.uint64
+        a, b, sc, rk, offs = wa.ptrs
+        ks = next(k for k in GLU_KS if 16 * k >= rank_width(R))
+        args = (u64(gp), u64(0), u64(a), u64(b), u64(sc), u64(rk), u64(offs), u64(to), u64(ip),
+                u64(be.workspace.data.ptr), u64(be.counters.data.ptr), i32(S), i32(n), i32(R), i32(in_f), i32(out),
+                i32(positions), i32(positions), i32(rank_width(R)), i32(1), i32(0), i32(col_blocks), i32(cpb),
+                i32(0), np.int64(wa.b_slot), u64(up), u64(hp), i32(ld), i32(ldh), i32(inter))
+        packed = PackedArgs(args)
+        fn = be._kernel_fn(wa.dtype, ("glu", ks))
+        torch = type(g).__module__.startswith("torch")
+        with be.device:
+            be._driver.launchKernel(int(fn.kernel.ptr), tiles * groups, 1, 1, THREADS, 1, 1,
+                                    glu_smem(wa.dtype) + 4 * (S + 1), be.stream_ptr(torch), packed.ptr, 0)
 
     def _expand_v_layer(self) -> tuple[Any, tuple[int, ...]]:
         """What ``lora_expand_v`` takes from this layer's weights alone, checked on the first call

@@ -192,7 +192,8 @@ def decode_row(model, pool, batch: int, adapters: list, graphs: bool, reps: int,
             pool.remove_request(rid)
 
 
-def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in_place: bool = True) -> dict:
+def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in_place: bool = True,
+                glu: bool = True) -> dict:
     """Device ms of one eager step prefilling 8 requests of 512 tokens on ``adapters`` (``ms``)
     and of the same step on the base model (``base_ms``), medians over ``reps`` (at most 20)
     steps of each. The two alternate in one generator (adapters, base, adapters, ...), so a drift
@@ -200,13 +201,16 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in
     compute-bound, and timed in separate phases its base moved by up to 10% within one run.
     ``in_place=False``: the q/k/v and gate/up groups through one launch into a shared scratch,
     as decode steps run them, rather than each member's slice into its own output (what a step
-    this large runs)."""
+    this large runs). ``glu=False``: each gated MLP runs the model's own forward (gate and up
+    expands in place, then its SiLU and product), base steps too, where the default folds the
+    expands into one fused activation (``Attachment.glu``) in both."""
     from ..integrations import GenerationRequest
 
     gen = generator(model, pool, max_batch=8, max_len=520, max_prefill=8, cuda_graphs=False,
                     overlap=None if overlap else False)
     if not in_place:
         gen.attachment.members_in_place_rows = 1 << 62
+    gen.attachment.glu = gen.attachment.glu and glu
     rng = np.random.default_rng(2)
     vocab = model.config.vocab_size
     n = [0]
@@ -347,6 +351,11 @@ def run(args) -> dict:
                     scratch = prefill_row(model, pool, ads, args.reps, True, in_place=False)
                     row["scratch_ms"] = round(scratch["ms"], 4)
                     row["scratch_ratio"] = round(scratch["ms"] / scratch["base_ms"], 3)
+                    if device != "cpu":
+                        log(f"{case}: adapters, each gated MLP's own forward (glu off), alternating with base steps")
+                        own = prefill_row(model, pool, ads, args.reps, True, glu=False)
+                        row["no_glu_ms"], row["no_glu_base_ms"] = round(own["ms"], 4), round(own["base_ms"], 4)
+                        row["no_glu_ratio"] = round(own["ms"] / own["base_ms"], 3)
                 elif whole is not None:
                     row["whole_ms"], row["whole_ratio"] = round(whole, 4), round(whole / base, 3)
                     if every is not None:
@@ -406,6 +415,12 @@ def markdown(result: dict) -> str:
             lines += ["", f"{r['case']}: with q/k/v and gate/up each through one launch into a shared scratch "
                           f"(as a decode step runs them) instead of each member in place: {r['scratch_ms']:.3f} ms "
                           f"({r['scratch_ratio']:.3f}x the base steps beside it)."]
+        if "no_glu_ms" in r:
+            lines += ["", f"{r['case']}: with each gated MLP's own forward (`glu` off: gate and up expands in "
+                          f"place, then the model's SiLU and product) in adapter and base steps alike: "
+                          f"{r['no_glu_ms']:.3f} ms against base {r['no_glu_base_ms']:.3f} ms "
+                          f"({r['no_glu_ratio']:.3f}x). The default runs one fused activation, with the deltas "
+                          f"folded in, in both."]
         if r["case"].startswith("prefill"):
             lines += ["", f"{r['case']}: steps on adapters alternate with base steps in one generator; base and "
                           "base again are the base steps beside the default and the in-line variant, each "

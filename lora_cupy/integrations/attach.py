@@ -67,6 +67,19 @@ step from 1.126x to 1.070x its base step. ``lora_expand_v`` launches with progra
 dependent launch after its GEMM where the device allows. :meth:`Attachment.detach` gives each
 linear a weight of its own again and the pool its A.
 
+Gated MLPs at large steps (CUDA, ``glu``). A Hugging Face gated MLP of SiLU (``GATED_MLPS``:
+``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) whose gate_up target fuses its two linears gets
+its forward replaced: a step of at least ``Attachment.glu_rows`` rows (512) runs both base GEMMs,
+the target's shrink, and one ``lora_expand_glu`` that writes ``silu(g + dg) * (u + du)`` over g,
+then ``down_proj`` as before (its own hook adds its delta). A prefill's gate and up expands each
+read and write a ``[T, inter]`` output that the model's SiLU and product then read and write again
+(at 4096 rows of a Llama-8B shape, 235 MB each); here g and u are read once and h written once.
+A step with no adapter row runs the same kernel with no delta (the plain fused activation), so
+a row's result never depends on whether other rows of its step have adapters; it differs from
+the model's own two kernels by rounding (h rounded once, where they round silu(g) and h). Smaller steps,
+autograd, a paused attachment and other dtypes or devices run the MLP's own forward.
+``glu_mlps`` lists the MLPs replaced; ``glu = False`` turns it off (for comparison).
+
 Rows: a ``[B, q, in]`` input is ``B * q`` token rows in batch order; the step's addressing
 (``LoraStep`` rows in the same order, ``q`` tokens each) says which slot each row reads. On
 the CPU the delta runs on NumPy views of the torch tensors (no copy); on CUDA torch tensors
@@ -87,6 +100,11 @@ _NONE = object()  # a module had no forward of its own on the instance
 #: Rows of a step from which each member of a fused group runs its own slice, in place (the
 #: default of ``Attachment.members_in_place_rows``).
 MEMBERS_IN_PLACE_ROWS = 512
+#: Rows of a step from which a gated MLP's activation runs with its gate / up delta folded in
+#: (``Attachment.glu_rows``).
+GLU_ROWS = 512
+#: Gated MLP modules whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (Hugging Face).
+GATED_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 #: Rows of a step up to which the shrink rides on the base GEMM (``Attachment.shrink_in_base_rows``).
 SHRINK_IN_BASE_ROWS = 64
 #: Rows of a step up to which that GEMM reads only the A of the step's slots, gathered before the
@@ -114,6 +132,24 @@ def shrink_in_base_fits(spec, device_is_cuda: bool) -> str | None:
         widths = [b - a for a, b in zip(offs, offs[1:])]
         if any(w % 8 for w in widths):
             return f"target {t.name!r}: slice widths {widths} (multiples of 8 wanted)"
+    return None
+
+
+def gated_mlp_fits(mlp, target) -> str | None:
+    """Why ``mlp`` (the module enclosing a gate_up target's two linears) cannot run its activation
+    with the target's delta folded in (None: it can): a Hugging Face gated MLP of SiLU whose forward
+    is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the target's slices gate_proj then up_proj."""
+    names = tuple(sl.name for sl in target.slices)
+    if names != ("gate_proj", "up_proj"):
+        return f"target {target.name!r} has slices {names}, not ('gate_proj', 'up_proj')"
+    kind = type(mlp).__name__
+    if kind not in GATED_MLPS:
+        return f"{kind} is not one of the gated MLPs {GATED_MLPS}"
+    act = type(getattr(mlp, "act_fn", None)).__name__
+    if act not in ("SiLU", "SiLUActivation"):
+        return f"{kind}'s act_fn is {act}, not SiLU"
+    if not hasattr(mlp, "down_proj"):
+        return f"{kind} has no down_proj"
     return None
 
 
@@ -421,7 +457,8 @@ class Attachment:
     ``sites`` lists every hooked linear. Use as a context manager to detach on exit.
     """
 
-    def __init__(self, model, pool, overlap: bool | str | None = None, shrink_in_base: bool | str | None = None):
+    def __init__(self, model, pool, overlap: bool | str | None = None, shrink_in_base: bool | str | None = None,
+                 glu: bool | None = None):
         modes = {True: "always", False: "never", "always": "always", "never": "never", "graphs": "graphs"}
         if overlap is None:
             overlap = "graphs" if pool.device.is_cuda else "never"
@@ -469,6 +506,16 @@ class Attachment:
         self._base: dict[tuple, _BaseShrink] = {}
         self._served: dict[int, object] = {}  # id(linear) -> the input its forward served whole
         self._patched = []
+        if glu and not (pool.device.is_cuda and pool.spec.tp_size == 1):
+            raise ValueError(f"glu runs lora_expand_glu on one CUDA device; the pool is on {pool.device.name} "
+                             f"with tensor parallelism {pool.spec.tp_size}")
+        #: Whether a gated MLP's activation runs with its gate / up delta folded in at steps of at
+        #: least ``glu_rows`` rows (``glu_mlps`` lists the MLPs that may); set False to compare.
+        self.glu = glu is not False and pool.device.is_cuda and pool.spec.tp_size == 1
+        #: Rows of a step from which it does.
+        self.glu_rows = GLU_ROWS
+        #: The gated MLPs whose forward this attachment replaced (module docstring).
+        self.glu_mlps: list[str] = []
         plan = _plan_sites(model, pool.spec)
         for path, mod, *_ in plan:
             if mod in _ATTACHED:
@@ -510,10 +557,65 @@ class Attachment:
                 _ATTACHED.add(mod)
                 self._modules.append(mod)
                 self.sites.append(_Site(path, t.name, layer, c0, c1))
+            if self.glu:
+                self._attach_glu(model, plan, groups, required=bool(glu))
         except BaseException:
             self.detach()
             raise
         self._num_groups = len(groups)
+
+    def _attach_glu(self, model, plan, groups: dict, required: bool) -> None:
+        """Replace the forward of each gated MLP whose gate_up target fits (:func:`gated_mlp_fits`,
+        and the backend's ``lora_expand_glu``); ``required``: ValueError where none does."""
+        mods: dict[tuple, dict] = {}
+        for _path, mod, t, _layer, _c0, _c1, g, j in plan:
+            if g is not None:
+                mods.setdefault(g, {})[j] = (mod, t)
+        why = "no target fuses separate gate_proj and up_proj linears"
+        for key, by_j in mods.items():
+            mlp = model.get_submodule(key[0])
+            t = by_j[0][1]
+            why = gated_mlp_fits(mlp, t)
+            if why is None:
+                fits = getattr(groups[key].delta._launch, "glu_fits", None)
+                why = "the backend has no lora_expand_glu" if fits is None else fits()
+            if why is not None:
+                continue
+            self._patched.append((mlp, mlp.__dict__.get("forward", _NONE)))
+            mlp.forward = self._glu_forward(groups[key], mlp, by_j[0][0], by_j[1][0])
+            self.glu_mlps.append(key[0])
+        if required and not self.glu_mlps:
+            raise ValueError(f"glu=True: no gated MLP fits ({why})")
+
+    def _glu_forward(self, group: "_FusedGroup", mlp, gate, up):
+        """The MLP's forward at large steps: both base GEMMs, the target's shrink, one
+        ``lora_expand_glu`` into gate's output, then ``down_proj`` (whose own hook adds its delta);
+        its own forward otherwise (small steps, paused, autograd, another dtype or device)."""
+        import torch
+        import torch.nn.functional as F
+
+        own = mlp.forward  # the forward it had (bound), kept for every other call
+        in_f, inter = gate.in_features, gate.out_features
+        delta = group.delta
+
+        def forward(x, *args, **kwargs):
+            if (args or kwargs or not self.glu or not self.enabled or torch.is_grad_enabled()
+                    or x.dtype != gate.weight.dtype or not x.is_cuda or x.shape[-1] != in_f
+                    or x.numel() < self.glu_rows * in_f):
+                return own(x, *args, **kwargs)
+            x2d = x.reshape(-1, in_f)
+            plan = self.pool.current_plan()
+            if plan is not None and plan.rows.get(delta.grouping) != x2d.shape[0]:
+                return own(x, *args, **kwargs)  # rows the addressing does not cover
+            x2d = x2d.contiguous()
+            g = F.linear(x2d, gate.weight, gate.bias)
+            u = F.linear(x2d, up.weight, up.bias)
+            if plan is not None:
+                delta.shrink(x2d)
+            delta.glu(g, u, g)
+            return mlp.down_proj(g.view(*x.shape[:-1], inter))
+
+        return forward
 
     @property
     def overlap(self) -> bool:
@@ -772,7 +874,8 @@ def _plan_sites(model, spec) -> list[tuple]:
     return plan
 
 
-def attach(model, pool, overlap: bool | str | None = None, shrink_in_base: bool | str | None = None) -> Attachment:
+def attach(model, pool, overlap: bool | str | None = None, shrink_in_base: bool | str | None = None,
+           glu: bool | None = None) -> Attachment:
     """Hook ``pool``'s targets onto ``model``'s linears (see the module docstring).
 
     ``overlap``: run each delta on a side stream beside its linear's GEMM: ``"graphs"`` (the
@@ -785,8 +888,13 @@ def attach(model, pool, overlap: bool | str | None = None, shrink_in_base: bool 
     on CUDA (:func:`shrink_in_base_fits`), never on the CPU. Asked for where it does not fit:
     ValueError saying why.
 
+    ``glu``: at steps of at least ``Attachment.glu_rows`` rows (a prefill), each Hugging Face
+    gated MLP of SiLU whose gate_up target fuses its separate gate_proj / up_proj runs its
+    activation with that target's delta folded in (module docstring); None (the default): where
+    it fits, on one CUDA device; True: the same, ValueError where no MLP fits; False: never.
+
     Refuses, before hooking anything: a target with no linear of its name (or of its slices'
     names) at some stack layer (``TargetMismatchError``), a linear whose shape on this rank or
     dtype differs from the target's (``ShapeMismatchError``), a linear attached already.
     """
-    return Attachment(model, pool, overlap, shrink_in_base)
+    return Attachment(model, pool, overlap, shrink_in_base, glu)

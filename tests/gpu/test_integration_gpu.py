@@ -65,11 +65,15 @@ def on_cuda(model, dtype):
     return copy.deepcopy(model).to(device="cuda", dtype=dtype).eval()
 
 
+@pytest.mark.parametrize("glu", [False, True])
 @pytest.mark.parametrize("base_shrink", ["always", False])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_bf16_logits_within_tolerance_of_peft(adapters, overlap, base_shrink):
+def test_bf16_logits_within_tolerance_of_peft(adapters, overlap, base_shrink, glu):
     """``base_shrink`` "always": the shrink inside the extended first GEMM of each target in this
-    eager forward too (54 rows), so nothing forks; False: the pool's whole delta per target."""
+    eager forward too (54 rows), so nothing forks; False: the pool's whole delta per target.
+    ``glu``: every gated MLP runs its activation with the gate / up delta folded in
+    (``lora_expand_glu``, what a prefill of 512 rows or more runs), its base row the plain fused
+    activation."""
     base, dirs = adapters
     model = on_cuda(base, torch.bfloat16)
     ref16 = PeftReference(model, dirs, autocast_adapter_dtype=False)  # adapter weights in bf16, as the pool's
@@ -79,6 +83,8 @@ def test_bf16_logits_within_tolerance_of_peft(adapters, overlap, base_shrink):
     spec = spec_for_adapters(model, dirs, num_slots=5)
     with LoraAdapterPool(spec, "cuda:0", adapters={k: str(v) for k, v in dirs.items()}) as pool, \
             attach(model, pool, overlap=overlap, shrink_in_base=base_shrink) as att:
+        assert len(att.glu_mlps) == 2, att.glu_mlps  # both layers' LlamaMLP fit
+        att.glu_rows = 1 if glu else 1 << 30
         planned_step(pool, rows, ids.shape[1])
         with torch.inference_mode():
             got = model(input_ids=ids).logits.float()
