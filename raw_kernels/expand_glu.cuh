@@ -15,20 +15,21 @@
 //
 // A block takes one tile of 64 positions (every position below slot_indptr[S], slot 0 included) and
 // one column group (cpb blocks of 64 columns); warp w owns rows [16 w, 16 w + 16). g's and u's tiles
-// (64 rows x 64 columns each, whole 128-byte lines of 16-bit elements) come through a ring of STAGES
-// cp.async stages, filled STAGES - 1 column blocks ahead. v * scaling is read once per block into
-// registers as MMA fragments (both slices, KS k-steps of 16 ranks each: the pool's rank width); B
-// fragments are read straight from global memory (L2: a step's B is a few MB), one 8-byte load per
-// n-tile, slice and k-step, with ranks permuted inside each k-step as the v fragments are
-// (common.cuh); ranks at or past a run's rank are selected to zero (the pool's rows past an
-// adapter's rank may hold anything). A tile of several runs masks each run's rows into its own
-// MMAs. For each n-tile of 8 columns a warp adds its two sums into the tile's g and u (fp32), takes
-// silu(g) * u and writes h with one rounding, 4 bytes a lane (the MMA accumulator layout): h may be
-// g itself (the kernel writes only what its own block has read). The last column group of a tile
-// to finish zeroes the tile's v, as every expand does. Shared memory: 3 stages of two 9 KB tiles,
-// 55 KB (4 blocks a multiprocessor). 16-bit types only; rows and inter in multiples of 8 elements,
-// g, u and h 16-byte aligned (the host checks). Chosen by the attachment for gated MLPs of silu
-// (integrations/attach.py) at steps of Attachment.glu_rows rows or more.
+// (64 rows x 64 columns each, whole 128-byte lines of 16-bit elements, 16-byte pieces swizzled so
+// both the fragment reads and the row reads are free of bank conflicts) come through a ring of
+// STAGES cp.async stages, filled STAGES - 1 column blocks ahead. v * scaling is read once per block
+// into registers as MMA fragments (both slices, KS k-steps of 16 ranks each: the pool's rank
+// width); B fragments come straight from global memory (L2: a step's B is a few MB), ranks permuted
+// inside each k-step as the v fragments are (common.cuh), one 8-byte load per n-tile, slice and
+// k-step, a pass of 4 n-tiles loaded together; ranks at or past a run's rank are selected to zero
+// (the pool's rows past an adapter's rank may hold anything). A tile of several runs masks each
+// run's rows into its own MMAs. Each warp adds its sums to its rows of the g and u tiles (fp32),
+// writes silu(g) * u over its rows of the g tile, rounded once, and then those rows of h to global
+// memory in 16-byte pieces: h may be g itself (a block writes only what it has read). The last
+// column group of a tile to finish zeroes the tile's v, as every expand does. Shared memory: 3
+// stages of two 8 KB tiles, 48 KB (4 blocks a multiprocessor). 16-bit types only; rows and inter in
+// multiples of 8 elements, g, u and h 16-byte aligned (the host checks). Chosen by the attachment
+// for gated MLPs of silu (integrations/attach.py) at steps of Attachment.glu_rows rows or more.
 #pragma once
 
 namespace lora {
@@ -38,17 +39,21 @@ struct Glu {
   static_assert(sizeof(T) == 2, "lora_expand_glu serves 16-bit types");
   using M = typename Op<T>::type;
   static constexpr int BM = 64, BN = 64, STAGES = 3, CH = 16 / sizeof(T);
-  static constexpr int LDY = BN + 8;  // padded rows: a warp's 4-byte accesses fall in distinct banks
-  static constexpr int TILE = BM * LDY * (int)sizeof(T);
+  // unpadded rows, 16-byte pieces swizzled (piece c of row r at c ^ (r & 7)): a warp's 4-byte
+  // fragment reads and its 16-byte row reads fall in distinct banks, and 4 blocks fit a
+  // multiprocessor (a padded tile left room for 3)
+  static constexpr int TILE = BM * BN * (int)sizeof(T);
   static constexpr int SMEM = STAGES * 2 * TILE;
+  // the tile element (row, col) (col a multiple of 2 here: one 4-byte word)
+  static __device__ __forceinline__ int at(int row, int col) { return row * BN + ((((col >> 3) ^ row) & 7) << 3) + (col & 7); }
 };
 
-__device__ __forceinline__ float silu(float z) { return z / (1.f + __expf(-z)); }
+__device__ __forceinline__ float silu(float z) { return __fdividef(z, 1.f + __expf(-z)); }
 
-// Ranks [k0, k0 + 4) of one B row as a fragment, those at or past r zero (k0 < r).
+// Ranks [k0, k0 + 4) of one B row as a fragment, those at or past r zero.
 __device__ __forceinline__ void b_frag_masked(unsigned (&b)[2], uint2 q, int k0, int r) {
   const int n = r - k0;
-  b[0] = n >= 2 ? q.x : q.x & 0x0000ffffu;
+  b[0] = n >= 2 ? q.x : n == 1 ? q.x & 0x0000ffffu : 0u;
   b[1] = n >= 4 ? q.y : n == 3 ? q.y & 0x0000ffffu : 0u;
 }
 
@@ -57,8 +62,8 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
                                 char* dsmem, int* s_indptr, TileRows<64>& tr, int u) {
   using C = Glu<T>;
   using M = typename C::M;
-  constexpr int BM = C::BM, BN = C::BN, CH = C::CH, STAGES = C::STAGES, NT = BN / 8, YCPR = BN / CH;
-  constexpr int YPT = BM * YCPR / THREADS, YROWS = THREADS / YCPR;
+  constexpr int BM = C::BM, BN = C::BN, CH = C::CH, STAGES = C::STAGES, YCPR = BN / CH;
+  constexpr int YPT = BM * YCPR / THREADS, YROWS = THREADS / YCPR, HALF = 4;  // n-tiles a pass
   __shared__ RunMeta<BM> rm;
   __shared__ int tall[BM];  // every position's token row (slot 0 included), -1 past the step
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
@@ -87,6 +92,7 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
 
   // each thread's share of a g (and u) tile: rows yr0 + k * YROWS, one 16-byte piece at column ycol
   const int ycol = (tid % YCPR) * CH, yr0 = tid / YCPR;
+  const int ysw = C::at(yr0, ycol);  // its swizzled place (rows yr0 + k * YROWS share the swizzle)
   size_t yoff[YPT];
   bool yok[YPT];
 #pragma unroll
@@ -98,26 +104,22 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
   auto g_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * 2 * C::TILE); };
   auto u_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + (st * 2 + 1) * C::TILE); };
   auto load = [&](int cb, int st) {
-    if (cb < cb1) {
-      const int c = cb * BN + ycol;
-      if (c < inter) {
-        T* sg = g_tile(st) + yr0 * C::LDY + ycol;
-        T* su = u_tile(st) + yr0 * C::LDY + ycol;
+    if (cb < cb1 && cb * BN + ycol < inter) {
+      T* sg = g_tile(st) + ysw;
+      T* su = u_tile(st) + ysw;
 #pragma unroll
-        for (int k = 0; k < YPT; ++k)
-          if (yok[k]) {
-            cp_async16(sg + k * YROWS * C::LDY, g.y + yoff[k] + cb * BN, 16);
-            cp_async16(su + k * YROWS * C::LDY, up + yoff[k] + cb * BN, 16);
-          }
-      }
+      for (int k = 0; k < YPT; ++k)
+        if (yok[k]) {
+          cp_async16(sg + k * YROWS * BN, g.y + yoff[k] + cb * BN, 16);
+          cp_async16(su + k * YROWS * BN, up + yoff[k] + cb * BN, 16);
+        }
     }
     cp_async_commit();
   };
 
   // this warp's rows and their v fragments, both slices, each row times its run's scaling (zero for
-  // rows of slot 0); ranks past a row's rank are zero in v already
+  // rows of slot 0); ranks past a row's rank meet zero B
   const int m0 = warp * 16, row0 = m0 + gq, row1 = row0 + 8;
-  const int tok0 = tall[row0], tok1 = tall[row1];
   const bool ad0 = nrun > 0 && tr.tok[row0] >= 0, ad1 = nrun > 0 && tr.tok[row1] >= 0;
   Frags<M, false, float> vreg[2][KS];
   int kmax[2] = {0, 0};  // the largest rank of each slice among the runs meeting this warp's rows
@@ -146,59 +148,81 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
     }
   }
   const bool any_run = kmax[0] > 0 || kmax[1] > 0;  // warp-uniform: this warp's rows have a delta
-  T* hrow0 = tok0 >= 0 ? h + (size_t)tok0 * ld_h + 2 * tq : nullptr;
-  T* hrow1 = tok1 >= 0 ? h + (size_t)tok1 * ld_h + 2 * tq : nullptr;
+  const bool live0 = tall[row0] >= 0, live1 = tall[row1] >= 0;
 
-  // one column block: per n-tile, both slices' sums, then h
+  // one column block: per pass of HALF n-tiles, both slices' sums (B fragments of the pass loaded
+  // together, one round trip to L2 a k-step), then h into g's tile; then the warp's 16 rows of h
+  // to global memory, 16 bytes a lane
   auto compute = [&](int cb, int st) {
-    const T* sg = g_tile(st);
+    T* sg = g_tile(st);
     const T* su = u_tile(st);
     const int c0 = cb * BN;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      const int col = c0 + nt * 8 + gq;  // this lane's B row (column of h)
+    for (int pass = 0; pass < BN / 8 / HALF; ++pass) {
+      float acc[HALF][2][4];
+#pragma unroll
+      for (int i = 0; i < HALF; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
       if (any_run) {
         for (int k = 0; k < nrun; ++k) {
           const int lo = tr.run_lo[k], hi = tr.run_hi[k];
           if (!(lo < m0 + 16 && hi > m0)) continue;  // warp-uniform
           const bool in0 = row0 >= lo && row0 < hi, in1 = row1 >= lo && row1 < hi;
           const T* bs = g.B + (size_t)tr.run_slot[k] * g.b_slot;
+          const int r[2] = {rm.pr[0][k], rm.pr[1][k]};
 #pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int r = rm.pr[j][k];
-            const T* brow = bs + (size_t)(rm.s_off[j] + col) * g.max_rank + 4 * tq;
+          for (int q = 0; q < KS; ++q) {
+            if (q * 16 >= max(r[0], r[1])) break;  // warp-uniform
+            const int k0 = q * 16 + 4 * tq;
+            uint2 bq[HALF][2];
 #pragma unroll
-            for (int q = 0; q < KS; ++q) {
-              if (q * 16 < r) {
-                Frags<M, false, float> fa = vreg[j][q];
-                if (!in0) fa.a[0] = fa.a[2] = 0u;
-                if (!in1) fa.a[1] = fa.a[3] = 0u;
+            for (int i = 0; i < HALF; ++i) {
+              const int col = c0 + (pass * HALF + i) * 8 + gq;  // this lane's B row (column of h)
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                bq[i][j] = make_uint2(0u, 0u);
+                if (col < inter && k0 < r[j])
+                  bq[i][j] = __ldg(reinterpret_cast<const uint2*>(bs + (size_t)(rm.s_off[j] + col) * g.max_rank + k0));
+              }
+            }
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              if (q * 16 >= r[j]) continue;  // warp-uniform
+              Frags<M, false, float> fa = vreg[j][q];
+              if (!in0) fa.a[0] = fa.a[2] = 0u;
+              if (!in1) fa.a[1] = fa.a[3] = 0u;
+#pragma unroll
+              for (int i = 0; i < HALF; ++i) {
                 Frags<M, false, T> fb;
-                const int k0 = q * 16 + 4 * tq;
-                uint2 bq = make_uint2(0u, 0u);
-                if (col < inter && k0 < r) bq = __ldg(reinterpret_cast<const uint2*>(brow + q * 16));
-                b_frag_masked(fb.b, bq, k0, r);
-                mma_frags<M, false, false>(acc[j], fa, fb);
+                b_frag_masked(fb.b, bq[i][j], k0, r[j]);
+                mma_frags<M, false, false>(acc[i][j], fa, fb);
               }
             }
           }
         }
       }
-      const int sc = nt * 8 + 2 * tq;
-      if (c0 + sc < inter) {
+#pragma unroll
+      for (int i = 0; i < HALF; ++i) {
+        const int sc = (pass * HALF + i) * 8 + 2 * tq;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          T* hp = hh ? hrow1 : hrow0;
-          if (hp == nullptr) continue;
-          const int row = hh ? row1 : row0;
-          const float2 gv = unpack2<T>(*reinterpret_cast<const unsigned*>(sg + row * C::LDY + sc));
-          const float2 uv = unpack2<T>(*reinterpret_cast<const unsigned*>(su + row * C::LDY + sc));
-          const float a = gv.x + acc[0][2 * hh], b = gv.y + acc[0][2 * hh + 1];
-          const float ua = uv.x + acc[1][2 * hh], ub = uv.y + acc[1][2 * hh + 1];
-          *reinterpret_cast<unsigned*>(hp + c0 + nt * 8) = pack2<T>(silu(a) * ua, silu(b) * ub);
+          if (!(hh ? live1 : live0)) continue;
+          const int e = C::at(hh ? row1 : row0, sc);
+          const float2 gv = unpack2<T>(*reinterpret_cast<const unsigned*>(sg + e));
+          const float2 uv = unpack2<T>(*reinterpret_cast<const unsigned*>(su + e));
+          const float a = gv.x + acc[i][0][2 * hh], b = gv.y + acc[i][0][2 * hh + 1];
+          const float ua = uv.x + acc[i][1][2 * hh], ub = uv.y + acc[i][1][2 * hh + 1];
+          *reinterpret_cast<unsigned*>(sg + e) = pack2<T>(silu(a) * ua, silu(b) * ub);
         }
       }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = lane; c < 16 * YCPR; c += 32) {
+      const int row = m0 + c / YCPR, col = (c % YCPR) * CH, t = tall[row];
+      if (t >= 0 && c0 + col < inter)
+        *reinterpret_cast<uint4*>(h + (size_t)t * ld_h + c0 + col) = *reinterpret_cast<const uint4*>(sg + C::at(row, col));
     }
   };
 

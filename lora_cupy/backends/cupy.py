@@ -90,8 +90,8 @@ def ring_smem(dtype: str) -> int:
 
 
 def glu_smem(dtype: str) -> int:
-    """``Glu<T>::SMEM`` of expand_glu.cuh: 3 stages of a g and a u tile (64 x 64 columns, rows padded by 8)."""
-    return 3 * 2 * RING_BM * (RING_BN + 8) * _ITEMSIZE[dtype]
+    """``Glu<T>::SMEM`` of expand_glu.cuh: 3 stages of a g and a u tile (64 x 64 columns, swizzled)."""
+    return 3 * 2 * RING_BM * RING_BN * _ITEMSIZE[dtype]
 
 
 #: Blocks per multiprocessor ``lora_expand_glu`` is built for (``__launch_bounds__(128, 4)``, what its
