@@ -21,7 +21,8 @@
 // into registers as MMA fragments (both slices, KS k-steps of 16 ranks each: the pool's rank
 // width); B fragments come straight from global memory (L2: a step's B is a few MB), ranks permuted
 // inside each k-step as the v fragments are (common.cuh), one 8-byte load per n-tile, slice and
-// k-step, a pass of 4 n-tiles loaded together; ranks at or past a run's rank are selected to zero
+// k-step, a pass of 4 n-tiles loaded together (at rank width 16, by a warp whose rows meet one run,
+// a pass ahead); ranks at or past a run's rank are selected to zero
 // (the pool's rows past an adapter's rank may hold anything). A tile of several runs masks each
 // run's rows into its own MMAs. Each warp adds its sums to its rows of the g and u tiles (fp32),
 // writes silu(g) * u over its rows of the g tile, rounded once, and then those rows of h to global
@@ -149,6 +150,32 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
   }
   const bool any_run = kmax[0] > 0 || kmax[1] > 0;  // warp-uniform: this warp's rows have a delta
   const bool live0 = tall[row0] >= 0, live1 = tall[row1] >= 0;
+  // A warp whose rows meet one run (a prefill's, but where a request ends) at rank width 16 loads
+  // its B fragments a pass ahead, so the round trip to L2 overlaps the pass before; its other rows
+  // are slot 0's, whose v fragments are zero: no row mask. Other warps load them at each pass.
+  int kw = -1, nmeet = 0;
+  for (int k = 0; k < nrun; ++k)
+    if (tr.run_lo[k] < m0 + 16 && tr.run_hi[k] > m0) {
+      kw = k;
+      ++nmeet;
+    }
+  const bool ahead = KS == 1 && nmeet == 1 && any_run;  // warp-uniform
+  const T* bw = ahead ? g.B + (size_t)tr.run_slot[kw] * g.b_slot : g.B;
+  const int rw[2] = {ahead ? rm.pr[0][kw] : 0, ahead ? rm.pr[1][kw] : 0};
+  uint2 bnext[HALF][2];
+  auto load_pass = [&](int cb, int pass) {  // the fragments of (column block cb, pass) into bnext
+#pragma unroll
+    for (int i = 0; i < HALF; ++i) {
+      const int col = cb * BN + (pass * HALF + i) * 8 + gq;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        bnext[i][j] = make_uint2(0u, 0u);
+        if (cb < cb1 && col < inter && 4 * tq < rw[j])
+          bnext[i][j] = __ldg(reinterpret_cast<const uint2*>(bw + (size_t)(rm.s_off[j] + col) * g.max_rank + 4 * tq));
+      }
+    }
+  };
+  if (ahead) load_pass(cb0, 0);
 
   // one column block: per pass of HALF n-tiles, both slices' sums (B fragments of the pass loaded
   // together, one round trip to L2 a k-step), then h into g's tile; then the warp's 16 rows of h
@@ -164,7 +191,25 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
       for (int i = 0; i < HALF; ++i)
 #pragma unroll
         for (int j = 0; j < 2; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
-      if (any_run) {
+      if (ahead) {
+        uint2 bq[HALF][2];
+#pragma unroll
+        for (int i = 0; i < HALF; ++i) bq[i][0] = bnext[i][0], bq[i][1] = bnext[i][1];
+        if (pass == 0)
+          load_pass(cb, 1);
+        else
+          load_pass(cb + 1, 0);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if (rw[j] == 0) continue;  // warp-uniform
+#pragma unroll
+          for (int i = 0; i < HALF; ++i) {
+            Frags<M, false, T> fb;
+            b_frag_masked(fb.b, bq[i][j], 4 * tq, rw[j]);
+            mma_frags<M, false, false>(acc[i][j], vreg[j][0], fb);
+          }
+        }
+      } else if (any_run) {
         for (int k = 0; k < nrun; ++k) {
           const int lo = tr.run_lo[k], hi = tr.run_hi[k];
           if (!(lo < m0 + 16 && hi > m0)) continue;  // warp-uniform
