@@ -117,7 +117,9 @@ class LoraGenerator:
     stream beside its linear (:func:`~lora_cupy.integrations.attach.attach`; default: inside the
     decode graphs' captures on CUDA); ``shrink_in_base``: when a small step's shrink rides on
     each target's first GEMM (the same function; default: inside the decode graphs' captures,
-    where it fits on CUDA).
+    where it fits on CUDA); ``glu``: whether a gated MLP runs its activation with the gate / up
+    delta folded in at prefill steps of 512 rows or more (the same function; default: where it
+    fits on one CUDA device).
 
     A long-running server bounds what the generator keeps: ``keep_finished=False`` drops each
     request's record once its last event is out (``records`` then holds the queued and running
@@ -129,7 +131,8 @@ class LoraGenerator:
     def __init__(self, model, pool, *, max_batch: int | None = None, max_len: int = 256,
                  max_prefill: int = 8, cuda_graphs: bool | None = None, static_decode: bool = False,
                  eos_token_id="model", overlap: bool | str | None = None, keep_finished: bool = True,
-                 history_limit: int | None = 10_000, shrink_in_base: bool | str | None = None):
+                 history_limit: int | None = 10_000, shrink_in_base: bool | str | None = None,
+                 glu: bool | None = None):
         if history_limit is not None and history_limit < 1:
             raise ValueError(f"history_limit must be at least 1 step (or None), not {history_limit}")
         import torch
@@ -162,7 +165,7 @@ class LoraGenerator:
         self.cache = RowKVCache(geo["num_layers"], spec.bucket_for(self.max_batch), geo["kv_heads"], geo["head_dim"],
                                 max_len, param.dtype, param.device)
         self.queue = AdmissionQueue([pool])
-        self.attachment = attach(model, pool, overlap=overlap, shrink_in_base=shrink_in_base)
+        self.attachment = attach(model, pool, overlap=overlap, shrink_in_base=shrink_in_base, glu=glu)
         self.attachment.enabled = False  # the hooks add deltas only inside this generator's steps
         self.records: dict[Hashable, RequestRecord] = {}
         self.history: list[StepRecord] = []
