@@ -11,6 +11,8 @@ v / counter protocol; it cannot check timing, memory ordering between blocks, or
         [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
     python raw_kernels/host_check/check.py --expand-v    # lora_expand_v (expand_v.cu)
     python raw_kernels/host_check/check.py --expand-v --compact    # lora_gather_a, then compact
+    python raw_kernels/host_check/check.py --glu [--sms 132] [--inf] [--cp-async early] [--asan]
+        # lora_shrink, then lora_expand_glu (expand_glu.cuh)
 
 ``--sms 1`` plans for one multiprocessor (long column groups, one shrink split); ``--misalign``
 puts x and y one element off 16-byte alignment; ``--asan`` builds with AddressSanitizer (then
@@ -22,6 +24,10 @@ access flags are ``ALIGNED_FLAGS``, the one reading the flags elsewhere) or neve
 ``--members`` serves each slice of a multi-slice case alone, into an output of its own width, with
 B's rows of that slice read as a view (the kernels' ``b_slot``); ``--halves`` runs the whole
 target's shrink once and then each slice's expand alone so, as a prefill's q/k/v members run.
+``--glu`` runs a gate_up target's shrink (tiles of 64, unfused) and then ``lora_expand_glu`` on
+``GLU_CASES``, bf16 and fp16, each at one and four multiprocessors (long column groups) and at
+``--sms``: h against silu(g + dg) * (u + du) in float64, every element it must not write bit-exact
+(with ``--inf``, x's inf row of one adapter token is left out).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from conftest import build_case, check_result, with_inf  # noqa: E402
 
 from lora_cupy.backends import cupy as cb  # noqa: E402
 from lora_cupy.backends.base import member_offsets  # noqa: E402
-from lora_cupy.kernels import ALIGNED_FLAGS, cuda_include_dirs  # noqa: E402
+from lora_cupy.kernels import ALIGNED_FLAGS, GLU_KS, cuda_include_dirs  # noqa: E402
 
 #: common.cuh functions made of inline PTX, replaced by host_cuda.h (the last one by a macro that
 #: defines the m16n8k16 specializations in place).
@@ -66,6 +72,48 @@ CASES = {**GPU_CASES,
          "half-chunk": dict(T=45, in_f=328, slices=(200, 56, 28), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48),
                             mix="zipf", num_slots=17, active=9, pad_to=64)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
+
+#: lora_expand_glu's cases: a gate_up target of two slices of ``inter`` columns each (inter a
+#: multiple of 8, R of 4: what the backend's glu_fits allows). ``h``: "g" writes h in place over g,
+#: "own" into a buffer of its own with rows 8 elements wider (ld_h != ld); ``fused``: g and u are
+#: the two halves of one [rows, 2 inter] array (the gate_up GEMM's output, ld = 2 inter), else two
+#: arrays; ``plain``: no addressing (slot_indptr null), h = silu(g) * u for the first T rows;
+#: ``reverse``: blocks run last to first.
+GLU_CASES = {
+    # KS 1, slices ending 8 columns into a column block, zipf runs (no slot 0), a bucket's padding
+    "r16-zipf": dict(T=150, in_f=72, inter=200, max_rank=16, ranks=(0, 5, 13, 16), mix="zipf", num_slots=9,
+                     active=6, pad_to=192, h="own", fused=True),
+    # slot-0 rows among the runs, h over g inside the gate_up array (u's half must stay as it was)
+    "r16-inplace": dict(T=200, in_f=136, inter=136, max_rank=16, ranks=(0, 5, 13, 16), mix="uniform",
+                        num_slots=17, active=9, pad_to=256, h="g", fused=True, reverse=True),
+    # KS 1 at rank 12 (B's rows 12 apart), long runs: most warps meet one run, some with slot 0's rows
+    "r12-skewed": dict(T=300, in_f=64, inter=136, max_rank=12, ranks=(0, 4, 9, 12), mix="skewed", num_slots=9,
+                       active=4, pad_to=320, h="g", fused=False),
+    # KS 2; a quarter of the rows on slot 0 (a first tile with no run), five column blocks
+    "r32-skewed": dict(T=260, in_f=64, inter=264, max_rank=32, ranks=(0, 4, 17, 32), mix="skewed", num_slots=9,
+                       active=5, pad_to=320, h="g", fused=False),
+    # KS 2 with B's rows 20 ranks apart (rank width 32): the second k-step holds one group of 4 ranks,
+    # the loads past it are not made (under --asan, one past B's last row would show)
+    "r20": dict(T=130, in_f=96, inter=72, max_rank=20, ranks=(0, 3, 8, 17, 20), mix="uniform", num_slots=9,
+                active=6, h="own", fused=False),
+    # KS 4, inter a multiple of 64, runs of 6 rows (several a warp), rank 1 next to rank 64
+    "r64-distinct": dict(T=192, in_f=128, inter=256, max_rank=64, ranks=(0, 1, 8, 24, 48, 64), mix="distinct",
+                         num_slots=33, active=32, h="own", fused=True, reverse=True),
+    # KS 4 at rank width 48 (the fourth k-step never live), a last tile of 44 positions, no padding
+    "r48-zipf": dict(T=300, in_f=64, inter=200, max_rank=48, ranks=(0, 13, 33, 48), mix="zipf", num_slots=17,
+                     active=12, h="g", fused=True),
+    # one addressed row in a tile of padding
+    "one-row": dict(T=1, in_f=64, inter=136, max_rank=32, ranks=(32,), mix="identical", pad_to=64, h="own",
+                    fused=True),
+    # no addressing: the plain activation, rows past T untouched
+    "plain-inplace": dict(T=100, in_f=64, inter=200, max_rank=16, ranks=(16,), mix="uniform", pad_to=128, h="g",
+                          fused=True, plain=True),
+    "plain-own": dict(T=330, in_f=64, inter=136, max_rank=64, ranks=(64,), mix="uniform", pad_to=384, h="own",
+                      fused=False, plain=True, reverse=True),
+}
+#: multiprocessors each GLU case is planned for besides --sms: one (a column group per tile, cpb =
+#: every column block) and four (groups of several blocks, not dividing five column blocks evenly)
+GLU_SMS = (1, 4)
 
 
 def _cut(text: str, name: str, repl: str) -> str:
@@ -277,6 +325,121 @@ def check_expand_v(case, got: list[np.ndarray], v: np.ndarray, gemm: np.ndarray)
         assert moved >= 0.5 * np.linalg.norm(delta), f"slice {j}: the delta did not land"
 
 
+def silu64(z: np.ndarray) -> np.ndarray:
+    return z / (1.0 + np.exp(-z))
+
+
+def run_glu(lib, case, spec: dict, sms: int) -> dict:
+    """``lora_expand_glu`` on the host for ``case`` (a two-slice target of ``inter`` columns each)
+    as the backend launches it (LayerLaunch.glu), after the whole target's ``lora_shrink`` (tiles of
+    64) into a zero v; plain mode runs no shrink and poisons v and the counters (it must read
+    neither; token_order and slot_indptr are null, as the backend passes them). Returns what
+    check_glu needs: every buffer before and after, h's view, v, counters."""
+    w, dt = case.w, case.spec.dtype
+    S, n, R, in_f = w.a.shape
+    inter, rows = spec["inter"], case.y0.shape[0]
+    plain = spec.get("plain", False)
+    if spec["fused"]:  # the gate_up GEMM's output: g and u its halves, one row stride
+        gu = np.array(case.y0, copy=True, order="C")
+        g, u, bufs = gu[:, :inter], gu[:, inter:], {"gu": gu}
+    else:
+        g, u = np.ascontiguousarray(case.y0[:, :inter]), np.ascontiguousarray(case.y0[:, inter:])
+        bufs = {"g": g, "u": u}
+    ld = g.strides[0] // g.itemsize
+    if spec["h"] == "g":
+        h = g
+    else:  # rows 8 wider than h's columns, NaN: every element the kernel must not write stays NaN
+        hb = np.full((rows, inter + 8), np.nan, np.float32).astype(g.dtype)
+        h, bufs["h"] = hb[:, :inter], hb
+    ld_h = h.strides[0] // h.itemsize
+    rw = cb.rank_width(R)
+    plan = plan_for(case, expand="expand", tile=64, sms=sms)
+    ws = np.zeros(plan.bucket * n * rw, np.float32)
+    counters = np.zeros(plan.counter_ints(), np.int32)
+    if plain:
+        ws[:], counters[:] = np.nan, 7
+        positions = int(case.slot_indptr[-1])  # the unpadded rows: those past it stay as they were
+    else:
+        run(lib, case, plan, misalign=False, part="shrink", ws=ws, counters=counters)
+        positions = case.token_order.shape[0]
+    before = {k: bf.copy() for k, bf in bufs.items()}
+    ws0, counters0 = ws.copy(), counters.copy()
+    # LayerLaunch.glu's grid: one wave of GLU_BLOCKS_PER_SM blocks a multiprocessor over tiles x groups
+    tiles = -(-positions // cb.RING_BM)
+    col_blocks = -(-inter // cb.RING_BN)
+    groups = max(1, min(col_blocks, (cb.GLU_BLOCKS_PER_SM * sms) // tiles))
+    cpb = -(-col_blocks // groups)
+    groups = -(-col_blocks // cpb)
+    ks = next(k for k in GLU_KS if 16 * k >= rw)
+    offs = np.asarray(w.out_offsets, np.int32)
+    assert list(offs) == [0, inter, 2 * inter]
+    b = np.ascontiguousarray(w.b)
+    scaling = np.ascontiguousarray(w.scaling, np.float32)
+    ranks = np.ascontiguousarray(w.ranks, np.int32)
+    dims = np.asarray([S, n, R, in_f, 2 * inter, positions, positions, rw, 1, 0, col_blocks, cpb, 0, 0, 0,
+                       2 * inter * R, ld, ld_h, inter], np.int32)
+
+    def ptr(a):
+        return ctypes.c_void_p(None if a is None else a.ctypes.data)
+
+    rc = lib.emu_glu(DTYPE_CODE[dt], ks, tiles * groups, int(spec.get("reverse", False)), ptr(g), ptr(u), ptr(h),
+                     ptr(b), ptr(scaling), ptr(ranks), ptr(offs), ptr(None if plain else case.token_order),
+                     ptr(None if plain else case.slot_indptr), ptr(ws), ptr(counters), ptr(dims))
+    assert rc != 4, "shared memory past Glu<T>::SMEM written (on the device: s_indptr)"
+    assert rc == 0, f"no lora_expand_glu for KS {ks}"
+    return dict(bufs=bufs, before=before, h=h, positions=positions, plain=plain, inter=inter, ws=(ws0, ws),
+                counters=(counters0, counters), desc=f"KS {ks} tiles {tiles:2d} groups {groups} cpb {cpb}")
+
+
+def check_glu(case, r: dict, inf_row: int | None = None) -> None:
+    """h on the float64 oracle: silu(g + dg) * (u + du) on the rows of every addressed position (for
+    plain mode the first ``positions`` rows, silu(g) * u), within the dtype's tolerance over them
+    and, each row, within 4 times it of the rows' mean norm; no NaN (B, A past a rank, v); the
+    delta landed on rows of an adapter; every other element of g, u and h bit-exact; v and the
+    counters back at zero (plain mode: as they were). ``inf_row``: x's row holding an inf (--inf),
+    whose h row is NaN by design: the others are checked."""
+    inter, dt = r["inter"], case.spec.dtype
+    rows = case.y0.shape[0]
+    (ws0, ws), (counters0, counters) = r["ws"], r["counters"]
+    if r["plain"]:
+        assert np.array_equal(ws.view(np.int32), ws0.view(np.int32)), "plain mode wrote v"
+        assert np.array_equal(counters, counters0), "plain mode wrote the counters"
+    else:
+        assert not ws.any(), "v not zeroed after lora_expand_glu"
+        assert not counters.any(), "counters not reset after lora_expand_glu"
+    y0 = case.y0.astype(np.float64)
+    base = silu64(y0[:, :inter]) * y0[:, inter:]  # slot 0's rows, and no delta
+    if r["plain"]:
+        hit, want = np.arange(rows) < r["positions"], base
+    else:
+        hit = np.zeros(rows, bool)
+        hit[case.token_order[:case.slot_indptr[-1]]] = True
+        want = silu64(case.ref[:, :inter]) * case.ref[:, inter:]
+    h, tol = r["h"], cb.TOLERANCE[dt]
+    if inf_row is not None:
+        h[inf_row] = want[inf_row].astype(np.float32).astype(h.dtype)
+    # every element but h's addressed rows as it was (h may be a view of g's or the gate_up array)
+    for k, buf in r["bufs"].items():
+        written = np.zeros(buf.shape, bool)
+        if np.shares_memory(buf, h):
+            written[:, :inter][hit] = True  # h starts at the array's first element in every layout
+        bad = np.nonzero((buf.view(np.uint16) != r["before"][k].view(np.uint16)) & ~written)
+        assert not bad[0].size, f"{k}: {bad[0].size} elements written it must not (row {bad[0][0]}, col {bad[1][0]})"
+    if not hit.any():
+        return
+    got = h[hit].astype(np.float64)
+    assert np.isfinite(got).all(), f"non-finite h in {int((~np.isfinite(got)).any(1).sum())} rows"
+    err = np.linalg.norm(got - want[hit]) / np.linalg.norm(want[hit])
+    assert err < tol, f"relative error {err:.3g} above {tol}"
+    row_err = np.linalg.norm(got - want[hit], axis=1) / np.sqrt(np.mean(np.sum(want[hit] ** 2, axis=1)))
+    k = int(np.argmax(row_err))
+    assert row_err[k] < 4 * tol, f"row {np.nonzero(hit)[0][k]}: error {row_err[k]:.3g} of a mean row's norm"
+    ad = hit & case.touched & (case.w.ranks[case.row_slots].max(axis=1) > 0)
+    if ad.any():  # the delta really landed: without it the rows would be far off
+        moved = np.linalg.norm(h[ad].astype(np.float64) - base[ad])
+        assert moved >= 0.5 * np.linalg.norm(want[ad] - base[ad]), "the delta did not land"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
@@ -305,6 +468,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compact", action="store_true",
                     help="with --expand-v: lora_gather_a, then lora_expand_v with compact = kb, on the "
                          "small-step cases of tests/gpu/test_expand_v_gpu.py")
+    ap.add_argument("--glu", action="store_true",
+                    help="lora_shrink, then lora_expand_glu (expand_glu.cuh) on GLU_CASES, bf16 and fp16")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -312,6 +477,27 @@ def main(argv=None) -> int:
         lib.emu_set_cp_early(int(args.cp_async == "early"))
         rng = np.random.default_rng(args.seed)
         fails = 0
+        if args.glu:
+            for name, spec in GLU_CASES.items():
+                for dt in ("bfloat16", "float16"):
+                    for sms in sorted({*GLU_SMS, args.sms}):
+                        kw = {k: v for k, v in spec.items() if k not in ("inter", "h", "fused", "plain", "reverse")}
+                        case = build_case(rng, dtype=dt, slices=(spec["inter"], spec["inter"]), **kw)
+                        inf_row = None
+                        if args.inf and not spec.get("plain"):  # plain mode reads no x
+                            case.x, inf_row = with_inf(case)
+                        t0, r = time.time(), {"desc": ""}
+                        try:
+                            r = run_glu(lib, case, spec, sms)
+                            check_glu(case, r, inf_row)
+                            status = "ok"
+                        except AssertionError as e:
+                            fails += 1
+                            status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
+                        print(f"glu {name:13s} {dt:9s} sms {sms:3d} {r['desc']} {status} ({time.time() - t0:.1f}s)",
+                              flush=True)
+            print(f"{fails} failed")
+            return 1 if fails else 0
         if args.expand_v:
             from test_expand_v_gpu import CASES as V_CASES, COMPACT_CASES
 

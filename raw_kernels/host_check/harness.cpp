@@ -1,5 +1,6 @@
 // The lora kernels' task functions run on the host, block after block, for checks of their logic
-// (check.py builds this as a shared library and calls emu_delta through ctypes).
+// (check.py builds this as a shared library and calls emu_delta, emu_glu, emu_expand_v and emu_gather_a
+// through ctypes).
 #include "host_cuda.h"
 #include "lora_mma.cu"
 #include "expand_v.cu"
@@ -183,6 +184,45 @@ extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int e
   if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
   if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
   return run_t<float>(bm, expand, shrink_blocks, expand_blocks);
+}
+
+// lora_expand_glu (expand_glu.cuh): L as emu_delta sets it (y = g) and the kernel's own operands.
+struct GluLaunch {
+  const void* up;
+  void* h;
+  int ld, ld_h, inter;
+};
+static GluLaunch GL;
+template <typename T, int KS> static void glu_block(int u) {
+  static lora::TileRows<64> tr;
+  auto g = args<T>();
+  lora::expand_glu_task<T, KS>(g, (const T*)GL.up, (T*)GL.h, GL.ld, GL.ld_h, GL.inter, dsm.data(), s_indptr, tr, u);
+}
+template <typename T> static int glu_grid(int ks, int blocks, int reverse) {
+  void (*fn)(int) = ks == 1 ? glu_block<T, 1> : ks == 2 ? glu_block<T, 2> : ks == 4 ? glu_block<T, 4> : nullptr;
+  if (!fn) return 2;
+  // the bytes past Glu<T>::SMEM (on the device: s_indptr's) hold a pattern no stage may overwrite
+  constexpr size_t smem = lora::Glu<T>::SMEM;
+  memset(dsm.data() + smem, 0xa5, dsm.size() - smem);
+  // reverse: the last block first, so a block that depends on another's having run shows
+  for (int k = 0; k < blocks; ++k) emu::run_block(fn, reverse ? blocks - 1 - k : k);
+  for (size_t i = smem; i < dsm.size(); ++i)
+    if (dsm[i] != char(0xa5)) return 4;
+  return 0;
+}
+// dtype 0 bf16, 1 fp16; ks k-steps (1, 2, 4); blocks = tiles * column groups; dims as emu_delta's
+// (x and A unread), then ld ld_h inter. Returns 2 for another ks, 4 where shared memory past
+// Glu<T>::SMEM was written.
+extern "C" int emu_glu(int dtype, int ks, int blocks, int reverse, void* g, const void* up, void* h, const void* B,
+                       const float* scaling, const int* ranks, const int* out_offsets, const int* token_order,
+                       const int* slot_indptr, float* ws, int* counters, const int* dims) {
+  L = Launch{g, nullptr, nullptr, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0],
+             dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11],
+             dims[12], dims[13], dims[14], dims[15]};
+  GL = GluLaunch{up, h, dims[16], dims[17], dims[18]};
+  if (dtype == 0) return glu_grid<__nv_bfloat16>(ks, blocks, reverse);
+  if (dtype == 1) return glu_grid<__half>(ks, blocks, reverse);
+  return 3;
 }
 
 // lora_expand_v (expand_v.cu): every block of a grid (gx, gy, gz) of 128 threads, one at a time.

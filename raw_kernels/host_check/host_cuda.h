@@ -88,6 +88,10 @@ inline unsigned __float_as_uint(float f) {
   return u;
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+// the fast exponential and division (lora_expand_glu's silu) as the exact ones: math.h declares
+// __expf, libm does not export it (a call would fail at its lazy binding)
+extern "C" inline float __expf(float x) noexcept { return expf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
 inline void __syncthreads() { emu::block_barrier(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp_barrier(); }
 inline int __syncthreads_or(int pred) {
