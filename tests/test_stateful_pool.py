@@ -150,7 +150,8 @@ class PoolVsSimMachine(RuleBasedStateMachine):
     def _land(self, name: str, ok: bool, entry) -> None:
         entry.wait(TIMEOUT)  # READY or FAILED; a copy dropped meanwhile just finishes
         self.reader.fail_next.discard(name)  # unused if its request went before the read ran
-        self.model.complete_read(name, ok)
+        if self.pool.store.get(name) is entry:  # a dropped copy's read lands on no copy of the sim's
+            self.model.complete_read(name, ok)
 
     def _release_reads(self) -> None:
         """Open the gate: every stalled read lands, in the order the reader queued them."""
@@ -475,7 +476,10 @@ class PoolRanksMachine(RuleBasedStateMachine):
         for name, entry, ok in self.in_flight[rank]:
             entry.wait(TIMEOUT)
             self.readers[rank].fail_next.discard(name)
-            self.inst.ranks[rank].complete_read(name, ok)
+            # A copy dropped meanwhile (its requests removed) finishes on no copy of the sim's:
+            # the sim's copy of that name, if any, is a newer read's (an ingest after the removes).
+            if self.pools[rank].store.get(name) is entry:
+                self.inst.ranks[rank].complete_read(name, ok)
         self.in_flight[rank] = []
 
     # -- rules ---------------------------------------------------------------------------------
