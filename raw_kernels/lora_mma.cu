@@ -976,7 +976,7 @@ __global__ void __launch_bounds__(128, sizeof(T) == 4 ? 2 : 3) lora_expand_ring(
 }
 
 // lora_expand_glu (expand_glu.cuh): a gated MLP's silu(g + dg) * (u + du) into h, tiles of 64
-// positions; KS k-steps of 16 ranks (the pool's rank width / 16, at most 4); 16-bit types only.
+// positions; KS k-steps of 16 ranks (the smallest of 1, 2, 4 covering the pool's rank width); 16-bit types only.
 // Registers capped for the 4 blocks per multiprocessor its shared memory allows.
 template <typename T, int KS>
 __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* up, T* h, int ld, int ld_h, int inter) {

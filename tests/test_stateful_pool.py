@@ -150,8 +150,10 @@ class PoolVsSimMachine(RuleBasedStateMachine):
     def _land(self, name: str, ok: bool, entry) -> None:
         entry.wait(TIMEOUT)  # READY or FAILED; a copy dropped meanwhile just finishes
         self.reader.fail_next.discard(name)  # unused if its request went before the read ran
-        if self.pool.store.get(name) is entry:  # a dropped copy's read lands on no copy of the sim's
+        if self.pool.store.get(name) is entry:
             self.model.complete_read(name, ok)
+        else:  # only a dropped copy (its requests all removed) may land on no copy of the sim's
+            assert entry.users <= 0, f"{name}: a copy still in use was replaced in the store"
 
     def _release_reads(self) -> None:
         """Open the gate: every stalled read lands, in the order the reader queued them."""
@@ -480,6 +482,8 @@ class PoolRanksMachine(RuleBasedStateMachine):
             # the sim's copy of that name, if any, is a newer read's (an ingest after the removes).
             if self.pools[rank].store.get(name) is entry:
                 self.inst.ranks[rank].complete_read(name, ok)
+            else:
+                assert entry.users <= 0, f"rank {rank}: {name}'s copy still in use was replaced in the store"
         self.in_flight[rank] = []
 
     # -- rules ---------------------------------------------------------------------------------

@@ -1203,7 +1203,7 @@ class LayerLaunch:
             TO, IP = views_args(be.limits, views, S)
             to, ip, positions = TO.ptr, IP.ptr, TO.shape[0]
         tiles = _ceil(positions, RING_BM)
-        if 2 + 2 * tiles > be.limits.counter_ints:
+        if views is not None and 2 + 2 * tiles > be.limits.counter_ints:  # the plain mode counts nothing
             raise ValueError(f"{tiles} tiles exceed the counters built for the spec")
         col_blocks = _ceil(inter, RING_BN)
         groups = max(1, min(col_blocks, (GLU_BLOCKS_PER_SM * be.limits.num_sms) // tiles))  # one wave

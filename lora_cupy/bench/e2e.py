@@ -420,7 +420,8 @@ def markdown(result: dict) -> str:
                           f"place, then the model's SiLU and product) in adapter and base steps alike: "
                           f"{r['no_glu_ms']:.3f} ms against base {r['no_glu_base_ms']:.3f} ms "
                           f"({r['no_glu_ratio']:.3f}x). The default runs one fused activation, with the deltas "
-                          f"folded in, in both."]
+                          f"folded in, in both; its adapter step against this base (the model's own MLP): "
+                          f"{r['lora_ms'] / r['no_glu_base_ms']:.3f}x."]
         if r["case"].startswith("prefill"):
             lines += ["", f"{r['case']}: steps on adapters alternate with base steps in one generator; base and "
                           "base again are the base steps beside the default and the in-line variant, each "

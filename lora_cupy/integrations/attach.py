@@ -5,7 +5,8 @@ each stack layer: after the linear computes ``y = x @ W.T (+ b)``, the hook adds
 ``pool.layer_delta(target, layer)(y, x)`` in place, so rows on an adapter get its delta and
 rows on the base model (slot 0) nothing. While the pool holds no plan with adapter rows, or
 the attachment is disabled (``enabled = False``, :meth:`Attachment.paused`), a hook returns at
-once. :meth:`Attachment.detach` removes the hooks: the model's parameters and
+once (on CUDA, an enabled attachment's gated MLPs still run their fused activation at large
+steps: "Gated MLPs", below). :meth:`Attachment.detach` removes the hooks: the model's parameters and
 buffers keep their values (with ``shrink_in_base``, below, a first member's weight lives in a
 larger array while attached, and gets storage of its own back), so detaching restores every
 output bit for bit.
@@ -76,9 +77,13 @@ read and write a ``[T, inter]`` output that the model's SiLU and product then re
 (at 4096 rows of a Llama-8B shape, 235 MB each); here g and u are read once and h written once.
 A step with no adapter row runs the same kernel with no delta (the plain fused activation), so
 a row's result never depends on whether other rows of its step have adapters; it differs from
-the model's own two kernels by rounding (h rounded once, where they round silu(g) and h). Smaller steps,
-autograd, a paused attachment and other dtypes or devices run the MLP's own forward.
-``glu_mlps`` lists the MLPs replaced; ``glu = False`` turns it off (for comparison).
+the model's own two kernels by rounding (h rounded once, where they round silu(g) and h). Smaller
+steps, rows the step's plan does not cover, autograd, a paused attachment, and inputs of another
+dtype or device than the linears' run the MLP's own forward. The replaced forward calls the two
+linears' GEMMs itself (``F.linear`` on their weights): hooks of their own besides the
+attachment's do not run at those steps, and an MLP whose modules carry accelerate's device hooks
+(offloaded weights) is left as it is. ``glu_mlps`` lists the MLPs replaced; ``glu = False``
+turns it off (for comparison).
 
 Rows: a ``[B, q, in]`` input is ``B * q`` token rows in batch order; the step's addressing
 (``LoraStep`` rows in the same order, ``q`` tokens each) says which slot each row reads. On
@@ -150,6 +155,9 @@ def gated_mlp_fits(mlp, target) -> str | None:
         return f"{kind}'s act_fn is {act}, not SiLU"
     if not hasattr(mlp, "down_proj"):
         return f"{kind} has no down_proj"
+    for m in (mlp, getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)):
+        if getattr(m, "_hf_hook", None) is not None:  # accelerate moves its weights per call
+            return f"{kind} carries accelerate's device hooks (offloaded weights)"
     return None
 
 
@@ -576,6 +584,8 @@ class Attachment:
             mlp = model.get_submodule(key[0])
             t = by_j[0][1]
             why = gated_mlp_fits(mlp, t)
+            if why is None and by_j[0][0].weight.get_device() != self.pool.backend.limits.device_id:
+                why = f"{key[0]}'s weights are on {by_j[0][0].weight.device}, the pool on {self.pool.device.name}"
             if why is None:
                 fits = getattr(groups[key].delta._launch, "glu_fits", None)
                 why = "the backend has no lora_expand_glu" if fits is None else fits()
@@ -600,7 +610,7 @@ class Attachment:
 
         def forward(x, *args, **kwargs):
             if (args or kwargs or not self.glu or not self.enabled or torch.is_grad_enabled()
-                    or x.dtype != gate.weight.dtype or not x.is_cuda or x.shape[-1] != in_f
+                    or x.dtype != gate.weight.dtype or x.device != gate.weight.device or x.shape[-1] != in_f
                     or x.numel() < self.glu_rows * in_f):
                 return own(x, *args, **kwargs)
             x2d = x.reshape(-1, in_f)

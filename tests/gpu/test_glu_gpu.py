@@ -88,6 +88,7 @@ def run_glu(make_case, dtype, *, T, inter, max_rank, ranks, mix, pad_to=None, in
     (77, 200, 16, (0, 5, 13, 16), "zipf"),
     (300, 128, 32, (1, 8, 32), "uniform"),
     (700, 72, 64, (8, 13, 64), "skewed"),
+    (333, 136, 48, (0, 20, 48), "zipf"),  # rank width 48: KS 4 covers ranks the pool does not have
     (1000, 256, 16, (16,), "uniform"),
 ])
 @pytest.mark.parametrize("dtype", DTYPES)
