@@ -18,11 +18,11 @@
 // (64 rows x 64 columns each, whole 128-byte lines of 16-bit elements, 16-byte pieces swizzled so
 // both the fragment reads and the row reads are free of bank conflicts) come through a ring of
 // STAGES cp.async stages, filled STAGES - 1 column blocks ahead. v * scaling is read once per block
-// into registers as MMA fragments (both slices, KS k-steps of 16 ranks each: the pool's rank
-// width); B fragments come straight from global memory (L2: a step's B is a few MB), ranks permuted
-// inside each k-step as the v fragments are (common.cuh), one 8-byte load per n-tile, slice and
-// k-step, a pass of 4 n-tiles loaded together (at rank width 16, by a warp whose rows meet one run,
-// a pass ahead); ranks at or past a run's rank are selected to zero
+// into registers as MMA fragments (both slices, KS k-steps of 16 ranks each: the smallest of 1, 2,
+// 4 covering the pool's rank width); B fragments come straight from global memory (L2: a step's B
+// is a few MB), ranks permuted inside each k-step as the v fragments are (common.cuh), one 8-byte
+// load per n-tile, slice and k-step, a pass of 4 n-tiles loaded together (at rank width 16, by a
+// warp whose rows meet one run, a pass ahead); ranks at or past a run's rank are selected to zero
 // (the pool's rows past an adapter's rank may hold anything). A tile of several runs masks each
 // run's rows into its own MMAs. Each warp adds its sums to its rows of the g and u tiles (fp32),
 // writes silu(g) * u over its rows of the g tile, rounded once, and then those rows of h to global
