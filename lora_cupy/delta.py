@@ -136,13 +136,14 @@ class LoraLayerDelta:
         fn = getattr(self._launch, "glu", None)
         if fn is None:
             raise NotImplementedError(f"the {self.pool.backend.name} backend has no fused gated activation")
-        if self.pool.current_plan() is None:
+        plan = self.pool.current_plan()
+        if plan is None:
             try:
                 fn(g, u, h, None, g.shape[0])
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{self.target}[{self.layer_idx}] glu: {e}") from None
             return h
-        rows = self.pool.current_plan().rows[self.grouping]
+        rows = plan.rows[self.grouping]
         if g.shape[0] != rows:  # a row the addressing does not cover would keep g, not h
             raise ValueError(f"{self.target}[{self.layer_idx}] glu: g has {g.shape[0]} rows, the step addresses {rows}")
         if not self.shrink_open():

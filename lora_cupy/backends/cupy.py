@@ -1014,6 +1014,7 @@ class LayerLaunch:
         self.held = w  # the arrays behind self.weights.ptrs: alive while any launch may read them
         self._launches: dict[Any, PackedLaunch | None] = {}
         self._v_layer = None  # lora_expand_v's function and slice columns (_expand_v_layer)
+        self._glu = None  # (why lora_expand_glu cannot serve the weights or None, its function): _glu_layer
         self._device = backend.limits.device_id
         self._tensor = self._tdtype = self._stream = None  # torch.Tensor, the weights' dtype in torch, its stream
 
@@ -1158,6 +1159,21 @@ class LayerLaunch:
     def glu_fits(self) -> str | None:
         """Why :meth:`glu` cannot serve this layer's weights (None: it can): a gate_up target of two
         slices of equal width, 16-bit, rank width at most 64, R a multiple of 4."""
+        return self._glu_layer()[0]
+
+    def _glu_layer(self) -> tuple[str | None, Any]:
+        """What ``lora_expand_glu`` takes from this layer's weights alone, found once: why it cannot
+        serve them (None: it can) and its function for the smallest KS covering the rank width."""
+        if self._glu is None:
+            why = self._glu_why()
+            fn = None
+            if why is None:
+                ks = next(k for k in GLU_KS if 16 * k >= rank_width(self.weights.dims[2]))
+                fn = self.backend._kernel_fn(self.weights.dtype, ("glu", ks))
+            self._glu = (why, fn)
+        return self._glu
+
+    def _glu_why(self) -> str | None:
         wa = self.weights
         S, n, R, _in, out = wa.dims
         offs = tuple(self.held.out_offsets)
@@ -1185,7 +1201,7 @@ class LayerLaunch:
         and row strides multiples of 8 elements, g and u with one row stride; h may be g. Every
         call is checked and packed anew (ValueError / TypeError naming what is wrong)."""
         be, wa = self.backend, self.weights
-        why = self.glu_fits()
+        why, fn = self._glu_layer()
         if why is not None:
             raise ValueError(why)
         S, n, R, in_f, out = wa.dims
@@ -1211,13 +1227,11 @@ class LayerLaunch:
         groups = _ceil(col_blocks, cpb)
         i32, u64 = np.int32, np.uint64
         a, b, sc, rk, offs = wa.ptrs
-        ks = next(k for k in GLU_KS if 16 * k >= rank_width(R))
         args = (u64(gp), u64(0), u64(a), u64(b), u64(sc), u64(rk), u64(offs), u64(to), u64(ip),
                 u64(be.workspace.data.ptr), u64(be.counters.data.ptr), i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(positions), i32(positions), i32(rank_width(R)), i32(1), i32(0), i32(col_blocks), i32(cpb),
                 i32(0), np.int64(wa.b_slot), u64(up), u64(hp), i32(ld), i32(ldh), i32(inter))
         packed = PackedArgs(args)
-        fn = be._kernel_fn(wa.dtype, ("glu", ks))
         torch = type(g).__module__.startswith("torch")
         with be.device:
             be._driver.launchKernel(int(fn.kernel.ptr), tiles * groups, 1, 1, THREADS, 1, 1,

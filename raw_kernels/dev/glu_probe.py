@@ -11,7 +11,6 @@ Each figure: 10 calls captured in one CUDA graph, device time per call (host wor
     PYTHONPATH=. python raw_kernels/dev/glu_probe.py
 """
 import os
-import statistics
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from lora_cupy.addressing import group_by_slot
 from lora_cupy.backends.base import LayerWeights, member_weights
 from lora_cupy.backends.cupy import CupyBackend
+from lora_cupy.bench.overlap import graph_us
 from lora_cupy.planning import LaunchViews
 from lora_cupy.spec import LoraSlice, LoraSpec, LoraTarget
 
@@ -46,26 +46,9 @@ u0 = torch.randn(T, INTER, device="cuda", generator=gen).to(dt)
 g, u, h = g0.clone(), u0.clone(), torch.empty_like(g0)
 
 
-def timed(fn, calls: int = 10) -> float:
-    """Device us per call: ``calls`` calls captured in one CUDA graph, median over REPS replays
-    (host work of the calls stays out)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(REPS):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / calls)
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Device us per call: 10 calls captured in one CUDA graph, median over REPS replays."""
+    return graph_us(fn, calls=10, reps=REPS)
 
 
 def unfused():
