@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from lora_cupy.bench import wait_host_copies
 from lora_cupy.errors import AdapterNotFoundError
 from lora_cupy.integrations import GenerationRequest, serve
 from lora_cupy.integrations.kv_cache import step_inputs
@@ -103,6 +104,40 @@ def test_requests_wait_at_admission_and_all_finish(tmp_path):
     finally:
         gen.close()
         gen.pool.close()
+
+
+def test_rows_finishing_together_move_only_the_rows_that_go_on(tmp_path):
+    """Six requests prefilled in one step; rows 0, 2 and 4 finish together at the next one. The
+    survivors past the new batch size (rows 3 and 5) move into rows 0 and 2, row 4's finished
+    request is not copied, and every request's tokens still equal PEFT's."""
+    base = tiny("llama")
+    dirs = adapters_for("llama", base, tmp_path, [4, 8, 3])
+    names = sorted(dirs)
+    rng = np.random.default_rng()
+    reqs = [GenerationRequest(f"r{i}", rng.integers(0, VOCAB, int(rng.integers(2, 7))).tolist(),
+                              None if i == 3 else names[i % 3], max_new_tokens=n)
+            for i, n in enumerate([2, 5, 2, 6, 2, 4])]
+    gen = serve(base, dirs, num_slots=4, max_len=24, max_batch=6, max_prefill=6, eos_token_id=None)
+    moves = []
+    move_row = gen.cache.move_row
+    gen.cache.move_row = lambda src, dst: (moves.append((src, dst)), move_row(src, dst))
+    try:
+        for r in reqs:
+            gen.submit(r)
+        wait_host_copies(gen.pool, names)  # all six admitted at the first step
+        out = gen.run()
+        assert gen.history[0].prefill_rows == 6
+        gen.pool.check_valid()
+        assert not gen.running and not any(gen.pool.snapshot().refcounts)
+    finally:
+        gen.close()
+        gen.pool.close()
+    # step 2: r0, r2, r4 finish (rows 0, 2, 4), r3 moves to row 0 and r5 to row 2; the tree
+    # before moved r5 to row 0, then r4 (finishing) to row 2, then r3 over it
+    assert moves[:2] == [(3, 0), (5, 2)], moves
+    assert all(len(out[r.rid]) == r.max_new_tokens for r in reqs)
+    ref = PeftReference(base, dirs)
+    assert_equal_to_peft(ref, reqs, out, None)
 
 
 def test_a_long_running_generator_keeps_bounded_records_and_history(tmp_path):

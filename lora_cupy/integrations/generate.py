@@ -407,23 +407,33 @@ class LoraGenerator:
             events.append(TokenEvent(rid, tok, len(rec.tokens) - 1, self._step, finished))
             self._next[i] = tok
             if finished:
-                done.append(rid)
-        for rid in done:
-            self._finish(rid)
+                done.append(i)
+        if done:
+            self._finish(done)
         return events
 
-    def _finish(self, rid: Hashable) -> None:
-        i = self.running.index(rid)
-        last = len(self.running) - 1
-        self.cache.move_row(last, i)
+    def _finish(self, done: list[int]) -> None:
+        """Close the requests at rows ``done`` (ascending) and pack the rest into the first rows:
+        each row left past the new batch size moves into a finished row below it, so a cache row
+        is copied only for a request that goes on (one copy per such row, none when the finished
+        rows are the last ones or all of them)."""
+        n, keep = len(self.running), len(self.running) - len(done)
+        holes = [i for i in done if i < keep]
+        finished = set(done)
+        movers = [j for j in range(keep, n) if j not in finished]
+        rids = [self.running[i] for i in done]
+        for dst, src in zip(holes, movers):
+            self.cache.move_row(src, dst)
+            for seq in (self.running, self._lengths, self._next):
+                seq[dst] = seq[src]
         for seq in (self.running, self._lengths, self._next):
-            seq[i] = seq[last]
-            seq.pop()
-        self.records[rid].finished = self._step
-        self.pool.remove_request(rid)
-        self.queue.cancel(rid)
-        if not self.keep_finished:
-            del self.records[rid]
+            del seq[keep:]
+        for rid in rids:
+            self.records[rid].finished = self._step
+            self.pool.remove_request(rid)
+            self.queue.cancel(rid)
+            if not self.keep_finished:
+                del self.records[rid]
 
     def _refuse(self, rid: Hashable, err: BaseException) -> TokenEvent:
         rec = self.records[rid]
