@@ -372,6 +372,12 @@ class LoraAdapterPool:
         with self._lock:
             return self.slots.snapshot()
 
+    def slot_state(self) -> tuple[tuple, tuple]:
+        """Each slot's refcount and adapter (None: empty), as tuples: the part of
+        :meth:`snapshot` a generator records every step, without copying the rest."""
+        with self._lock:
+            return tuple(self.slots.refcounts), tuple(self.slots.adapters)
+
     def close(self) -> None:
         """Stop the reader thread and the host stream."""
         self._store.close()

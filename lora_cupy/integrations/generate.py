@@ -263,6 +263,7 @@ class LoraGenerator:
         planned = []
         use_graph = False
         chosen: list[int] = []
+        before = None  # the slots' adapters before the prefill's admit (its hits and evictions)
         try:
             if old:
                 planned.append(self._pool_step(old, 1, []))
@@ -271,11 +272,11 @@ class LoraGenerator:
                 chosen += (self.graphs.run(n, self._next[:n], self._lengths[:n], planned[-1][1]) if use_graph
                            else self._forward(0, [[t] for t in self._next[:n]]))
             if new:
-                before = self.pool.snapshot()
+                adapters = self.pool.slot_state()[1]
                 got = self._pool_step(new, max(len(self.records[r].request.prompt) for r in new), new, events)
                 if got is not None:
                     planned.append(got)
-                    self._count_slots(before, new)
+                    before = adapters
                     chosen += self._forward(len(old), [list(self.records[r].request.prompt) for r in new])
         except BaseException:
             for step, ctx in planned:
@@ -287,9 +288,11 @@ class LoraGenerator:
             self._lengths[i] += 1
         for k, rid in enumerate(new):
             self._lengths[len(old) + k] += len(self.records[rid].request.prompt)
-        snap = self.pool.snapshot()
-        self.history.append(StepRecord(self._step, len(old), len(new), len(self.queue), snap.refcounts,
-                                       snap.adapters, use_graph))
+        refcounts, adapters = self.pool.slot_state()  # as the admit left them: the forward changes no slot
+        if before is not None:
+            self._count_slots(before, adapters, new)
+        self.history.append(StepRecord(self._step, len(old), len(new), len(self.queue), refcounts, adapters,
+                                       use_graph))
         self._graph_steps += use_graph
         limit = self.history_limit
         if limit is not None and len(self.history) > limit + limit // 8 + 1:  # trimmed in batches
@@ -351,17 +354,17 @@ class LoraGenerator:
             self._next.append(None)
         return events, new
 
-    def _count_slots(self, before, new: list) -> None:
+    def _count_slots(self, before: tuple, after: tuple, new: list) -> None:
         """Slot hits (the adapter was resident before this admit) and evictions (a slot that
-        held another adapter took a new one)."""
+        held another adapter took a new one); ``before`` / ``after``: each slot's adapter."""
+        resident = set(before)
         for rid in new:
             rec = self.records[rid]
             if rec.request.adapter is not None:
-                rec.hit = rec.request.adapter in before.entries
+                rec.hit = rec.request.adapter in resident
                 self._adapter_admits += 1
                 self._hits += rec.hit
-        after = self.pool.snapshot()
-        self._evictions += sum(1 for a, b in zip(before.adapters, after.adapters) if a is not None and a != b)
+        self._evictions += sum(1 for a, b in zip(before, after) if a is not None and a != b)
 
     def _forward(self, row0: int, inputs: list[list[int]]) -> list[int]:
         """One eager forward of cache rows ``row0..`` (one per input), right-padded to the
