@@ -48,11 +48,13 @@ def test_e2e_bench_prefill_row_alternates_with_base_steps(tmp_path, capsys, monk
         assert row[k] > 0, k
     assert abs(row["ratio"] - row["lora_ms"] / row["base_ms"]) < 1e-2
     assert abs(row["inline_ratio"] - row["inline_ms"] / row["base_again_ms"]) < 1e-2
+    assert row["paired_ratio"] > 0
     # three variants, each: two untimed steps (adapters, base), then 3 x (adapters, base)
     assert kinds == [True, False] * (3 * (1 + 3))
     capsys.readouterr()
     assert main(["bench", "e2e", "--report", str(out)]) == 0
-    assert "alternate with base steps" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "alternate with base steps" in text and "over the base step after it" in text
 
 
 def test_overlap_bench_needs_a_gpu_and_renders_a_saved_run(tmp_path, capsys):

@@ -196,7 +196,8 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in
                 glu: bool = True) -> dict:
     """Device ms of one eager step prefilling 8 requests of 512 tokens on ``adapters`` (``ms``)
     and of the same step on the base model (``base_ms``), medians over ``reps`` (at most 20)
-    steps of each. The two alternate in one generator (adapters, base, adapters, ...), so a drift
+    steps of each, and the median over the rounds of each adapter step over the base step after
+    it (``paired_ratio``). The two alternate in one generator (adapters, base, adapters, ...), so a drift
     of the device's clocks over the run moves both alike: a prefill step is long and
     compute-bound, and timed in separate phases its base moved by up to 10% within one run.
     ``in_place=False``: the q/k/v and gate/up groups through one launch into a shared scratch,
@@ -239,7 +240,9 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in
         for _ in range(min(reps, 20)):
             times["ms"].append(timed(adapters))
             times["base_ms"].append(timed([None]))
-        return {k: statistics.median(v) for k, v in times.items()}
+        got = {k: statistics.median(v) for k, v in times.items()}
+        got["paired_ratio"] = statistics.median(a / b for a, b in zip(times["ms"], times["base_ms"]))
+        return got
     finally:
         gen.close()
 
@@ -347,6 +350,7 @@ def run(args) -> dict:
                        "inline_ratio": round(serial / base, 3), "base_again_ms": round(base2, 4)}
                 if case.startswith("prefill"):
                     row["inline_ratio"] = round(serial / base2, 3)  # against the base steps beside it
+                    row["paired_ratio"] = round(got["paired_ratio"], 3)
                     log(f"{case}: adapters, fused groups through a shared scratch, alternating with base steps")
                     scratch = prefill_row(model, pool, ads, args.reps, True, in_place=False)
                     row["scratch_ms"] = round(scratch["ms"], 4)
@@ -426,6 +430,10 @@ def markdown(result: dict) -> str:
             lines += ["", f"{r['case']}: steps on adapters alternate with base steps in one generator; base and "
                           "base again are the base steps beside the default and the in-line variant, each "
                           "variant's ratio is against its own."]
+            if "paired_ratio" in r:
+                lines += ["", f"{r['case']}: the default's median over its rounds of each adapter step over the "
+                              f"base step after it: {r['paired_ratio']:.3f}x (the ratio above is of the two "
+                              f"medians)."]
     return "\n".join(lines)
 
 
