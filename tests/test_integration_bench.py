@@ -48,13 +48,41 @@ def test_e2e_bench_prefill_row_alternates_with_base_steps(tmp_path, capsys, monk
         assert row[k] > 0, k
     assert abs(row["ratio"] - row["lora_ms"] / row["base_ms"]) < 1e-2
     assert abs(row["inline_ratio"] - row["inline_ms"] / row["base_again_ms"]) < 1e-2
-    assert row["paired_ratio"] > 0
-    # three variants, each: two untimed steps (adapters, base), then 3 x (adapters, base)
-    assert kinds == [True, False] * (3 * (1 + 3))
+    assert row["paired_ratio"] > 0 and row["held_ms"] > 0 and row["held_paired_ratio"] > 0
+    # four variants (the default, in line, copies held, shared scratch), each: two untimed steps
+    # (adapters, base), then 3 x (adapters, base)
+    assert kinds == [True, False] * (4 * (1 + 3))
     capsys.readouterr()
     assert main(["bench", "e2e", "--report", str(out)]) == 0
     text = capsys.readouterr().out
     assert "alternate with base steps" in text and "over the base step after it" in text
+    assert "holding its host copy" in text
+
+
+def test_prefill_row_with_held_copies_reads_each_adapter_once(tmp_path, monkeypatch):
+    """By default each round's requests are the only ones naming their adapters, so the host tier
+    reads every adapter again for each adapter round; ``hold=True`` keeps the copies (one more
+    request per adapter, never admitted, removed at the end): one read each, however many rounds."""
+    from lora_cupy.bench import e2e
+    from lora_cupy.integrations.hf import spec_for_adapters
+    from lora_cupy.pool import LoraAdapterPool
+    from lora_cupy.store import LoraAdapterStore
+
+    reads = []
+    real = LoraAdapterStore._read
+    monkeypatch.setattr(LoraAdapterStore, "_read", lambda self, e: (reads.append(e.name), real(self, e))[1])
+    model = e2e.build_model(e2e.TINY, "float32", "cpu")
+    adapters = e2e.write_adapters(model, tmp_path, 2, 4)
+    names = sorted(adapters)
+    with LoraAdapterPool(spec_for_adapters(model, adapters, num_slots=3), "cpu",
+                         adapters={k: str(v) for k, v in adapters.items()}) as pool:
+        for hold, want in ((True, 1), (False, 1 + 2)):  # the untimed adapter round, then 2 timed ones
+            reads.clear()
+            got = e2e.prefill_row(model, pool, names, 2, hold=hold)
+            assert got["ms"] > 0 and got["paired_ratio"] > 0
+            assert sorted(reads) == sorted(names * want), (hold, reads)
+            assert not any(str(r).startswith("hold-") for r in pool._requests)  # the holders are gone
+            pool.check_valid()
 
 
 def test_overlap_bench_needs_a_gpu_and_renders_a_saved_run(tmp_path, capsys):
