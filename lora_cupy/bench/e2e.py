@@ -222,8 +222,9 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in
     n = [0]
 
     def submit_eight(names: list):
-        """Eight new requests, their adapters' host copies in (the tier drops a copy with its last
-        request, so each round reads them again): the timed step then prefills all eight."""
+        """Eight new requests, their adapters' host copies in (unless ``hold``, the tier dropped
+        each copy with its last request, so each round reads them again): the timed step then
+        prefills all eight."""
         for i in range(8):
             gen.submit(GenerationRequest(f"p{n[0]}", rng.integers(0, vocab, 512).tolist(), names[i % len(names)],
                                          max_new_tokens=1))
