@@ -48,21 +48,23 @@ def test_e2e_bench_prefill_row_alternates_with_base_steps(tmp_path, capsys, monk
         assert row[k] > 0, k
     assert abs(row["ratio"] - row["lora_ms"] / row["base_ms"]) < 1e-2
     assert abs(row["inline_ratio"] - row["inline_ms"] / row["base_again_ms"]) < 1e-2
-    assert row["paired_ratio"] > 0 and row["held_ms"] > 0 and row["held_paired_ratio"] > 0
-    # four variants (the default, in line, copies held, shared scratch), each: two untimed steps
+    assert row["paired_ratio"] > 0 and row["fresh_ms"] > 0 and row["fresh_paired_ratio"] > 0
+    assert abs(row["fresh_ratio"] - row["fresh_ms"] / row["fresh_base_ms"]) < 1e-2
+    # four variants (the default, in line, copies read again, shared scratch), each: two untimed steps
     # (adapters, base), then 3 x (adapters, base)
     assert kinds == [True, False] * (4 * (1 + 3))
     capsys.readouterr()
     assert main(["bench", "e2e", "--report", str(out)]) == 0
     text = capsys.readouterr().out
     assert "alternate with base steps" in text and "over the base step after it" in text
-    assert "holding its host copy" in text
+    assert "holds the adapters' host copies" in text and "reads all eight again" in text
 
 
 def test_prefill_row_with_held_copies_reads_each_adapter_once(tmp_path, monkeypatch):
-    """By default each round's requests are the only ones naming their adapters, so the host tier
-    reads every adapter again for each adapter round; ``hold=True`` keeps the copies (one more
-    request per adapter, never admitted, removed at the end): one read each, however many rounds."""
+    """By default the row holds the copies (one more request per adapter, never admitted, removed
+    at the end): one read each, however many rounds. With ``hold=False`` each round's requests
+    are the only ones naming their adapters, so the host tier reads every adapter again for each
+    adapter round."""
     from lora_cupy.bench import e2e
     from lora_cupy.integrations.hf import spec_for_adapters
     from lora_cupy.pool import LoraAdapterPool
