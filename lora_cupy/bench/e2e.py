@@ -450,11 +450,11 @@ def markdown(result: dict) -> str:
                           f"folded in, in both; its adapter step against this base (the model's own MLP): "
                           f"{r['lora_ms'] / r['no_glu_base_ms']:.3f}x."]
         if r["case"].startswith("prefill"):
+            held = (" One more request per adapter, never admitted, holds the adapters' host copies for the "
+                    "whole row (a server's steady state), so the steps run back to back.") if "fresh_ms" in r else ""
             lines += ["", f"{r['case']}: steps on adapters alternate with base steps in one generator; base and "
                           "base again are the base steps beside the default and the in-line variant, each "
-                          "variant's ratio is against its own. One more request per adapter, never admitted, "
-                          "holds the adapters' host copies for the whole row (a server's steady state), so "
-                          "the steps run back to back."]
+                          f"variant's ratio is against its own.{held}"]
             if "paired_ratio" in r:
                 lines += ["", f"{r['case']}: the default's median over its rounds of each adapter step over the "
                               f"base step after it: {r['paired_ratio']:.3f}x (the ratio above is of the two "
