@@ -225,6 +225,32 @@ def test_non_finite_weights(tmp_path, bad):
     refused(d, NonFiniteWeightsError, WEIGHTS, "NaN or Inf")
 
 
+@pytest.mark.parametrize("file_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16"])
+def test_non_finite_16_bit_weights(tmp_path, file_dtype, bad, pool_dtype):
+    """A 16-bit file's NaN / Inf (read off its exponent bits) is refused whatever the pool's
+    dtype, one bad element among finite ones; the same file with it finite reads."""
+    from lora_cupy.dtypes import numpy_dtype
+
+    d, tensors = good(tmp_path)
+    tensors = {k: v.astype(numpy_dtype(file_dtype)) for k, v in tensors.items()}
+    write_adapter(d, tensors, r=2)
+    read_peft_adapter(d, spec(dtype=pool_dtype))
+    tensors[f"{Q}.lora_B.weight"][5, 1] = bad
+    write_adapter(d, tensors, r=2)
+    refused(d, NonFiniteWeightsError, WEIGHTS, "NaN or Inf", sp=spec(dtype=pool_dtype))
+
+
+def test_weights_overflowing_bfloat16(tmp_path):
+    """float32's largest values round up to Inf in bfloat16 (8 bits of mantissa)."""
+    d, tensors = good(tmp_path)
+    tensors[f"{Q}.lora_B.weight"][2, 0] = np.finfo(np.float32).max
+    write_adapter(d, tensors, r=2)
+    read_peft_adapter(d, spec())
+    refused(d, NonFiniteWeightsError, WEIGHTS, "overflows bfloat16", sp=spec(dtype="bfloat16"))
+
+
 def test_weights_overflowing_the_pool_dtype(tmp_path):
     d, tensors = good(tmp_path)
     tensors[f"{Q}.lora_A.weight"][0, 0] = 1e6  # finite in float32, inf in float16
