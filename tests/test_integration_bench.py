@@ -60,6 +60,19 @@ def test_e2e_bench_prefill_row_alternates_with_base_steps(tmp_path, capsys, monk
     assert "holds the adapters' host copies" in text and "reads all eight again" in text
 
 
+def test_e2e_report_renders_a_prefill_row_saved_before_the_copies_were_held():
+    """A run saved before the row held its copies by default (``held_*``, no ``fresh_*``) still
+    shows its held variant, and says its headline ratio is of the copies read again."""
+    from lora_cupy.bench import e2e
+
+    row = {"case": "prefill 8x512 8 adapters", "base_ms": 16.5, "lora_ms": 19.0, "ratio": 1.152, "goal": 1.1,
+           "met": False, "added_ms": 2.5, "inline_ms": 19.1, "inline_ratio": 1.15, "base_again_ms": 16.6,
+           "paired_ratio": 1.145, "held_ms": 17.816, "held_ratio": 1.081, "held_paired_ratio": 1.088}
+    text = e2e.markdown({"date": "d", "gpu": "g", "commit": "c", "command": "x", "rows": [row]})
+    assert "17.816 ms (1.081x the base steps beside it; paired 1.088x)" in text
+    assert "reading every copy again" in text and "holds the adapters' host copies" not in text
+
+
 def test_prefill_row_with_held_copies_reads_each_adapter_once(tmp_path, monkeypatch):
     """By default the row holds the copies (one more request per adapter, never admitted, removed
     at the end): one read each, however many rounds. With ``hold=False`` each round's requests

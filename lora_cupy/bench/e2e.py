@@ -210,11 +210,10 @@ def prefill_row(model, pool, adapters: list, reps: int, overlap: bool = True, in
     keeps every adapter's host copy for the whole row (a server's steady state), so the steps run
     back to back, as a serving loop runs them. ``hold=False``: each round's eight requests are the
     only ones naming their adapters, so the host tier drops each copy with them and reads all eight
-    again before the next adapter step. The process then waits on those reads (about 0.4-0.5 s on
-    an H200's host) before every adapter step and before no base step, and a step that follows
-    such a pause runs its host work up to its first layer 1.4-1.7x slower, base steps alike
-    (raw_kernels/NOTES.md, "The prefill row's pause"): the two kinds of step then meet different
-    hosts."""
+    again before the next adapter step. The process then waits on those reads (0.4-0.5 s on an
+    H200's host) before every adapter step and before no base step; on that host a step after
+    such a pause reached its first layer 1.4-1.7x later, base steps alike (raw_kernels/NOTES.md,
+    "The prefill row's pause"): the two kinds of step then meet different hosts."""
     from ..engine import ResourceReqConfig
     from ..integrations import GenerationRequest
 
@@ -464,9 +463,13 @@ def markdown(result: dict) -> str:
                               f"round's requests and reads all eight again, so the process waits on the reads "
                               f"before every adapter step and before no base step): {r['fresh_ms']:.3f} ms "
                               f"against base {r['fresh_base_ms']:.3f} ms ({r['fresh_ratio']:.3f}x; paired "
-                              f"{r['fresh_paired_ratio']:.3f}x). A step after such a pause runs its host work "
-                              f"up to the first layer 1.4-1.7x slower, base steps alike: the two kinds of "
-                              f"step then meet different hosts."]
+                              f"{r['fresh_paired_ratio']:.3f}x). The two kinds of step then meet different "
+                              f"hosts (raw_kernels/NOTES.md, \"The prefill row's pause\")."]
+            if "held_ms" in r:  # runs before the row held its copies by default (cb8295e to f2d4685)
+                lines += ["", f"{r['case']}: with one more request per adapter holding its host copy for the whole "
+                              f"row (the ratios above are of the tier reading every copy again before each "
+                              f"adapter step): {r['held_ms']:.3f} ms ({r['held_ratio']:.3f}x the base steps "
+                              f"beside it; paired {r['held_paired_ratio']:.3f}x)."]
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ and base steps, in ms, with the host's own time of each phase (perf_counter).
 ``VARIANTS`` (comma-separated, in order):
 - ``fresh``: the tier reads the eight copies again each round (``hold=False``);
 - ``held``: the copies held for the whole row (the row's default);
-- ``held-cold``: held, and a 64 MB copy in the main thread right before each timed step;
+- ``held-cold``: held, and a 64 MB copy in the main thread at the start of each step (inside
+  the step the row times, so its ``ms`` include the copy; the phase events do not);
 - ``fresh-pin``/``held-pin``: the main thread pinned to one CPU, the reader thread to the rest;
 - ``held-idle``: held, and the device left idle before each adapter step (not the base steps) for
   as long as the last ``fresh`` variant's rounds waited for their reads (median);
