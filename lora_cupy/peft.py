@@ -27,6 +27,7 @@ import math
 import os
 import re
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,11 @@ MAX_CONFIG_BYTES = 16 << 20
 #: Safetensors dtypes read as weights, and their sizes in bytes.
 FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 _NUMPY_DTYPES = {"F16": np.dtype("<f2"), "BF16": bfloat16, "F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
+#: An adapter whose tensors take at least this many bytes is hashed on a thread of its own beside
+#: its assembly (hashlib lets go of the GIL). On a 2-core CPU a 21 MB float32 adapter read into
+#: bfloat16, with its host tier image, took 30.5 ms that way against 44.6-45.8 ms one after the
+#: other (medians of 10, alternating in one process).
+_DIGEST_BESIDE_BYTES = 1 << 20
 _PREFIX = "base_model.model."
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _KEY_RE = re.compile(
@@ -478,9 +484,41 @@ def read_peft_adapter(path: str | os.PathLike, spec: LoraSpec, name: str | None 
     for m in modules:
         _check_shapes(m, header, config, spec, name, weights_path)
     arrays = _read_tensors(weights_path, header, name)
-    digest = _canonical_digest(header, arrays, name, weights_path)
-    targets = _assemble(modules, arrays, config, spec, name, weights_path)
+    if sum(a.nbytes for a in arrays.values()) < _DIGEST_BESIDE_BYTES:
+        digest = _canonical_digest(header, arrays, name, weights_path)
+        targets = _assemble(modules, arrays, config, spec, name, weights_path)
+    else:
+        hashing = _Beside(_canonical_digest, header, arrays, name, weights_path)
+        try:
+            targets = _assemble(modules, arrays, config, spec, name, weights_path)
+        except BaseException:
+            hashing.result()  # the digest's refusal first, as when it ran before the assembly
+            raise
+        digest = hashing.result()
     return AdapterWeights(name=name, path=str(path), digest=digest, targets=targets)
+
+
+class _Beside:
+    """``fn(*args)`` on a thread of its own, started now; :meth:`result` waits for it and gives
+    its value, or raises what it raised."""
+
+    def __init__(self, fn, *args):
+        self._value, self._error = None, None
+
+        def run():
+            try:
+                self._value = fn(*args)
+            except BaseException as e:  # handed to result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="lora-adapter-digest", daemon=True)
+        self._thread.start()
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _map_modules(header, config: PeftLoraConfig, spec: LoraSpec, adapter, path) -> list[_Module]:

@@ -216,6 +216,47 @@ def test_digest_depends_on_weights_not_layout(tmp_path):
     assert digest_of(write_adapter(tmp_path / "four", as16, r=4)) != read.digest
 
 
+def test_digest_hashed_beside_the_assembly_reads_the_same(tmp_path, monkeypatch):
+    """An adapter large enough is hashed on a thread beside its assembly: the same digest and
+    weights as one after the other; a refusal of either still reaches the caller, the digest's
+    first where both refuse (as when it ran before the assembly)."""
+    import lora_cupy.peft as peft_mod
+    from lora_cupy.errors import AdapterFileError, NonFiniteWeightsError
+
+    spec = small_spec(dtype="bfloat16")
+    tensors = random_tensors(spec, np.random.default_rng(), r=4)
+    d = write_adapter(tmp_path / "a", tensors, r=4)
+    threads = []
+    real_beside = peft_mod._Beside
+    monkeypatch.setattr(peft_mod, "_Beside", lambda *a: threads.append(1) or real_beside(*a))
+    monkeypatch.setattr(peft_mod, "_DIGEST_BESIDE_BYTES", 1 << 40)
+    serial = read_peft_adapter(d, spec)
+    assert threads == []
+    monkeypatch.setattr(peft_mod, "_DIGEST_BESIDE_BYTES", 0)
+    beside = read_peft_adapter(d, spec)
+    assert threads == [1]
+    assert beside.digest == serial.digest == digest_of(d)
+    for t in serial.targets:
+        for field in ("a", "b", "ranks", "scaling"):
+            np.testing.assert_array_equal(getattr(beside.targets[t], field), getattr(serial.targets[t], field))
+
+    bad = dict(tensors)
+    key = next(k for k in bad if "lora_B" in k)
+    bad[key] = bad[key].copy()
+    bad[key][1, 1] = np.nan  # refused by the assembly
+    d_bad = write_adapter(tmp_path / "bad", bad, r=4)
+    with pytest.raises(NonFiniteWeightsError):
+        read_peft_adapter(d_bad, spec)
+
+    def refusing_digest(header, arrays, adapter, path):
+        raise AdapterFileError("planted digest refusal", adapter=adapter, path=path)
+
+    monkeypatch.setattr(peft_mod, "_canonical_digest", refusing_digest)
+    for where in (d, d_bad):  # the assembly passing, then refusing too
+        with pytest.raises(AdapterFileError, match="planted digest refusal"):
+            read_peft_adapter(where, spec)
+
+
 @pytest.mark.parametrize("tp_size", [2, 4])
 def test_tensor_parallel_shards(tmp_path, tp_size):
     """Column: each slice's B rows split per rank; row: A's in-columns split; A/B else whole."""
