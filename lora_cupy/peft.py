@@ -27,8 +27,8 @@ import math
 import os
 import re
 import struct
-import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -488,37 +488,15 @@ def read_peft_adapter(path: str | os.PathLike, spec: LoraSpec, name: str | None 
         digest = _canonical_digest(header, arrays, name, weights_path)
         targets = _assemble(modules, arrays, config, spec, name, weights_path)
     else:
-        hashing = _Beside(_canonical_digest, header, arrays, name, weights_path)
-        try:
-            targets = _assemble(modules, arrays, config, spec, name, weights_path)
-        except BaseException:
-            hashing.result()  # the digest's refusal first, as when it ran before the assembly
-            raise
-        digest = hashing.result()
-    return AdapterWeights(name=name, path=str(path), digest=digest, targets=targets)
-
-
-class _Beside:
-    """``fn(*args)`` on a thread of its own, started now; :meth:`result` waits for it and gives
-    its value, or raises what it raised."""
-
-    def __init__(self, fn, *args):
-        self._value, self._error = None, None
-
-        def run():
+        with ThreadPoolExecutor(1, thread_name_prefix="lora-adapter-digest") as beside:
+            hashing = beside.submit(_canonical_digest, header, arrays, name, weights_path)
             try:
-                self._value = fn(*args)
-            except BaseException as e:  # handed to result()
-                self._error = e
-
-        self._thread = threading.Thread(target=run, name="lora-adapter-digest", daemon=True)
-        self._thread.start()
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+                targets = _assemble(modules, arrays, config, spec, name, weights_path)
+            except BaseException:
+                hashing.result()  # the digest's refusal first, as when it ran before the assembly
+                raise
+            digest = hashing.result()
+    return AdapterWeights(name=name, path=str(path), digest=digest, targets=targets)
 
 
 def _map_modules(header, config: PeftLoraConfig, spec: LoraSpec, adapter, path) -> list[_Module]:

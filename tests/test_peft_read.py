@@ -227,8 +227,8 @@ def test_digest_hashed_beside_the_assembly_reads_the_same(tmp_path, monkeypatch)
     tensors = random_tensors(spec, np.random.default_rng(), r=4)
     d = write_adapter(tmp_path / "a", tensors, r=4)
     threads = []
-    real_beside = peft_mod._Beside
-    monkeypatch.setattr(peft_mod, "_Beside", lambda *a: threads.append(1) or real_beside(*a))
+    real_pool = peft_mod.ThreadPoolExecutor
+    monkeypatch.setattr(peft_mod, "ThreadPoolExecutor", lambda *a, **k: threads.append(1) or real_pool(*a, **k))
     monkeypatch.setattr(peft_mod, "_DIGEST_BESIDE_BYTES", 1 << 40)
     serial = read_peft_adapter(d, spec)
     assert threads == []

@@ -52,7 +52,7 @@ def instrument(gen):
             np.copyto(scratch[1], scratch[0])
         rec = {"ev": [torch.cuda.Event(enable_timing=True)], "t": [time.perf_counter()]}
         rec["ev"][0].record()
-        gen._rec = current["rec"] = rec
+        current["rec"] = rec
         out = real_step()
         current["rec"] = None
         rec["ev"].append(torch.cuda.Event(enable_timing=True))
@@ -63,7 +63,7 @@ def instrument(gen):
         return out
 
     def forward(row0, inputs):
-        rec = gen._rec
+        rec = current["rec"]
         mark("forward>")
         rec["ev"].append(torch.cuda.Event(enable_timing=True))
         rec["ev"][-1].record()
