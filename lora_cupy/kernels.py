@@ -52,7 +52,7 @@ STREAM_BN = 32
 #: (tiles of y through shared memory), ``expand_stream`` (y streamed by each warp through its
 #: registers) and ``expand_ring`` (tiles of 64 positions, y and B through a ring of cp.async stages,
 #: v in registers). There is one shrink (``lora_shrink``) and one fused kernel (``lora_fused``).
-EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring")
+EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring", "chunk")
 #: Tile height and column block of ``lora_expand_ring`` (``Ring<T>`` in expand_ring.cuh).
 RING_BM = 64
 RING_BN = 64
@@ -87,6 +87,19 @@ def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None 
     raise ValueError(f"no tensor-core kernel {kernel!r}")
 
 
+#: Rank widths ``lora_chunk`` (chunk.cuh) is built for: a pool of rank 16 or less runs the first, one
+#: of rank 17-64 the second, 65-128 the third; its element types (16-bit only) and positions a chunk.
+CHUNK_RW = (16, 64, 128)
+CHUNK_DTYPES = ("float16", "bfloat16")
+CHUNK_BM = 32
+
+
+def chunk_name(ctype: str, rw: int, *, aligned: bool) -> str:
+    """The name expression of ``lora_chunk`` (chunk.cuh, in the tensor-core family) for one element
+    type, rank width (``CHUNK_RW``) and instantiation."""
+    return f"lora_chunk<{ctype}, {rw}, {_cbool(aligned)}>"
+
+
 def mma_kernels():
     """``(kernel, bm, bn, chunks)`` of every tensor-core kernel a dtype's module holds, each in
     two instantiations (``aligned`` False and True): what the module is built with and the
@@ -114,8 +127,9 @@ def glu_name(ctype: str, ks: int) -> str:
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
     glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
+    chunk = tuple(chunk_name(ctype, rw, aligned=a) for rw in CHUNK_RW for a in (False, True)) if ctype != "float" else ()
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
-                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu
+                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk
 
 
 #: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.

@@ -100,6 +100,16 @@ __device__ __forceinline__ void red_add4(float* p, float4 v) {
 #endif
 }
 
+// p[0] += a, p[1] += b in one 8-byte reduction at L2 (sm_90; two scalar ones before), p 8-byte aligned.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
 // ---- acquire / release flags between blocks of one launch (the fused kernel's ready counts).
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;

@@ -897,6 +897,7 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 #include "expand_stream.cuh"
 #include "expand_ring.cuh"
 #include "expand_glu.cuh"
+#include "chunk.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -986,4 +987,19 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
   lora::require_smem(lora::Glu<T>::SMEM + 4 * (num_slots + 1));
   lora::expand_glu_task<T, KS>(g, up, h, ld, ld_h, inter, dsmem, reinterpret_cast<int*>(dsmem + lora::Glu<T>::SMEM),
                                tr, blockIdx.x);
+}
+
+// lora_chunk (chunk.cuh): a large step's whole delta of one slice with columns in one launch,
+// shrink and expand of each chunk of one slot in the same blocks; 16-bit types, rank widths 16,
+// 64 and 128. Registers capped for the 4 blocks per multiprocessor its shared memory allows.
+template <typename T, int RW, bool ALIGNED>
+__global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::TileRows<32> tr;
+  __shared__ lora::ChunkScan cs;
+  __shared__ lora::ChunkWork cw;
+  LORA_ARGS;
+  g.chunked = 1;
+  lora::require_smem(lora::Chunk<T, RW>::SMEM + 4 * (num_slots + 1));
+  lora::chunk_task<T, RW, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Chunk<T, RW>::SMEM), tr, cs, cw);
 }

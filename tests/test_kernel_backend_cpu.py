@@ -40,6 +40,8 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
         wanted.add(f"lora_expand_ring<{ct}, {al}>")
     if dtype in kernels.GLU_DTYPES:  # the gated activation with the gate / up expand: 16-bit only
         wanted |= {f"lora_expand_glu<{ct}, {ks}>" for ks in kernels.GLU_KS}
+    if dtype in kernels.CHUNK_DTYPES:  # a large step's whole delta in one launch: 16-bit only
+        wanted |= {f"lora_chunk<{ct}, {rw}, {al}>" for rw in kernels.CHUNK_RW for al in ("false", "true")}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -74,6 +76,13 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
         lines.append(f"static_assert(lora::Ring<{ct}>::SMEM == {cb.ring_smem(dtype)}, \"expand_ring {dtype}\");")
         lines.append(f"static_assert(lora::Ring<{ct}>::BM == {kernels.RING_BM} && lora::Ring<{ct}>::BN == "
                      f"{kernels.RING_BN}, \"expand_ring tile {dtype}\");")
+        if dtype in kernels.CHUNK_DTYPES:
+            for rw in kernels.CHUNK_RW:
+                g = cb.chunk_geometry(rw)
+                lines.append(f"static_assert(lora::Chunk<{ct}, {rw}>::SMEM == {cb.chunk_smem(dtype, rw)} && "
+                             f"lora::Chunk<{ct}, {rw}>::KC == {g[1]} && lora::Chunk<{ct}, {rw}>::BN == {g[2]} && "
+                             f"lora::Chunk<{ct}, {rw}>::RB == {g[3]} && "
+                             f"lora::Chunk<{ct}, {rw}>::BM == {kernels.CHUNK_BM}, \"chunk {dtype} {rw}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
@@ -86,6 +95,10 @@ def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
         assert cb.fused_smem(dtype, bm, bn) + extra <= 227 * 1024
         assert cb.fused_smem(dtype, bm, bn) >= max(cb.shrink_smem(dtype, bm), cb.expand_smem(dtype, bm, bn))
     assert cb.ring_smem(dtype) + extra <= 227 * 1024
+    if dtype in kernels.CHUNK_DTYPES:
+        # what __launch_bounds__(128, CHUNK_BLOCKS_PER_SM) is built for must fit beside the slot table
+        for rw in kernels.CHUNK_RW:
+            assert cb.CHUNK_BLOCKS_PER_SM * (cb.chunk_smem(dtype, rw) + 4 * 34 + 1024) <= 228 * 1024
 
 
 # -- plans -------------------------------------------------------------------------------------------
@@ -106,6 +119,11 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         if prev is not None and prev.bucket == b:
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
+        if p.expand == "chunk":  # one launch, whose kernel cuts the step's chunks into parts itself
+            assert cb.default_chunk(b, R) and cb.chunk_fits(dtype, R, n, None) is None
+            assert p.tiles == cb.fused_units(b, kernels.CHUNK_BM, spec.num_slots)
+            assert p.workspace_floats(cb.rank_width(R)) <= floats and p.counter_ints() <= ints
+            continue
         kc = 128 // cb._ITEMSIZE[dtype]
         assert p.k_split % kc == 0
         assert (p.splits - 1) * p.k_split < in_f <= p.splits * p.k_split  # no empty split
@@ -134,10 +152,16 @@ def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
 
 
 def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
-    """Only the rank blocks differ: the extra ones stop at once past a rank-16 adapter."""
+    """The pair: only the rank blocks differ, the extra ones stop at once past a rank-16 adapter.
+    lora_chunk: the same grid and chunks, its loops bounded by each adapter's own rank."""
     for b in DEFAULT_CAPTURE_BUCKETS:
-        p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
-        p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
+        c16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
+        c128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
+        if c16.expand == c128.expand == "chunk":
+            assert (c16.bm, c16.tiles, c16.blocks) == (c128.bm, c128.tiles, c128.blocks)
+        pair = None if c16.fused else cb.default_expand(b)
+        p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand=pair)
+        p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33, expand=pair)
         assert (p16.bm, p16.bn, p16.fused, p16.col_blocks, p16.cpb, p16.expand, p16.chunks) == (
             p128.bm, p128.bn, p128.fused, p128.col_blocks, p128.cpb, p128.expand, p128.chunks)
         rb = cb.RANK_BLOCK
@@ -151,9 +175,14 @@ def test_a_member_call_splits_in_for_its_one_slice():
     assert cb.live_slices((0, 4096, 5120, 6144)) == 3
     assert cb.live_slices((0, 0, 1024, 1024)) == 1
     for b in (512, 1024, 4096):
-        member = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, live_slices=1)
-        one = cb.plan_launch(b, 4096, 1024, 1, 64, "bfloat16", num_slots=9)
-        whole = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9)
+        # by default a member runs lora_chunk where a one-slice target does (not the whole target)
+        assert (cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, live_slices=1).expand == "chunk") == (
+            cb.plan_launch(b, 4096, 1024, 1, 64, "bfloat16", num_slots=9).expand == "chunk") == cb.default_chunk(b, 64)
+        assert cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9).expand == cb.default_expand(b)
+        pair = cb.default_expand(b)
+        member = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, live_slices=1, expand=pair)
+        one = cb.plan_launch(b, 4096, 1024, 1, 64, "bfloat16", num_slots=9, expand=pair)
+        whole = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, expand=pair)
         assert not member.fused and member.splits == one.splits > whole.splits
         assert member.shrink_blocks == 3 * one.shrink_blocks  # the other slices' tasks are launched, and stop
         fused = cb.plan_launch(b, 4096, 1024, 3, 64, "bfloat16", num_slots=9, fused=True, live_slices=1)
@@ -169,9 +198,11 @@ def test_slices_that_share_a_rank_block_shrink_in_one_task():
     assert not cb.packed_slices(3, 32, False) and not cb.packed_slices(1, 16, False)
     assert not cb.packed_slices(3, 16, True)
     for b in (128, 512, 1024, 4096):
-        one = cb.plan_launch(b, 4096, 1024, 1, 16, "bfloat16", num_slots=9, fused=False)
+        pair = cb.default_expand(b)  # the unfused pair (a one-slice target runs lora_chunk by default)
+        one = cb.plan_launch(b, 4096, 1024, 1, 16, "bfloat16", num_slots=9, fused=False, expand=pair)
         for live in (None, 1):
-            qkv = cb.plan_launch(b, 4096, 6144, 3, 16, "bfloat16", num_slots=9, fused=False, live_slices=live)
+            qkv = cb.plan_launch(b, 4096, 6144, 3, 16, "bfloat16", num_slots=9, fused=False, live_slices=live,
+                                 expand=pair)
             assert qkv.packed and qkv.splits == one.splits and qkv.shrink_blocks == one.shrink_blocks
         fused = cb.plan_launch(b, 4096, 6144, 3, 16, "bfloat16", num_slots=9, fused=True)
         assert not fused.packed and fused.shrink_blocks == fused.tiles * fused.splits * 3
@@ -228,23 +259,49 @@ def test_ring_plans_take_tiles_of_64_and_one_wave(in_f, out, n, R, dtype):
         assert f.fused and f.expand == "expand"
 
 
-def test_each_shipped_kernel_is_a_default_somewhere_and_a_pools_rank_changes_none():
+def test_each_shipped_kernel_is_a_default_somewhere():
     """Every expand kernel is some bucket's default (a bucket listed for expand_stream launches
-    unfused: a fused launch would ignore it), the fused kernel is, and the choice is the bucket's
-    alone: a rank-128 pool runs the same kernels as a rank-16 one."""
+    unfused: a fused launch would ignore it), the fused kernel is, and lora_chunk is, at each of
+    its rank widths. The pair's expand is the bucket's alone; lora_chunk runs where
+    ``default_chunk`` says and the target fits it (16-bit, one slice with columns), never in
+    halves or with a forced tile."""
     for b in cb.STREAM_EXPAND_BUCKETS:
         assert not cb.default_fused(b)
-    chosen = set()
+    chosen, widths = set(), set()
     for b in DEFAULT_CAPTURE_BUCKETS:
-        plans = [cb.plan_launch(b, 4096, out, 1, r, dt, num_slots=33) for out in (4096, 14336)
-                 for r in (8, 16, 128) for dt in DTYPES]
-        assert len({(p.fused, p.expand, p.chunks) for p in plans}) == 1
-        p = plans[0]
-        chosen.add("fused" if p.fused else p.expand)
-        assert p.fused or (p.expand == "expand_stream") == (b in cb.STREAM_EXPAND_BUCKETS)
-        assert p.fused or (p.expand == "expand_ring") == (b >= cb.RING_EXPAND_FROM)
-        assert p.expand != "expand_ring" or p.bm == kernels.RING_BM
+        pairs = set()
+        for out, n, live in ((4096, 1, None), (14336, 1, None), (6144, 3, None), (6144, 3, 1)):
+            for r in (8, 16, 64, 128):
+                for dt in DTYPES:
+                    p = cb.plan_launch(b, 4096, out, n, r, dt, num_slots=33, live_slices=live)
+                    chosen.add("fused" if p.fused else p.expand)
+                    fits = cb.chunk_fits(dt, r, n, live) is None
+                    assert (p.expand == "chunk") == (not p.fused and fits and cb.default_chunk(b, r))
+                    if p.expand == "chunk":
+                        widths.add(cb.chunk_geometry(r)[0])
+                        assert p.blocks <= cb.CHUNK_BLOCKS_PER_SM * cb.DEFAULT_SMS
+                        for kw in (dict(whole=False), dict(tile=64)):
+                            q = cb.plan_launch(b, 4096, out, n, r, dt, num_slots=33, live_slices=live, **kw)
+                            assert q.expand == cb.default_expand(b)
+                    else:
+                        pairs.add((p.fused, p.expand, p.chunks))
+        assert len(pairs) == 1
+        fused, expand, _ = pairs.pop()
+        assert fused or (expand == "expand_stream") == (b in cb.STREAM_EXPAND_BUCKETS)
+        assert fused or (expand == "expand_ring") == (b >= cb.RING_EXPAND_FROM)
     assert chosen == {"fused", *kernels.EXPAND_KERNELS}
+    assert widths == set(kernels.CHUNK_RW)
+
+
+def test_chunk_plans_refuse_what_the_kernel_does_not_serve():
+    for kw, why in ((dict(dtype="float32"), "serves"), (dict(max_rank=256), "ranks up to"),
+                    (dict(n_slices=3), "one slice"), (dict(whole=False), "one launch")):
+        args = dict(bucket=1024, in_features=4096, out_features=6144, n_slices=1, max_rank=16, dtype="bfloat16")
+        args.update({k: v for k, v in kw.items() if k in args})
+        with pytest.raises(ValueError, match=why):
+            cb.plan_launch(*args.values(), num_slots=33, expand="chunk", **{k: v for k, v in kw.items() if k == "whole"})
+    p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", live_slices=1)
+    assert (p.expand, p.bm, p.tiles) == ("chunk", kernels.CHUNK_BM, cb.fused_units(1024, kernels.CHUNK_BM, 33))
 
 
 def test_unknown_kernels_are_refused():
@@ -290,7 +347,8 @@ def test_chunks_where_the_step_is_small_and_only_for_the_fused_kernel():
     for b in DEFAULT_CAPTURE_BUCKETS:
         p = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         assert p.chunks == cb.default_chunks(b)
-        assert p.tiles == (cb.fused_units(b, p.bm, 33) if p.chunks else -(-b // p.bm))
+        if p.expand != "chunk":  # lora_chunk's units are chunks of its own (test_chunk_plans_...)
+            assert p.tiles == (cb.fused_units(b, p.bm, 33) if p.chunks else -(-b // p.bm))
         assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=True).chunks
         tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=False)
         assert not tiles.chunks and tiles.tiles == -(-b // tiles.bm)
@@ -468,8 +526,11 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         names = set(bench.kernel_variants(row, sweep=False))
         fused = (row.bucket or row.T) <= 64
         assert "default" in names
-        assert (set(bench.VERSIONS) <= names) == (not fused)
+        assert (set(bench.VERSIONS) - {"chunk"} <= names) == (not fused)
         assert (set(bench.DECODE_VERSIONS) <= names) == fused
+        # lora_chunk is timed wherever it serves the row: 16-bit, one slice, a pool of rank <= 128
+        fits = cb.chunk_fits(row.dtype, row.pool_rank, len(row.slices), None) is None
+        assert ("chunk" in names) == (fits and not fused)
     assert set(bench.VERSIONS) == set(kernels.EXPAND_KERNELS)
 
 
@@ -482,12 +543,12 @@ def test_versions_table_picks_the_fastest_correct_launch():
     lines = bench._versions_table([res]).splitlines()
     assert len(lines) == 3 and lines[2].startswith(row.label[:40])
     cells = lines[2][40:].split()
-    assert cells[2] == "ERR" and cells[7] == "default"  # over tolerance never wins
+    assert cells[2] == "ERR" and cells[8] == "default"  # over tolerance never wins
     assert cells[cells.index("|") - 1] == "no"  # 73 us: 36% of a 26 us floor
     assert lines[2].endswith("| 20.0 50.0 - -")  # shrink and expand alone; the other expands not timed alone
     res["kernels"]["expand_stream"] = k(36.0)
     cells = bench._versions_table([res]).splitlines()[2][40:].split()
-    assert cells[7] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
+    assert cells[8] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
     alone = {**res, "kernels": {"default": k(9.0)}}
     assert len(bench._versions_table([alone]).splitlines()) == 2  # a row timed alone is left out
 

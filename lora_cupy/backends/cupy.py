@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_DTYPES, EXPAND_V_RANKS,
+from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_DTYPES, EXPAND_V_RANKS,
                        EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       STREAM_BN, expand_v_name, glu_name,
+                       STREAM_BN, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
@@ -89,6 +89,25 @@ def ring_smem(dtype: str) -> int:
     return 3 * (RING_BM * (RING_BN + 8) + RING_BN * (rk + 16)) * size
 
 
+def chunk_geometry(max_rank: int) -> tuple[int, int, int, int]:
+    """``(RW, KC, BN, RB)`` of ``Chunk<T, RW>`` (chunk.cuh) for a pool's maximum rank: the rank
+    width it is built for, features a shrink stage, columns an expand stage, ranks an A or B tile
+    (a rank block: a rank-128 pool's adapters above rank 64 take two)."""
+    rw = next((w for w in CHUNK_RW if rank_width(max_rank) <= w), None)
+    if rw is None:
+        raise ValueError(f"lora_chunk is built for ranks up to {CHUNK_RW[-1]}, not {max_rank}")
+    return (rw, 128, 128, 16) if rw <= 16 else (rw, 64, 64, 64)
+
+
+def chunk_smem(dtype: str, max_rank: int) -> int:
+    """``Chunk<T, RW>::SMEM`` of chunk.cuh: 3 stages, each the larger of a shrink stage (x rows of
+    32 positions and A rows of a rank block, KC features) and an expand stage (y tile of 32 x BN,
+    B tile of BN columns x a rank block), rows padded by 8 elements."""
+    _, kc, bn, rb = chunk_geometry(max_rank)
+    size = _ITEMSIZE[dtype]
+    return 3 * max((CHUNK_BM + rb) * (kc + 8) * size, (CHUNK_BM * (bn + 8) + bn * (rb + 8)) * size)
+
+
 def glu_smem(dtype: str) -> int:
     """``Glu<T>::SMEM`` of expand_glu.cuh: 3 stages of a g and a u tile (64 x 64 columns, swizzled)."""
     return 3 * 2 * RING_BM * RING_BN * _ITEMSIZE[dtype]
@@ -142,13 +161,19 @@ class LaunchPlan:
     #: an unfused shrink whose slices share one rank block (``packed_slices``): one task per
     #: tile and split reads x once for every slice
     packed: bool = False
+    #: the grid of a launch whose blocks take their work by ticket (``lora_chunk``: one wave)
+    blocks: int = 0
 
     @property
     def shrink_blocks(self) -> int:
+        if self.expand == "chunk":  # one launch: every block shrinks, then expands
+            return self.blocks
         return self.tiles * self.splits * (1 if self.packed else self.n_slices * self.rank_blocks)
 
     @property
     def expand_blocks(self) -> int:
+        if self.expand == "chunk":
+            return self.blocks
         return self.tiles * _ceil(self.col_blocks, self.cpb)
 
     def workspace_floats(self, rw: int) -> int:
@@ -206,6 +231,37 @@ STREAM_EXPAND_BUCKETS = frozenset({256})
 RING_EXPAND_FROM = 1024
 
 
+#: Blocks per multiprocessor ``lora_chunk`` is built for (``__launch_bounds__(128, 4)``), and the
+#: most parts one chunk is cut into.
+CHUNK_BLOCKS_PER_SM = 4
+CHUNK_MAX_PARTS = 32
+#: From this many positions a call that ``chunk_fits`` runs ``lora_chunk`` by default, and for pools
+#: of rank width above 16 up to ``CHUNK_WIDE_UNTIL`` (NOTES.md, "lora_chunk"): on an H200 it beat the
+#: unfused pair on every one-slice row of 128 to 4096 positions at rank width 16 (T=4096 r16: 43.6-45.5
+#: against 50.6-51.9 us the call) and of 128 to 1024 at rank widths 64 and 128, bar one within 2%;
+#: at 4096 positions the pair was faster there (rank 64: 60.9-66.1 against 64.7-68.3 us).
+CHUNK_FROM = 128
+CHUNK_WIDE_UNTIL = 1024
+
+
+def default_chunk(bucket: int, max_rank: int) -> bool:
+    """Whether a call of ``bucket`` positions whose target ``chunk_fits`` runs ``lora_chunk`` by default."""
+    return bucket >= CHUNK_FROM and (rank_width(max_rank) <= 16 or bucket <= CHUNK_WIDE_UNTIL)
+
+
+def chunk_fits(dtype: str, max_rank: int, n_slices: int, live_slices: int | None) -> str | None:
+    """Why ``lora_chunk`` cannot serve a target (None: it can): 16-bit types, a pool of rank 128 or
+    less, and one slice with columns (a one-slice target, or one member of a fused target served
+    into its own output)."""
+    if normalize_dtype(dtype) not in CHUNK_DTYPES:
+        return f"lora_chunk serves {' and '.join(CHUNK_DTYPES)}, not {dtype}"
+    if rank_width(max_rank) > CHUNK_RW[-1]:
+        return f"lora_chunk is built for ranks up to {CHUNK_RW[-1]}, not {max_rank}"
+    if n_slices > 1 and live_slices != 1:
+        return f"lora_chunk serves one slice with columns, not {live_slices or n_slices} of {n_slices}"
+    return None
+
+
 def default_expand(bucket: int) -> str:
     """The expand kernel of an unfused launch: ``expand_stream`` in ``STREAM_EXPAND_BUCKETS``,
     ``expand_ring`` from ``RING_EXPAND_FROM`` positions, else ``expand``."""
@@ -218,7 +274,7 @@ def default_expand(bucket: int) -> str:
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
-                chunks: bool | None = None, live_slices: int | None = None) -> LaunchPlan:
+                chunks: bool | None = None, live_slices: int | None = None, whole: bool = True) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it).
 
@@ -226,6 +282,11 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     into its own output: the others have none, and their shrink tasks stop at once); an unfused
     launch splits ``in`` for those alone, so the member's shrink fills the device as a one-slice
     target's does. None: every slice.
+
+    An unfused call whose target ``chunk_fits`` runs ``lora_chunk`` (shrink and expand in one
+    launch, ``expand="chunk"``) where ``default_chunk`` says so, unless a tile is forced or
+    ``whole`` is False (a plan for the delta in two launches of its own). Any other unfused call
+    runs ``lora_shrink`` and the bucket's expand (``default_expand``).
 
     A chunked launch (fused only: ``chunks``, by default ``default_chunks``) sizes its grid at
     about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM`` expand blocks per
@@ -248,6 +309,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     fused = default_fused(bucket) if fused is None else bool(fused)
     if fused:
         expand = "expand"
+    elif expand is None and whole and tile is None and default_chunk(bucket, max_rank) and \
+            chunk_fits(dtype, max_rank, n_slices, live_slices) is None:
+        expand = "chunk"
     elif expand is None:  # the bucket's default, unless a tile is forced that it does not take
         expand = default_expand(bucket)
         if expand == "expand_ring" and tile is not None and int(tile) != RING_BM:
@@ -255,6 +319,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     expand = str(expand)
     if expand not in EXPAND_KERNELS:
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
+    if expand == "chunk":
+        return _plan_chunk(bucket, in_features, out_features, n_slices, max_rank, dtype, num_slots=num_slots,
+                           num_sms=num_sms, live_slices=live_slices, whole=whole)
     bm = (RING_BM if expand == "expand_ring" else default_tile(bucket)) if tile is None else int(tile)
     bn = dict(MMA_TILES).get(bm)
     if bn is None:
@@ -298,6 +365,30 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=splits, k_split=per * kc, fused=fused,
                       tiles=tiles, rank_blocks=rank_blocks, col_blocks=col_blocks, cpb=cpb,
                       n_slices=n_slices, expand=expand, chunks=chunks, packed=packed)
+
+
+def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
+                num_slots: int, num_sms: int, live_slices: int | None, whole: bool) -> LaunchPlan:
+    """``lora_chunk``'s plan: ``tiles`` is the most chunks of one slot (at most ``CHUNK_BM``
+    positions) a step can have; the grid (``blocks``) one wave of ``CHUNK_BLOCKS_PER_SM`` blocks a
+    multiprocessor (fewer where the bucket's chunks and parts cannot fill it), whose blocks take
+    (chunk, part) items by ticket. The kernel cuts each of the step's chunks into as many parts
+    (a share of ``in`` and of the column blocks) as fill the grid, at most ``splits``:
+    ``CHUNK_MAX_PARTS``, or the stages of ``in`` or column blocks there are if more. ``k_split``
+    and ``cpb`` are what a step filling its bucket gets."""
+    why = chunk_fits(dtype, max_rank, n_slices, live_slices) or (
+        None if whole else "lora_chunk runs the whole delta in one launch, not in halves")
+    if why:
+        raise ValueError(why)
+    rw, kc, bn, _ = chunk_geometry(max_rank)
+    tiles = fused_units(bucket, CHUNK_BM, num_slots)
+    nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
+    most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
+    blocks = min(CHUNK_BLOCKS_PER_SM * num_sms, tiles * most)
+    parts = max(1, min(most, blocks // _ceil(bucket, CHUNK_BM)))  # what the kernel picks for a full bucket
+    return LaunchPlan(bucket=bucket, bm=CHUNK_BM, bn=bn, splits=most, k_split=_ceil(nk, parts) * kc, fused=False,
+                      tiles=tiles, rank_blocks=1, col_blocks=col_blocks, cpb=_ceil(col_blocks, parts),
+                      n_slices=n_slices, expand="chunk", blocks=blocks)
 
 
 def packed_slices(n_slices: int, max_rank: int, fused: bool) -> bool:
@@ -478,7 +569,7 @@ class CallLimits:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
                            fused=False if halves else self.fused, expand=self.expand, chunks=self.chunks,
-                           live_slices=live_slices)
+                           live_slices=live_slices, whole=not halves)
 
 
 @dataclass(frozen=True)
@@ -849,6 +940,12 @@ class CupyBackend:
                 "fused": lambda bm, bn: fused_smem(dtype, bm, bn),
                 "expand_stream": lambda bm, bn: 0,  # expand_stream: slot_indptr alone
                 "expand_ring": lambda bm, bn: ring_smem(dtype)}
+        if dtype in CHUNK_DTYPES:
+            for rw in CHUNK_RW:
+                for aligned in (False, True):
+                    fn = mod.get_function(chunk_name(ct, rw, aligned=aligned))
+                    fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw) + extra
+                    self._fns[(dtype, "chunk", rw, aligned)] = fn
         if dtype in GLU_DTYPES:
             for ks in GLU_KS:
                 fn = mod.get_function(glu_name(ct, ks))
@@ -970,6 +1067,11 @@ class CupyBackend:
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
+        if plan.expand == "chunk":  # shrink and expand in one launch
+            if set(parts) != {"shrink", "expand"}:
+                raise ValueError("lora_chunk runs the shrink and the expand in one launch: neither runs alone")
+            rw = chunk_geometry(R)[0]
+            return [mma("chunk", ("chunk", rw), plan.blocks, chunk_smem(dtype, R))]
         out_calls = []
         if "shrink" in parts:
             out_calls.append(mma("shrink", ("shrink", plan.bm), plan.shrink_blocks, shrink_smem(dtype, plan.bm)))

@@ -513,10 +513,11 @@ def layer_table(layer: list[dict]) -> str:
 VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
                               for t in (16, 32, 64) for f in (False, True)}}
 #: Launches timed side by side with the default, by the names of what they run: on rows whose
-#: bucket launches shrink and expand apart, each expand kernel; on decode rows (a fused launch by
-#: default), the fused kernel on chunks and on tiles, and the unfused pair.
+#: bucket launches shrink and expand apart, each expand kernel after lora_shrink and lora_chunk
+#: (both in one launch; where it serves the row); on decode rows (a fused launch by default), the
+#: fused kernel on chunks and on tiles, and the unfused pair.
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
-            "expand_ring": dict(expand="expand_ring")}
+            "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk")}
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
                    "unfused": dict(fused=False)}
 
@@ -524,12 +525,16 @@ DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles":
 def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
     """The backend options timed on one row: the default, then each expand kernel (unfused
     buckets) or the unfused launches (fused buckets)."""
-    from ..backends.cupy import default_fused
+    from ..backends.cupy import chunk_fits, default_fused
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
     spec = LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=row.slots + 1, max_rank=row.pool_rank)
-    out.update(DECODE_VERSIONS if default_fused(spec.bucket_for(row.bucket or row.T)) else VERSIONS)
+    if default_fused(spec.bucket_for(row.bucket or row.T)):
+        out.update(DECODE_VERSIONS)
+    else:
+        fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None) is None
+        out.update({k: v for k, v in VERSIONS.items() if k != "chunk" or fits})
     return out
 
 
@@ -563,7 +568,8 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
                                                                   "expand", "chunks", "tiles")}}
         call = check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr)
         kernels[name]["occupancy"] = be.occupancy(call)
-        if row.group in ("core", "poolrank") and row.T >= 1024 and plan.bm == default_tile(plan.bucket):
+        if (row.group in ("core", "poolrank") and row.T >= 1024 and plan.bm == default_tile(plan.bucket)
+                and plan.expand != "chunk"):
             # each kernel alone
             for part, kernel in (("shrink", "shrink"), ("expand", plan.expand)):
                 if kernel not in parts:
@@ -616,9 +622,9 @@ def _versions_table(results: list[dict]) -> str:
     kernels alone where timed, the best launch, the best baseline, and whether the best meets the
     issue's bars."""
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
-    alone_keys = ["shrink", *VERSIONS]
+    alone_keys = ["shrink", *(v for v in VERSIONS if v != "chunk")]
     short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring",
-             "fused_chunks": "chunks", "fused_tiles": "tiles", "unfused": "unfused"}
+             "chunk": "chunk", "fused_chunks": "chunks", "fused_tiles": "tiles", "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))
     lines = ["launches side by side (us; ERR = over tolerance, '-' = not run)", head]

@@ -132,6 +132,43 @@ template <typename T, bool AL> static void ring_block(int u) {
   lora::expand_ring_task<T, AL>(g, dsm.data(), s_indptr, tr, u);
 }
 
+// lora_chunk (chunk.cuh): each item's shrink part in a first pass over the items, its expand
+// part in a second (the kernel runs both in one block, the expand waiting for its chunk's parts,
+// which here have all run), so no block waits on one that has not run. An item runs as a block of
+// its own; the parts a chunk is cut into are the kernel's for a grid of `blocks`.
+static int g_chunk_phase = 0, g_chunk_grid = 0;
+template <typename T, int RW, bool AL> static void chunk_block(int u) {
+  static lora::TileRows<32> tr;
+  static lora::ChunkScan cs;
+  static lora::ChunkWork cw;
+  auto g = args<T>();
+  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW>::SMEM);
+  lora::count_chunks<32>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
+  const int parts = lora::chunk_parts(g, cs.chunks, g_chunk_grid), c = u / parts, q = u % parts;
+  if (c >= cs.chunks) return;
+  lora::chunk_setup<T>(g, s_ip, tr, cs, cw, c);
+  if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, AL>(g, dsm.data(), tr, cw, c, q, parts);
+  else lora::chunk_expand<T, RW, AL>(g, dsm.data(), tr, cw, c, q, parts);
+}
+// blocks: the kernel's grid; every item the most chunks (units) times `splits` parts can make runs
+template <typename T, bool AL> static int run_chunk(int blocks) {
+  if constexpr (sizeof(T) != 2) {
+    return 2;
+  } else {
+    L.chunked = 1;
+    void (*fn)(int) = L.rw <= 16    ? chunk_block<T, 16, AL>
+                      : L.rw <= 64  ? chunk_block<T, 64, AL>
+                      : L.rw <= 128 ? chunk_block<T, 128, AL>
+                                    : nullptr;
+    if (!fn) return 2;
+    g_chunk_grid = blocks;
+    const int items = args<T>().units(32) * L.splits;
+    for (g_chunk_phase = 0; g_chunk_phase < 2; ++g_chunk_phase)
+      for (int u = 0; u < items; ++u) emu::run_block(fn, u);
+    return 0;
+  }
+}
+
 static int g_blocks = 0;
 template <typename T, int BM, int BN, bool CHUNKED, bool AL> static void fused_block(int u) {
   static lora::TileRows<BM> tr;
@@ -167,12 +204,13 @@ template <typename T, bool AL> static int run_a(int bm, int expand, int sb, int 
 }
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (L.aligned && L.flags != 7) return 3;  // the ALIGNED instantiation serves flags == 7 alone
+  if (expand == 6) return L.aligned ? run_chunk<T, true>(sb) : run_chunk<T, false>(sb);
   return L.aligned ? run_a<T, true>(bm, expand, sb, eb) : run_a<T, false>(bm, expand, sb, eb);
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 5 (lora_expand_ring),
-// 0 / 1 (the fused launch on tiles / chunks);
+// 6 (lora_chunk: shrink_blocks its blocks), 0 / 1 (the fused launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,

@@ -290,12 +290,13 @@ def test_one_layer_switches_instantiations_as_alignment_changes(make_case, check
         check(case, host(y, "bfloat16"), "bfloat16")
 
 
-@pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_cupy_graph_replays_new_addressing(make_case, check, launch):
+def graph_replays_new_addressing(make_case, check, backend_kw: dict, first_kw: dict, steps) -> None:
+    """One delta captured in a CuPy graph on the first case's buffers, replayed under each of
+    ``steps`` ((T, mix): fresh data, addressing and weights written into the same buffers): every
+    replay matches the oracle, leaves v and the counters at zero, and agrees with an eager call."""
     cupy = cp()
-    first = make_case(T=128, in_f=264, slices=(96, 40, 24), max_rank=16, ranks=(1, 8, 16),
-                      dtype="bfloat16", mix="uniform", active=6)
-    be = backend_for(first.spec, **LAUNCHES[launch])
+    first = make_case(**first_kw)
+    be = backend_for(first.spec, **backend_kw)
     x, y = dev(first.x), dev(first.y0)
     w = dev_weights(first.w)
     to, ip = dev(first.token_order), dev(first.slot_indptr)
@@ -306,7 +307,7 @@ def test_cupy_graph_replays_new_addressing(make_case, check, launch):
         stream.begin_capture()
         be.delta(y, x, w, to, ip)
         graph = stream.end_capture()
-    for T, mix in ((128, "zipf"), (57, "skewed"), (1, "identical"), (128, "distinct")):
+    for T, mix in steps:
         case = _new_addressing(make_case, first, T, mix)
         for buf, h in ((x, case.x), (y, case.y0), (to, case.token_order), (ip, case.slot_indptr),
                        (w.a, case.w.a), (w.b, case.w.b), (w.scaling, case.w.scaling), (w.ranks, case.w.ranks)):
@@ -318,6 +319,15 @@ def test_cupy_graph_replays_new_addressing(make_case, check, launch):
         check(case, y_graph, "bfloat16")
         check_clean(be)
         assert_same(y_graph, run_cupy(be, case), "bfloat16")
+
+
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_cupy_graph_replays_new_addressing(make_case, check, launch):
+    graph_replays_new_addressing(
+        make_case, check, LAUNCHES[launch],
+        dict(T=128, in_f=264, slices=(96, 40, 24), max_rank=16, ranks=(1, 8, 16), dtype="bfloat16", mix="uniform",
+             active=6),
+        ((128, "zipf"), (57, "skewed"), (1, "identical"), (128, "distinct")))
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))

@@ -1,0 +1,422 @@
+// lora_chunk: the whole delta of a large step in one launch, shrink and expand of each chunk of
+// one slot in the same blocks, for 16-bit types and a call whose one slice has columns (a
+// one-slice target, or one member of a fused target served into its own output). Included by
+// lora_mma.cu (it uses Args, TileRows, ChunkScan, count_chunks and find_chunk from there,
+// add_word from expand_stream.cuh).
+//
+// Why: an unfused large step runs lora_shrink, then lora_expand_ring, and each streams its bytes
+// at 1.7-1.9 TB/s (NOTES.md): the second waits for the whole first, and neither alone keeps
+// enough bytes in flight. Here every block streams x and A, then y and B, so the device reads x of
+// some chunks while it writes y of others, and the y and B of a block's first column blocks are
+// in flight while it waits for its chunk's v.
+//
+// Algebra (slice j the one with columns, [c_lo, c_hi) = [out_offsets[j], out_offsets[j + 1]),
+// r = ranks[s, j], positions p of a chunk of slot s, t = token_order[p]):
+//   v[p, j, :r] = sum over parts q of x[t, K_q] @ A[s, j, :r, K_q].T   (fp32, in ws)
+//   y[t, c]    += round(scaling[s, j] * v[p, j, :r]) @ B[s, c, :r].T     (c in [c_lo, c_hi))
+// Work: the step's chunks (each slot's positions cut into pieces of at most BM = 32 from its
+// start, as lora_fused's chunks) times P parts, P = chunk_parts: as many as fill the grid (one
+// wave of blocks) for the chunks the step has, at most `splits`. Part q of chunk c takes an equal
+// share of `in` (stages of KC) and of the slice's column blocks (BN columns, counted from column 0):
+//   1. shrink: its share of `in` through a ring of cp.async stages of x rows and A rows (a rank
+//      block of RB ranks, rows up to r rounded up to 16, zero past r; one pass over its share of
+//      `in` per rank block of r), 4 warps: warp w holds m-tile w & 1 and k-steps w >> 1,
+//      w >> 1 + 2, ... of each stage; its sums (ranks < r only: 0 * inf stays out of v) added into
+//      v with 8-byte red.add; then the part counts itself into the chunk's ready count.
+//   2. expand: steps (column block, rank block). The first STAGES - 1 steps' y tiles (whole
+//      16-byte pieces of BM rows, at a column block's first step, in a ring of their own) and B
+//      tiles (BN columns x the rank block's ranks below r rounded up to 16, zero past r and
+//      outside the slice) are issued, then the part waits for all parts' v, reads v * scaling
+//      into registers as MMA fragments (ranks permuted inside each k-step as common.cuh's global
+//      fragments; B read with the same permutation), and walks its steps: at a column block's
+//      last, warp w adds rows of m-tile w & 1 x columns of half w >> 1 into the y tile (fp32,
+//      rounded once; an element whose delta is exactly zero keeps its bits) and writes them back.
+//   3. the last part of the chunk to finish reading v zeroes it (ranks below r rounded up to 16)
+//      and resets the chunk's counts; the last block resets the ticket.
+// Grid (1-D, 128 threads): one wave of blocks (the plan's, a function of the capture bucket and
+// the slot count only: graph-safe), each taking items (chunk, part) by ticket, chunk-major, until
+// the step's are gone. A part waits only for the other parts of its chunk, and every chunk but the
+// last one handed out has all its parts handed out, so at most P - 1 blocks wait on items not yet
+// taken while the others run on and take them (P is at most `splits`, far below the grid).
+// Counters: [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 units) v readers done
+// (units as Args::units with chunked set: the most chunks a step can have). ws: v [bucket, n, rw] f32, zero before and after.
+// RW: the pool's rank width (16; 64 for ranks 17-64; 128 for 65-128); stages sized for its rank
+// block RB (16, or 64: a rank-128 pool's adapters above rank 64 take two), loops bounded by each
+// slot's own rank, so a rank-128 pool's rank-16 adapters run as a rank-64 pool's do.
+#pragma once
+
+namespace lora {
+
+template <typename T, int RW>
+struct Chunk {
+  static_assert(sizeof(T) == 2, "lora_chunk serves 16-bit types");
+  static_assert(RW == 16 || RW == 64 || RW == 128, "lora_chunk is built for rank widths 16, 64 and 128");
+  static constexpr int BM = 32, STAGES = 3, CH = 8;  // positions a chunk; 16-byte pieces of 8
+  static constexpr int KC = RW <= 16 ? 128 : 64;     // features a shrink stage
+  static constexpr int BN = RW <= 16 ? 128 : 64;     // columns an expand stage
+  static constexpr int RB = RW <= 16 ? 16 : 64;      // ranks of an A or B tile: a rank block
+  static constexpr int NT = BN / 16;                 // n-tiles of a warp's half of a column block
+  static constexpr int KSTEPS = KC / 16;             // k-steps of a shrink stage
+  // rows padded by 8 elements (16 bytes): a warp's 4-byte fragment reads fall in distinct banks
+  static constexpr int LDX = KC + 8, LDA = KC + 8, LDY = BN + 8, LDB = RB + 8;
+  static constexpr int X_BYTES = BM * LDX * 2, A_BYTES = RB * LDA * 2;
+  static constexpr int Y_BYTES = BM * LDY * 2, B_BYTES = BN * LDB * 2;
+  static constexpr int S_STAGE = X_BYTES + A_BYTES, E_STAGE = Y_BYTES + B_BYTES;
+  static constexpr int STAGE = S_STAGE > E_STAGE ? S_STAGE : E_STAGE;
+  static constexpr int SMEM = STAGES * STAGE;
+};
+
+// One block's chunk: slot, first position and rows (from find_chunk), the slice with columns,
+// its rank, scaling and columns.
+struct ChunkWork {
+  int slot, p0, m, j, r, c_lo, c_hi;
+  float sc;
+};
+
+// Parts a chunk is cut into for a step of `chunks` chunks on a grid of `blocks`: as many as fill
+// the grid, at most `splits`.
+template <typename T>
+__device__ __forceinline__ int chunk_parts(const Args<T>& g, int chunks, int blocks) {
+  return max(1, min(g.splits, blocks / max(chunks, 1)));
+}
+
+// Chunk c of the step (c < cs.chunks, after count_chunks) and what its parts need of the weights.
+// Every thread calls.
+template <typename T>
+__device__ void chunk_setup(const Args<T>& g, const int* s_indptr, TileRows<32>& tr, ChunkScan& cs, ChunkWork& cw,
+                            int c) {
+  find_chunk<32>(tr, cs, s_indptr, g.token_order, g.num_slots, g.positions, c);
+  if (threadIdx.x == 0) {
+    const int n = g.n_slices, s = cs.chunk[2];
+    int j = 0, lo = 0, hi = g.out_features;
+    if (g.out_offsets != nullptr) {
+      for (int k = 0; k < n; ++k)
+        if (g.out_offsets[k + 1] > g.out_offsets[k]) {
+          j = k;
+          lo = g.out_offsets[k];
+          hi = g.out_offsets[k + 1];
+          break;
+        }
+    }
+    cw.slot = s;
+    cw.p0 = cs.chunk[0];
+    cw.m = cs.chunk[1];
+    cw.j = j;
+    cw.r = min(g.ranks[s * n + j], g.max_rank);
+    cw.sc = g.scaling[s * n + j];
+    cw.c_lo = lo;
+    cw.c_hi = min(hi, g.out_features);
+  }
+  __syncthreads();
+}
+
+// Part q of `parts`: its shrink into v, then its count into the chunk's ready count.
+template <typename T, int RW, bool ALIGNED>
+__device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<32>& tr, const ChunkWork& cw, int c, int q,
+                             int parts) {
+  using C = Chunk<T, RW>;
+  using M = typename Op<T>::type;
+  constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8;
+  constexpr int XPR = KC / CH, XPT = BM * XPR / THREADS, XROWS = THREADS / XPR;  // x pieces
+  constexpr int APT = C::RB * XPR / THREADS;                                      // A pieces
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int in = g.in_features, nk = (in + KC - 1) / KC, per = (nk + parts - 1) / parts;
+  const int k0 = q * per, k1 = min(k0 + per, nk), m = cw.m;
+  for (int rb0 = 0; k0 < k1 && rb0 < cw.r; rb0 += C::RB) {  // a pass over this part's `in` per rank block
+    // this rank block's ranks: r of them (below the slot's rank), rows up to r16 copied
+    const int r = min(cw.r - rb0, C::RB), r16 = (r + 15) & ~15;
+    const bool vec = ALIGNED || (g.flags & 1);
+    const T* A = g.A + (((size_t)cw.slot * g.n_slices + cw.j) * g.max_rank + rb0) * (size_t)in;
+    auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
+    auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
+    const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
+    const T* xrow[XPT];
+#pragma unroll
+    for (int i = 0; i < XPT; ++i) {
+      const int row = pr0 + i * XROWS;
+      xrow[i] = row < m ? g.x + (size_t)tr.tok[row] * in : nullptr;
+    }
+    auto load = [&](int ks, int st) {
+      if (ks < k1) {
+        T* sx = x_tile(st);
+        T* sa = a_tile(st);
+        const int f0 = ks * KC;
+        if (vec) {
+          const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
+#pragma unroll
+          for (int i = 0; i < XPT; ++i) {
+            const bool ok = xrow[i] != nullptr && bytes > 0;
+            cp_async16(sx + (pr0 + i * XROWS) * C::LDX + pc, ok ? xrow[i] + f0 + pc : g.x, ok ? bytes : 0);
+          }
+#pragma unroll
+          for (int i = 0; i < APT; ++i) {
+            const int row = pr0 + i * XROWS;
+            if (row < r16) {
+              const bool ok = row < r && bytes > 0;
+              cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
+            }
+          }
+        } else {
+          for (int e = tid; e < BM * KC; e += THREADS) {
+            const int row = e / KC, k = e % KC;
+            sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
+          }
+          for (int e = tid; e < r16 * KC; e += THREADS) {
+            const int row = e / KC, k = e % KC;
+            sa[row * C::LDA + k] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
+          }
+        }
+      }
+      cp_async_commit();
+    };
+
+    const int mt = warp & 1, kq = warp >> 1, nts = r16 / 8;
+    float acc[NTS][4];  // ranks rb0 + [0, RB) of this warp's m-tile
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) load(k0 + st, st);
+    for (int f = 0; k0 + f < k1; ++f) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // stage f has landed for every thread; stage f - 1 is free
+      load(k0 + f + STAGES - 1, (f + STAGES - 1) % STAGES);
+      const T* sx = x_tile(f % STAGES);
+      const T* sa = a_tile(f % STAGES);
+#pragma unroll
+      for (int kk = kq; kk < C::KSTEPS; kk += 2) {
+        Frags<M, false, T> fa;
+        fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt) {
+          if (nt < nts) {
+            Frags<M, false, T> fb;
+            fb.load_b(sa, C::LDA, nt * 8, kk * 16, gq, tq);
+            mma_frags<M, false, false>(acc[nt], fa, fb);
+          }
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp's reads of the stages are done before the next pass loads
+    // this warp's partial sums into v: rows of its m-tile inside the chunk, ranks below r
+    float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + cw.j) * g.rw + rb0;
+    const size_t stride = (size_t)g.n_slices * g.rw;
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt) {
+      const int col = nt * 8 + 2 * tq;
+      if (nt < nts && col < r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = mt * 16 + gq + 8 * h;
+          if (row < m) red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
+        }
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();  // every thread's sums issued and fenced; the stages are free for the expand
+  if (tid == 0) atomicAdd(g.counters + 2 + c, 1);
+}
+
+// Part q's expand of its column blocks, after all `parts` parts of chunk c have added into v;
+// then the chunk's v released (the last part to finish zeroes it and resets the chunk's counts).
+template <typename T, int RW, bool ALIGNED>
+__device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& tr, const ChunkWork& cw, int c, int q,
+                             int parts) {
+  using C = Chunk<T, RW>;
+  using M = typename Op<T>::type;
+  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, CH = C::CH, NT = C::NT, RB = C::RB;
+  constexpr int KS = RW / 16, KPB = RB / 16;                                     // k-steps of v; of a rank block
+  constexpr int YPR = BN / CH, YPT = BM * YPR / THREADS, YROWS = THREADS / YPR;  // y pieces
+  constexpr int BPR = RB / CH, BPT = BN * BPR / THREADS, BROWS = THREADS / BPR;  // B pieces
+  __shared__ int last_reader;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int out = g.out_features, m = cw.m, r = cw.r, r16 = (r + 15) & ~15, kss = r16 / 16;
+  const int cbA = cw.c_lo / BN, cbZ = (cw.c_hi + BN - 1) / BN, per = (cbZ - cbA + parts - 1) / parts;
+  const int cb0 = cbA + q * per, cb1 = r > 0 ? min(cb0 + per, cbZ) : cb0;  // rank 0: nothing to add
+  const int nrb = (r16 + RB - 1) / RB, steps = (cb1 - cb0) * nrb;  // steps: (column block, rank block)
+  const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
+  // y tiles in a ring of their own (a column block's tile lives through its rank blocks' steps),
+  // slot (column block - cb0) % STAGES, beside the B ring's stage of the same index
+  auto y_tile = [&](int vis) { return reinterpret_cast<T*>(dsmem + (vis % STAGES) * C::STAGE); };
+  auto b_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::Y_BYTES); };
+  const int yc = (tid % YPR) * CH, yr0 = tid / YPR;
+  const T* yrow[YPT];
+#pragma unroll
+  for (int i = 0; i < YPT; ++i) {
+    const int row = yr0 + i * YROWS;
+    yrow[i] = row < m ? g.y + (size_t)tr.tok[row] * out : nullptr;
+  }
+  const int bk = (tid % BPR) * CH, br0 = tid / BPR;
+  const T* bs = g.B + (size_t)cw.slot * g.b_slot;
+  auto load = [&](int step, int st) {
+    if (step < steps) {
+      const int vis = step / nrb, rb0 = (step % nrb) * RB, c0 = (cb0 + vis) * BN;
+      const int rr = min(r - rb0, RB), rr16 = (rr + 15) & ~15;  // this rank block's ranks
+      T* sy = y_tile(vis);
+      T* sb = b_tile(st);
+      if (rb0 > 0) {  // the column block's y tile came with its first rank block
+      } else if (vec_y) {
+        const bool in = c0 + yc < out;
+#pragma unroll
+        for (int i = 0; i < YPT; ++i)
+          if (yrow[i] != nullptr && in) cp_async16(sy + (yr0 + i * YROWS) * C::LDY + yc, yrow[i] + c0 + yc, 16);
+      } else {
+        for (int e = tid; e < BM * BN; e += THREADS) {
+          const int row = e / BN, col = e % BN;
+          if (row < m && c0 + col < out) sy[row * C::LDY + col] = g.y[(size_t)tr.tok[row] * out + c0 + col];
+        }
+      }
+      if (vec_b) {
+        if (bk < rr16) {
+          const int bytes = min(max(rr - bk, 0), CH) * 2;
+#pragma unroll
+          for (int i = 0; i < BPT; ++i) {
+            const int row = br0 + i * BROWS, col = c0 + row;
+            const bool ok = col >= cw.c_lo && col < cw.c_hi && bytes > 0;
+            cp_async16(sb + row * C::LDB + bk, ok ? bs + (size_t)col * g.max_rank + rb0 + bk : g.B, ok ? bytes : 0);
+          }
+        }
+      } else {
+        for (int e = tid; e < BN * rr16; e += THREADS) {
+          const int row = e / rr16, k = e % rr16, col = c0 + row;
+          const bool ok = col >= cw.c_lo && col < cw.c_hi && k < rr;
+          sb[row * C::LDB + k] = ok ? bs[(size_t)col * g.max_rank + rb0 + k] : from_float<T>(0.f);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  // y and B of the first steps do not depend on v: issue them before waiting for it
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) load(st, st);
+  if (tid == 0) {
+    const int* ready = g.counters + 2 + c;
+    while (load_acquire(ready) < parts) __nanosleep(32);
+  }
+  __syncthreads();
+
+  // this warp's rows of v * scaling as MMA fragments, one per k-step below r rounded up to 16
+  const int mt = warp & 1, half = warp >> 1, row0 = mt * 16 + gq, row1 = row0 + 8;
+  Frags<M, false, float> vreg[KS];
+  {
+    const size_t stride = (size_t)g.n_slices * g.rw;
+    const float* base = g.ws + ((size_t)cw.p0 * g.n_slices + cw.j) * g.rw + 4 * tq;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
+                               cw.sc);
+  }
+
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  for (int f = 0; f < steps; ++f) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // step f has landed for every thread; stage f - 1 is free
+    load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
+    const int vis = f / nrb, rb = f % nrb;
+    const T* sb = b_tile(f % STAGES) + (half * (BN / 2) + gq) * C::LDB + 4 * tq;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {  // the rank block's k-steps (a warp-uniform test, unrolled)
+      if (ks / KPB == rb && ks < kss) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          Frags<M, false, T> fb;
+          const uint2 w = *reinterpret_cast<const uint2*>(sb + nt * 8 * C::LDB + (ks % KPB) * 16);
+          fb.b[0] = w.x;
+          fb.b[1] = w.y;
+          mma_frags<M, false, false>(acc[nt], vreg[ks], fb);
+        }
+      }
+    }
+    if (rb < nrb - 1) continue;  // the column block's sums go on into its next rank block
+    // this warp's rows and columns of the y tile plus its sums, then back to y
+    T* sy = y_tile(vis);
+    const int c0 = (cb0 + vis) * BN, cw0 = half * (BN / 2);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if ((h ? row1 : row0) < m) {
+          unsigned* p = reinterpret_cast<unsigned*>(sy + (h ? row1 : row0) * C::LDY + cw0 + nt * 8 + 2 * tq);
+          *p = add_word<T>(*p, acc[nt][2 * h], acc[nt][2 * h + 1]);
+        }
+        acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+      }
+    }
+    __syncwarp();
+    if (vec_y) {
+      constexpr int PPR = BN / 2 / CH;  // pieces of a row of this warp's half
+#pragma unroll
+      for (int e = lane; e < 16 * PPR; e += 32) {
+        const int row = mt * 16 + e / PPR, col = cw0 + (e % PPR) * CH;
+        if (row < m && c0 + col < out)
+          *reinterpret_cast<uint4*>(g.y + (size_t)tr.tok[row] * out + c0 + col) =
+              *reinterpret_cast<const uint4*>(sy + row * C::LDY + col);
+      }
+    } else {
+      for (int e = lane; e < 16 * (BN / 2); e += 32) {
+        const int row = mt * 16 + e / (BN / 2), col = cw0 + e % (BN / 2);
+        if (row < m && c0 + col < out) g.y[(size_t)tr.tok[row] * out + c0 + col] = sy[row * C::LDY + col];
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // release v: the last part of the chunk to finish reading it zeroes it and resets the counts
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    last_reader = atomicAdd(g.counters + 2 + g.units(BM) + c, 1) == parts - 1;
+  }
+  __syncthreads();
+  if (last_reader) {
+    __threadfence();
+    const int r4 = r16 / 4;
+    for (int e = tid; e < m * r4; e += THREADS) {
+      const int row = e / r4, c4 = (e % r4) * 4;
+      __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(cw.p0 + row) * g.n_slices + cw.j) * g.rw + c4),
+             make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+    if (tid == 0) {
+      atomicExch(g.counters + 2 + c, 0);
+      atomicExch(g.counters + 2 + g.units(BM) + c, 0);
+    }
+  }
+}
+
+// One block of lora_chunk: items (chunk, part) by ticket, chunk-major, until the step's are gone;
+// the last block to finish resets the ticket and done counts.
+template <typename T, int RW, bool ALIGNED>
+__device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<32>& tr, ChunkScan& cs,
+                           ChunkWork& cw) {
+  __shared__ int ticket;
+  count_chunks<32>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+  const int parts = chunk_parts(g, cs.chunks, gridDim.x), items = cs.chunks * parts;
+  // a block takes another ticket only where the items outnumber the grid (a step of more chunks
+  // than blocks); otherwise its first ticket was its only item, and a second would only add a
+  // round trip to the end of every block
+  for (bool first = true; first || items > (int)gridDim.x; first = false) {
+    if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
+    __syncthreads();
+    const int it = ticket;
+    __syncthreads();  // every thread has read the ticket before the next is taken
+    if (it >= items) break;
+    const int c = it / parts, q = it % parts;
+    chunk_setup<T>(g, s_indptr, tr, cs, cw, c);
+    chunk_shrink<T, RW, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
+    chunk_expand<T, RW, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(g.counters + 1, 1) == (int)gridDim.x - 1) {  // every other block has finished
+      g.counters[0] = 0;
+      g.counters[1] = 0;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace lora

@@ -1,0 +1,113 @@
+"""``lora_chunk`` (raw_kernels/chunk.cuh: a large step's whole delta in one launch, shrink and expand
+of each chunk of one slot in the same blocks) against the float64 oracle on fresh random data:
+both instantiations, bf16 and fp16, each rank width it is built for, skewed / padded / many-slot
+steps, one member of a fused target served alone, an inf in x, and a CUDA graph replayed under
+new addressing. Each call leaves v and the counters at zero."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lora_cupy.backends.base import member_weights
+from lora_cupy.planning import LaunchViews
+
+from test_kernels import (_gpu_count, backend_for, check_clean, cp, dev, dev_misaligned, dev_weights,
+                          graph_replays_new_addressing, host, run_cupy)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
+
+DTYPES = ("bfloat16", "float16")
+CHUNK = dict(fused=False, expand="chunk")
+#: one-slice targets: odd `in` (element-wise x and A), rank 0 / odd ranks with NaN past them,
+#: padding, zipf and skewed popularity, a pool of 513 slots, and 4096 positions
+CASES = {
+    "T3-odd": dict(T=3, in_f=77, slices=(61,), max_rank=13, ranks=(1, 8, 13), mix="distinct"),
+    "T100-pad": dict(T=100, in_f=256, slices=(256,), max_rank=16, ranks=(0, 16), mix="uniform", pad_to=128),
+    "T300-zipf-r64": dict(T=300, in_f=264, slices=(200,), max_rank=64, ranks=(0, 1, 13, 16, 48, 64), mix="zipf",
+                          num_slots=17, active=12),
+    "T1000-r16": dict(T=1000, in_f=520, slices=(776,), max_rank=16, ranks=(5, 16), mix="uniform", num_slots=33,
+                      active=8),
+    "T61-many-slots": dict(T=61, in_f=264, slices=(136,), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
+                           num_slots=513, active=61),
+    "T700-pool128": dict(T=700, in_f=520, slices=(392,), max_rank=128, ranks=(8, 16, 65, 128), mix="zipf",
+                         num_slots=17, active=12),
+    "T4096-skew": dict(T=4096, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), mix="skewed",
+                       num_slots=33, active=32),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunk_matches_oracle(make_case, check, name, dtype):
+    case = make_case(dtype=dtype, **CASES[name])
+    be = backend_for(case.spec, **CHUNK)
+    assert be.plan(case.token_order.shape[0], dev_weights(case.w), dtype).expand == "chunk"
+    check(case, run_cupy(be, case), dtype)
+    case2 = make_case(dtype=dtype, **CASES[name])  # the same backend again: its counters reset
+    check(case2, run_cupy(be, case2), dtype)
+
+
+@pytest.mark.parametrize("route", ("aligned", "x_misaligned", "y_misaligned", "aligned_off"))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_instantiations_through_a_prepared_layer(make_case, check, dtype, route):
+    """The engine's path: every 16-byte path allowed runs the ALIGNED instantiation; x or y off
+    alignment, or ``aligned=False``, the one reading the flags (element-wise loads and stores)."""
+    case = make_case(T=300, in_f=328, slices=(264,), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48), dtype=dtype,
+                     mix="zipf", num_slots=17, active=9, pad_to=512)
+    be = backend_for(case.spec, **CHUNK, **(dict(aligned=False) if route == "aligned_off" else {}))
+    w = dev_weights(case.w)
+    layer = be.prepare(w)
+    views = LaunchViews(512, 0, dev(case.token_order), dev(case.slot_indptr))
+    x = dev_misaligned(case.x) if route == "x_misaligned" else dev(case.x)
+    y = dev_misaligned(case.y0) if route == "y_misaligned" else dev(case.y0)
+    layer(y, x, views, case.x.shape[0])
+    cp().cuda.get_current_stream().synchronize()
+    packed = layer.packed(views)
+    assert [c.name for c in packed.calls] == ["chunk"]
+    assert packed.aligned == (route == "aligned")
+    check_clean(be)
+    check(case, host(y, dtype), dtype)
+
+
+@pytest.mark.parametrize("T", [45, 1000])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_serves_one_member_of_a_fused_target(make_case, check, dtype, T):
+    """Each slice of a fused target alone into an output of its width, B read as a view: what a
+    prefill's separate q/k/v linears run."""
+    case = make_case(T=T, in_f=328, slices=(200, 56, 24), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48), dtype=dtype,
+                     mix="zipf", num_slots=17, active=9)
+    be = backend_for(case.spec, **CHUNK)
+    w = dev_weights(case.w)
+    offs = case.w.out_offsets
+    x, to, ip = dev(case.x), dev(case.token_order), dev(case.slot_indptr)
+    got = np.empty_like(case.y0)
+    for j in range(len(offs) - 1):
+        mw = member_weights(w, j)
+        assert be.plan(T, mw, dtype).expand == "chunk"
+        y = dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]))
+        be.delta(y, x, mw, to, ip)
+        cp().cuda.get_current_stream().synchronize()
+        check_clean(be)
+        got[:, offs[j]:offs[j + 1]] = host(y, dtype)
+    check(case, got, dtype)
+
+
+def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
+    """0 * inf past a rank (A's zero-filled rows) is never added into v: v ends at zero, and every
+    other row matches the oracle."""
+    case = make_case(T=300, in_f=264, slices=(200,), max_rank=16, ranks=(1, 5, 13, 16), dtype="bfloat16", mix="zipf",
+                     num_slots=17, active=9)
+    case.x, row = inf_in_x(case)
+    be = backend_for(case.spec, **CHUNK)
+    y = run_cupy(be, case)  # checks v and the counters at zero
+    y[row] = case.ref[row].astype(np.float32).astype(y.dtype)
+    check(case, y, "bfloat16")
+
+
+def test_chunk_graph_replays_new_addressing(make_case, check):
+    graph_replays_new_addressing(
+        make_case, check, CHUNK,
+        dict(T=512, in_f=264, slices=(392,), max_rank=16, ranks=(1, 8, 16), dtype="bfloat16", mix="uniform",
+             num_slots=17, active=6),
+        ((512, "zipf"), (300, "skewed"), (1, "identical"), (512, "distinct")))
