@@ -513,9 +513,9 @@ def layer_table(layer: list[dict]) -> str:
 VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
                               for t in (16, 32, 64) for f in (False, True)}}
 #: Launches timed side by side with the default, by the names of what they run: on rows whose
-#: bucket launches shrink and expand apart, each expand kernel after lora_shrink and lora_chunk
-#: (both in one launch; where it serves the row); on decode rows (a fused launch by default), the
-#: fused kernel on chunks and on tiles, and the unfused pair.
+#: bucket launches shrink and expand apart, each expand kernel after lora_shrink; on decode rows (a
+#: fused launch by default), the fused kernel on chunks and on tiles, and the unfused pair; and on
+#: both, lora_chunk (shrink and expand in one launch) wherever it serves the row.
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
             "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk")}
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
@@ -530,10 +530,12 @@ def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
 
     out = dict(VARIANTS) if sweep else {"default": {}}
     spec = LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=row.slots + 1, max_rank=row.pool_rank)
+    fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None) is None
     if default_fused(spec.bucket_for(row.bucket or row.T)):
         out.update(DECODE_VERSIONS)
+        if fits:  # lora_chunk serves any bucket where it is asked for
+            out["chunk"] = VERSIONS["chunk"]
     else:
-        fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None) is None
         out.update({k: v for k, v in VERSIONS.items() if k != "chunk" or fits})
     return out
 
