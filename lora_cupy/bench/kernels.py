@@ -533,8 +533,8 @@ def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
     fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None) is None
     if default_fused(spec.bucket_for(row.bucket or row.T)):
         out.update(DECODE_VERSIONS)
-        if fits:  # lora_chunk serves any bucket where it is asked for
-            out["chunk"] = VERSIONS["chunk"]
+        if fits:  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)
+            out["chunk"] = dict(VERSIONS["chunk"], fused=False)
     else:
         out.update({k: v for k, v in VERSIONS.items() if k != "chunk" or fits})
     return out
