@@ -236,11 +236,14 @@ RING_EXPAND_FROM = 1024
 CHUNK_BLOCKS_PER_SM = 4
 CHUNK_MAX_PARTS = 32
 #: From this many positions a call that ``chunk_fits`` runs ``lora_chunk`` by default, and for pools
-#: of rank width above 16 up to ``CHUNK_WIDE_UNTIL`` (NOTES.md, "lora_chunk"): on an H200 it beat the
-#: unfused pair on every one-slice row of 128 to 4096 positions at rank width 16 (T=4096 r16: 43.6-45.5
-#: against 50.6-51.9 us the call) and of 128 to 1024 at rank widths 64 and 128, bar one within 2%;
-#: at 4096 positions the pair was faster there (rank 64: 60.9-66.1 against 64.7-68.3 us).
-CHUNK_FROM = 128
+#: of rank width above 16 up to ``CHUNK_WIDE_UNTIL`` (NOTES.md, "lora_chunk"). On an H200 it beat
+#: the fused launch on the one-slice rows of 16 and 64 positions (T=16 r64 with 8 adapters 14.4
+#: against 20.3 us; T=64 r16 with 32: 14.8 against 22.2), one row equal, and lost at one position
+#: (9.9 against 9.2); it beat the unfused pair on every one-slice row of 128 to 4096 positions at
+#: rank width 16 (T=4096 r16: 43.6-45.5 against 50.6-51.9 us the call) and of 128 to 1024 at rank
+#: widths 64 and 128, bar one within 2%; at 4096 positions the pair was faster there (rank 64:
+#: 60.9-66.1 against 64.7-68.3 us).
+CHUNK_FROM = 2
 CHUNK_WIDE_UNTIL = 1024
 
 
@@ -283,10 +286,11 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     launch splits ``in`` for those alone, so the member's shrink fills the device as a one-slice
     target's does. None: every slice.
 
-    An unfused call whose target ``chunk_fits`` runs ``lora_chunk`` (shrink and expand in one
-    launch, ``expand="chunk"``) where ``default_chunk`` says so, unless a tile is forced or
-    ``whole`` is False (a plan for the delta in two launches of its own). Any other unfused call
-    runs ``lora_shrink`` and the bucket's expand (``default_expand``).
+    A call whose target ``chunk_fits`` runs ``lora_chunk`` (shrink and expand in one launch,
+    ``expand="chunk"``) where ``default_chunk`` says so, unless a tile, fusing or chunks are
+    forced or ``whole`` is False (a plan for the delta in two launches of its own). Any other call
+    runs the fused kernel (``default_fused``) or ``lora_shrink`` and the bucket's expand
+    (``default_expand``).
 
     A chunked launch (fused only: ``chunks``, by default ``default_chunks``) sizes its grid at
     about ``FUSED_SHRINK_PER_SM`` shrink and ``FUSED_EXPAND_PER_SM`` expand blocks per
@@ -306,12 +310,12 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     waves measured 11-21% slower on uniform steps of 1024-4096 tokens.
     """
     dtype = normalize_dtype(dtype)
+    if (fused is None and expand is None and chunks is None and whole and tile is None
+            and default_chunk(bucket, max_rank) and chunk_fits(dtype, max_rank, n_slices, live_slices) is None):
+        fused, expand = False, "chunk"
     fused = default_fused(bucket) if fused is None else bool(fused)
     if fused:
         expand = "expand"
-    elif expand is None and whole and tile is None and default_chunk(bucket, max_rank) and \
-            chunk_fits(dtype, max_rank, n_slices, live_slices) is None:
-        expand = "chunk"
     elif expand is None:  # the bucket's default, unless a tile is forced that it does not take
         expand = default_expand(bucket)
         if expand == "expand_ring" and tile is not None and int(tile) != RING_BM:
