@@ -26,6 +26,10 @@
 //     one slice after a shrink of every slice leaves the others' v to theirs), so every launch (and
 //     graph replay) starts from a zero v and zero counters.
 // The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
+//   lora_chunk (chunk.cuh: shrink and expand of each chunk of one slot in the same blocks, no
+//     workspace pass between two kernels): by default every call of a 16-bit one-slice target (or
+//     one member of a fused target served alone) from 2 positions on, to 1024 for pools of rank
+//     width above 16 (backends/cupy.py, default_chunk). The kernels below serve every other call.
 //   lora_shrink  (one shrink task a block): every unfused launch.
 //   lora_expand  (one expand task a block): unfused launches of fewer than 1024 positions but those of
 //     expand_stream's buckets (of the default capture buckets: 128 and 512).
@@ -36,7 +40,8 @@
 //   lora_expand_glu (expand_glu.cuh): a gated MLP's activation with its gate / up expands folded
 //     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
 //     large steps on models with a silu gated MLP.
-//   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode), on
+//   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
+//     that lora_chunk does not take (one position; fp32; several slices with columns), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
 //     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink
 //     tasks first, and an expand task (after prefetching its y and B) waits for its unit's ready
