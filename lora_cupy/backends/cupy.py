@@ -236,13 +236,13 @@ RING_EXPAND_FROM = 1024
 CHUNK_BLOCKS_PER_SM = 4
 CHUNK_MAX_PARTS = 32
 #: From this many positions a call that ``chunk_fits`` runs ``lora_chunk`` by default, and for pools
-#: of rank width above 16 up to ``CHUNK_WIDE_UNTIL`` (NOTES.md, "lora_chunk"). On an H200 it beat
-#: the fused launch on the one-slice rows of 16 and 64 positions (T=16 r64 with 8 adapters 14.4
-#: against 20.3 us; T=64 r16 with 32: 14.8 against 22.2), one row equal, and lost at one position
-#: (9.9 against 9.2); it beat the unfused pair on every one-slice row of 128 to 4096 positions at
-#: rank width 16 (T=4096 r16: 43.6-45.5 against 50.6-51.9 us the call) and of 128 to 1024 at rank
-#: widths 64 and 128, bar one within 2%; at 4096 positions the pair was faster there (rank 64:
-#: 60.9-66.1 against 64.7-68.3 us).
+#: of rank width above 16 up to ``CHUNK_WIDE_UNTIL`` (NOTES.md, "lora_chunk"; results/kernels-h200.md,
+#: the run of f557283). On an H200 it beat the fused launch on the one-slice rows of 16 and 64
+#: positions (T=16 r64 with 8 adapters 14.8 against 20.5 us; T=64 r16 with 32: 15.0 against 22.5),
+#: one row within 0.1 us, and lost at one position (9.9 against 9.5); it beat the unfused pair on
+#: every one-slice row of 256 to 4096 positions at rank width 16 (T=4096 r16: 43.7-45.5 against
+#: 51.0-52.0 us the call) and of 256 to 1024 at rank widths 64 and 128; at 4096 positions the pair
+#: was faster there (rank 64: 61.5-65.0 against 64.4-67.9 us).
 CHUNK_FROM = 2
 CHUNK_WIDE_UNTIL = 1024
 

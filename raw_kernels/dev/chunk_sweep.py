@@ -10,7 +10,7 @@ shapes of a Llama-8B layer at T 1024 and pools of rank 64 and 128 running rank-1
 against the float64 oracle, timed with the bench's timer (difference of graphs of 20 calls, 256 MB
 write flush).
 
-    PYTHONPATH=. python raw_kernels/dev/chunk_sweep.py --plans 4x16,2x16,4x8 [--match T1024] [--json out.json]
+    PYTHONPATH=. python raw_kernels/dev/chunk_sweep.py --plans 4x32,4x16,2x32 [--match T1024] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ ROWS += [("poolrank", T, 4096, (4096,), 16, 8, pool) for T in (1024, 4096) for p
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plans", default="4x16", help="comma-separated BxP: blocks a multiprocessor x most parts")
+    ap.add_argument("--plans", default="4x32", help="comma-separated BxP: blocks a multiprocessor x most parts")
     ap.add_argument("--match", default="", help="only rows whose label holds this text")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)

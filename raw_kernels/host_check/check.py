@@ -7,7 +7,7 @@ the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poiso
 and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
-    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring]
+    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring|chunk]
         [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
     python raw_kernels/host_check/check.py --expand-v    # lora_expand_v (expand_v.cu)
     python raw_kernels/host_check/check.py --expand-v --compact    # lora_gather_a, then compact
@@ -24,6 +24,10 @@ access flags are ``ALIGNED_FLAGS``, the one reading the flags elsewhere) or neve
 ``--members`` serves each slice of a multi-slice case alone, into an output of its own width, with
 B's rows of that slice read as a view (the kernels' ``b_slot``); ``--halves`` runs the whole
 target's shrink once and then each slice's expand alone so, as a prefill's q/k/v members run.
+``--expand chunk`` runs ``lora_chunk`` (chunk.cuh; 16-bit cases of one slice, or each member with
+``--members``): where the step's chunks take one part each (``--sms 1``: a grid of 4 blocks) the
+kernel's own block body (tickets, the loop over items, the done count), else each item as a block
+of its own, every shrink part before any expand part (a part waits for its chunk's others).
 ``--glu`` runs a gate_up target's shrink (tiles of 64, unfused) and then ``lora_expand_glu`` on
 ``GLU_CASES``, bf16 and fp16, each at one and four multiprocessors (long column groups) and at
 ``--sms``: h against silu(g + dg) * (u + du) in float64, every element it must not write bit-exact

@@ -132,10 +132,11 @@ template <typename T, bool AL> static void ring_block(int u) {
   lora::expand_ring_task<T, AL>(g, dsm.data(), s_indptr, tr, u);
 }
 
-// lora_chunk (chunk.cuh): each item's shrink part in a first pass over the items, its expand
-// part in a second (the kernel runs both in one block, the expand waiting for its chunk's parts,
-// which here have all run), so no block waits on one that has not run. An item runs as a block of
-// its own; the parts a chunk is cut into are the kernel's for a grid of `blocks`.
+// lora_chunk (chunk.cuh), where its chunks are cut into several parts: each item's shrink part in
+// a first pass over the items, its expand part in a second (the kernel runs both in one block, the
+// expand waiting for its chunk's parts, which here have all run), so no block waits on one that
+// has not run. An item runs as a block of its own; the parts a chunk is cut into are the kernel's
+// for a grid of `blocks`.
 static int g_chunk_phase = 0, g_chunk_grid = 0;
 template <typename T, int RW, bool AL> static void chunk_block(int u) {
   static lora::TileRows<32> tr;
@@ -150,22 +151,48 @@ template <typename T, int RW, bool AL> static void chunk_block(int u) {
   if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, AL>(g, dsm.data(), tr, cw, c, q, parts);
   else lora::chunk_expand<T, RW, AL>(g, dsm.data(), tr, cw, c, q, parts);
 }
-// blocks: the kernel's grid; every item the most chunks (units) times `splits` parts can make runs
+// The kernel's own block body (chunk_task: tickets, the loop over items, the done count), for a
+// step whose chunks are cut into one part each: no part then waits on another block.
+static int g_step_chunks = 0;
+template <typename T, int RW> static void chunk_count_block(int) {
+  static lora::ChunkScan cs;
+  auto g = args<T>();
+  lora::count_chunks<32>(cs, reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW>::SMEM), g.slot_indptr,
+                         g.num_slots, g.positions);
+  if (threadIdx.x == 0) g_step_chunks = cs.chunks;
+}
+template <typename T, int RW, bool AL> static void chunk_task_block(int) {
+  static lora::TileRows<32> tr;
+  static lora::ChunkScan cs;
+  static lora::ChunkWork cw;
+  auto g = args<T>();
+  lora::chunk_task<T, RW, AL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW>::SMEM), tr, cs,
+                              cw);
+}
+template <typename T, int RW, bool AL> static int run_chunk_rw(int blocks) {
+  emu::run_block(chunk_count_block<T, RW>, 0);
+  if (lora::chunk_parts(args<T>(), g_step_chunks, blocks) == 1) {  // the kernel's blocks, in order
+    emu::grid_dim = EmuIdx{unsigned(blocks), 1u, 1u};
+    for (int b = 0; b < blocks; ++b) emu::run_block(chunk_task_block<T, RW, AL>, b);
+    emu::grid_dim = EmuIdx{1u, 1u, 1u};
+    return 0;
+  }
+  g_chunk_grid = blocks;  // else every item the most chunks (units) times `splits` parts can make
+  const int items = args<T>().units(32) * L.splits;
+  for (g_chunk_phase = 0; g_chunk_phase < 2; ++g_chunk_phase)
+    for (int u = 0; u < items; ++u) emu::run_block(chunk_block<T, RW, AL>, u);
+  return 0;
+}
+// blocks: the kernel's grid
 template <typename T, bool AL> static int run_chunk(int blocks) {
   if constexpr (sizeof(T) != 2) {
     return 2;
   } else {
     L.chunked = 1;
-    void (*fn)(int) = L.rw <= 16    ? chunk_block<T, 16, AL>
-                      : L.rw <= 64  ? chunk_block<T, 64, AL>
-                      : L.rw <= 128 ? chunk_block<T, 128, AL>
-                                    : nullptr;
-    if (!fn) return 2;
-    g_chunk_grid = blocks;
-    const int items = args<T>().units(32) * L.splits;
-    for (g_chunk_phase = 0; g_chunk_phase < 2; ++g_chunk_phase)
-      for (int u = 0; u < items; ++u) emu::run_block(fn, u);
-    return 0;
+    if (L.rw <= 16) return run_chunk_rw<T, 16, AL>(blocks);
+    if (L.rw <= 64) return run_chunk_rw<T, 64, AL>(blocks);
+    if (L.rw <= 128) return run_chunk_rw<T, 128, AL>(blocks);
+    return 2;
   }
 }
 

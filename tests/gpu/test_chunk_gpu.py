@@ -73,8 +73,8 @@ def test_chunk_instantiations_through_a_prepared_layer(make_case, check, dtype, 
 @pytest.mark.parametrize("T", [45, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunk_serves_one_member_of_a_fused_target(make_case, check, dtype, T):
-    """Each slice of a fused target alone into an output of its width, B read as a view: what a
-    prefill's separate q/k/v linears run."""
+    """Each slice of a fused target alone into an output of its width, B read as a view (a
+    member served as a whole call; the attachment's prefill serves q/k/v members in halves)."""
     case = make_case(T=T, in_f=328, slices=(200, 56, 24), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48), dtype=dtype,
                      mix="zipf", num_slots=17, active=9)
     be = backend_for(case.spec, **CHUNK)
@@ -94,8 +94,8 @@ def test_chunk_serves_one_member_of_a_fused_target(make_case, check, dtype, T):
 
 
 def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
-    """0 * inf past a rank (A's zero-filled rows) is never added into v: v ends at zero, and every
-    other row matches the oracle."""
+    """An inf in one adapter token's row of x: v and the counters end at zero and every other row
+    matches the oracle (the inf row is inf / NaN by design)."""
     case = make_case(T=300, in_f=264, slices=(200,), max_rank=16, ranks=(1, 5, 13, 16), dtype="bfloat16", mix="zipf",
                      num_slots=17, active=9)
     case.x, row = inf_in_x(case)
