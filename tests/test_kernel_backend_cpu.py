@@ -300,6 +300,9 @@ def test_chunk_plans_refuse_what_the_kernel_does_not_serve():
         args.update({k: v for k, v in kw.items() if k in args})
         with pytest.raises(ValueError, match=why):
             cb.plan_launch(*args.values(), num_slots=33, expand="chunk", **{k: v for k, v in kw.items() if k == "whole"})
+    for kw in (dict(tile=16), dict(chunks=True)):  # what it would ignore is refused
+        with pytest.raises(ValueError, match="chunks of 32"):
+            cb.plan_launch(1024, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="chunk", **kw)
     p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", live_slices=1)
     assert (p.expand, p.bm, p.tiles) == ("chunk", kernels.CHUNK_BM, cb.fused_units(1024, kernels.CHUNK_BM, 33))
 
@@ -351,7 +354,7 @@ def test_chunks_where_the_step_is_small_and_only_for_the_fused_kernel():
         assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=True).chunks
         tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=False)
         assert not tiles.chunks and tiles.tiles == -(-b // tiles.bm)
-        for expand in kernels.EXPAND_KERNELS:  # lora_shrink and the expands run tiles, whatever is asked
+        for expand in set(kernels.EXPAND_KERNELS) - {"chunk"}:  # the pair's kernels run tiles, whatever is asked
             assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
                                       expand=expand, chunks=True).chunks
 

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN, EXPAND_V_DTYPES, EXPAND_V_RANKS,
-                       EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
+from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
+                       EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        STREAM_BN, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name)
 from ..spec import LoraSpec
@@ -324,6 +324,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if expand not in EXPAND_KERNELS:
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
     if expand == "chunk":
+        if (tile is not None and int(tile) != CHUNK_BM) or chunks:
+            raise ValueError(f"lora_chunk takes chunks of {CHUNK_BM} positions of one slot: no tile {tile} or "
+                             f"fused chunks")
         return _plan_chunk(bucket, in_features, out_features, n_slices, max_rank, dtype, num_slots=num_slots,
                            num_sms=num_sms, live_slices=live_slices, whole=whole)
     bm = (RING_BM if expand == "expand_ring" else default_tile(bucket)) if tile is None else int(tile)
