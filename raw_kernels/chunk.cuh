@@ -39,7 +39,8 @@
 // last one handed out has all its parts handed out, so at most P - 1 blocks wait on items not yet
 // taken while the others run on and take them (P is at most `splits`, far below the grid).
 // Counters: [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 units) v readers done
-// (units as Args::units with chunked set: the most chunks a step can have). ws: v [bucket, n, rw] f32, zero before and after.
+// (units as Args::units with chunked set: the most chunks a step can have). ws: v [bucket, n, rw]
+// f32, zero before and after.
 // RW: the pool's rank width (16; 64 for ranks 17-64; 128 for 65-128); stages sized for its rank
 // block RB (16, or 64: a rank-128 pool's adapters above rank 64 take two), loops bounded by each
 // slot's own rank, so a rank-128 pool's rank-16 adapters run as a rank-64 pool's do.
