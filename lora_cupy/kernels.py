@@ -51,7 +51,9 @@ STREAM_BN = 32
 #: The expand kernels an unfused plan may pick, by their CUDA names less ``lora_``: ``expand``
 #: (tiles of y through shared memory), ``expand_stream`` (y streamed by each warp through its
 #: registers) and ``expand_ring`` (tiles of 64 positions, y and B through a ring of cp.async stages,
-#: v in registers). There is one shrink (``lora_shrink``) and one fused kernel (``lora_fused``).
+#: v in registers), each after ``lora_shrink``; and ``chunk`` (``lora_chunk``, chunk.cuh: the shrink
+#: and the expand of each chunk of one slot in the same blocks, one launch). There is one fused
+#: kernel for decode sizes (``lora_fused``).
 EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring", "chunk")
 #: Tile height and column block of ``lora_expand_ring`` (``Ring<T>`` in expand_ring.cuh).
 RING_BM = 64

@@ -27,10 +27,10 @@
 //     graph replay) starts from a zero v and zero counters.
 // The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
 //   lora_chunk (chunk.cuh: shrink and expand of each chunk of one slot in the same blocks, no
-//     workspace pass between two kernels): by default every call of a 16-bit one-slice target (or
+//     second kernel waiting on the first): by default every call of a 16-bit one-slice target (or
 //     one member of a fused target served alone) from 2 positions on, to 1024 for pools of rank
 //     width above 16 (backends/cupy.py, default_chunk). The kernels below serve every other call.
-//   lora_shrink  (one shrink task a block): every unfused launch.
+//   lora_shrink  (one shrink task a block): every unfused launch but lora_chunk's.
 //   lora_expand  (one expand task a block): unfused launches of fewer than 1024 positions but those of
 //     expand_stream's buckets (of the default capture buckets: 128 and 512).
 //   lora_expand_stream (expand_stream.cuh): the same expand tasks with y streamed through registers
