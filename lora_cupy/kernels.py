@@ -94,6 +94,9 @@ def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None 
 CHUNK_RW = (16, 64, 128)
 CHUNK_DTYPES = ("float16", "bfloat16")
 CHUNK_BM = 32
+#: Positions a chunk of lora_chunk at rank widths above 16 where a step's chunks of that many are
+#: mostly full (chunk.cuh, ``chunk_wide``): a wide A and B are read once for 64 rows.
+CHUNK_WIDE_BM = 64
 
 
 def chunk_name(ctype: str, rw: int, *, aligned: bool) -> str:

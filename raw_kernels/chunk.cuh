@@ -14,14 +14,15 @@
 // r = ranks[s, j], positions p of a chunk of slot s, t = token_order[p]):
 //   v[p, j, :r] = sum over parts q of x[t, K_q] @ A[s, j, :r, K_q].T   (fp32, in ws)
 //   y[t, c]    += round(scaling[s, j] * v[p, j, :r]) @ B[s, c, :r].T     (c in [c_lo, c_hi))
-// Work: the step's chunks (each slot's positions cut into pieces of at most BM = 32 from its
-// start, as lora_fused's chunks) times P parts, P = chunk_parts: as many as fill the grid (one
+// Work: the step's chunks (each slot's positions cut into pieces of at most BM from its start, as
+// lora_fused's chunks: 32 at rank width 16, 64 above, so a wide A and B are read once for 64 rows)
+// times P parts, P = chunk_parts: as many as fill the grid (one
 // wave of blocks) for the chunks the step has, at most `splits`. Part q of chunk c takes an equal
 // share of `in` (stages of KC) and of the slice's column blocks (BN columns, counted from column 0):
 //   1. shrink: its share of `in` through a ring of cp.async stages of x rows and A rows (a rank
 //      block of RB ranks, rows up to r rounded up to 16, zero past r; one pass over its share of
-//      `in` per rank block of r), 4 warps: warp w holds m-tile w & 1 and k-steps w >> 1,
-//      w >> 1 + 2, ... of each stage; its sums (ranks < r only: 0 * inf stays out of v) added into
+//      `in` per rank block of r), 4 warps: warp w holds m-tile w % MT and k-steps w / MT,
+//      w / MT + WK, ... of each stage (MT = BM / 16 m-tiles, WK = 4 / MT warps on each); its sums (ranks < r only: 0 * inf stays out of v) added into
 //      v with 8-byte red.add; then the part counts itself into the chunk's ready count.
 //   2. expand: steps (column block, rank block). The first STAGES - 1 steps' y tiles (whole
 //      16-byte pieces of BM rows, at a column block's first step, in a ring of their own) and B
@@ -29,7 +30,7 @@
 //      outside the slice) are issued, then the part waits for all parts' v, reads v * scaling
 //      into registers as MMA fragments (ranks permuted inside each k-step as common.cuh's global
 //      fragments; B read with the same permutation), and walks its steps: at a column block's
-//      last, warp w adds rows of m-tile w & 1 x columns of half w >> 1 into the y tile (fp32,
+//      last, warp w adds rows of m-tile w % MT x its WK-th w / MT of the columns into the y tile (fp32,
 //      rounded once; an element whose delta is exactly zero keeps its bits) and writes them back.
 //   3. the last part of the chunk to finish reading v zeroes it (ranks below r rounded up to 16)
 //      and resets the chunk's counts; the last block resets the ticket.
@@ -48,15 +49,18 @@
 
 namespace lora {
 
-template <typename T, int RW>
+template <typename T, int RW, int BM_>
 struct Chunk {
   static_assert(sizeof(T) == 2, "lora_chunk serves 16-bit types");
   static_assert(RW == 16 || RW == 64 || RW == 128, "lora_chunk is built for rank widths 16, 64 and 128");
-  static constexpr int BM = 32, STAGES = 3, CH = 8;  // positions a chunk; 16-byte pieces of 8
+  static_assert(BM_ == 32 || (BM_ == 64 && RW > 16), "chunks of 32 positions, or 64 at rank widths above 16");
+  static constexpr int STAGES = 3, CH = 8;           // 16-byte pieces of 8
+  static constexpr int BM = BM_;                     // positions a chunk (A and B read once a chunk)
+  static constexpr int MT = BM / 16, WK = 4 / MT;    // m-tiles; warps sharing one
   static constexpr int KC = RW <= 16 ? 128 : 64;     // features a shrink stage
   static constexpr int BN = RW <= 16 ? 128 : 64;     // columns an expand stage
   static constexpr int RB = RW <= 16 ? 16 : 64;      // ranks of an A or B tile: a rank block
-  static constexpr int NT = BN / 16;                 // n-tiles of a warp's half of a column block
+  static constexpr int NT = BN / (8 * WK);           // n-tiles of a warp's share of a column block
   static constexpr int KSTEPS = KC / 16;             // k-steps of a shrink stage
   // rows padded by 8 elements (16 bytes): a warp's 4-byte fragment reads fall in distinct banks
   static constexpr int LDX = KC + 8, LDA = KC + 8, LDY = BN + 8, LDB = RB + 8;
@@ -67,11 +71,20 @@ struct Chunk {
   static constexpr int SMEM = STAGES * STAGE;
 };
 
+// Every kernel's ready and reader counts are sized for chunks of 32 positions (the most a step can
+// have); a step cut into chunks of 64 uses the first of them.
+constexpr int CHUNK_UNIT_BM = 32;
+
 // One block's chunk: slot, first position and rows (from find_chunk), the slice with columns,
 // its rank, scaling and columns.
 struct ChunkWork {
-  int slot, p0, m, j, r, c_lo, c_hi;
-  float sc;
+  int slot, p0, m;
+  int r[MAX_SLICES];                // each slice's rank at this slot (0 for a slice without columns)
+  float sc[MAX_SLICES];             // its scaling
+  int lo[MAX_SLICES], hi[MAX_SLICES];  // its columns
+  int cb_lo, cb_hi;                 // the column blocks with columns
+  int passes, nrb;                  // shrink passes (slice, rank block); rank blocks of the widest slice
+  int pass_j[2 * MAX_SLICES], pass_rb[2 * MAX_SLICES];  // each pass's slice and first rank
 };
 
 // Parts a chunk is cut into for a step of `chunks` chunks on a grid of `blocks`: as many as fill
@@ -81,127 +94,158 @@ __device__ __forceinline__ int chunk_parts(const Args<T>& g, int chunks, int blo
   return max(1, min(g.splits, blocks / max(chunks, 1)));
 }
 
-// Chunk c of the step (c < cs.chunks, after count_chunks) and what its parts need of the weights.
-// Every thread calls.
-template <typename T>
-__device__ void chunk_setup(const Args<T>& g, const int* s_indptr, TileRows<32>& tr, ChunkScan& cs, ChunkWork& cw,
+// The slice with columns in column block cb: the only one where several slices have columns
+// (their boundaries are multiples of BN, the plan's condition), else the one slice with columns.
+template <int BN>
+__device__ __forceinline__ int chunk_slice(const ChunkWork& cw, int n, int cb) {
+  for (int k = 0; k < n; ++k)
+    if (cw.lo[k] < (cb + 1) * BN && cw.hi[k] > cb * BN) return k;
+  return 0;
+}
+
+// Chunk c of the step (c < cs.chunks, after count_chunks) and what its parts need of the weights:
+// each slice's rank, scaling and columns (thread j reads slice j's), then the shrink's passes
+// (one per rank block of each slice with columns and a rank) and the column blocks. Every thread
+// calls.
+template <typename T, int RW, int BM>
+__device__ void chunk_setup(const Args<T>& g, const int* s_indptr, TileRows<BM>& tr, ChunkScan& cs, ChunkWork& cw,
                             int c) {
-  find_chunk<32>(tr, cs, s_indptr, g.token_order, g.num_slots, g.positions, c);
-  if (threadIdx.x == 0) {
-    const int n = g.n_slices, s = cs.chunk[2];
-    int j = 0, lo = 0, hi = g.out_features;
+  constexpr int BN = Chunk<T, RW, BM>::BN, RB = Chunk<T, RW, BM>::RB;
+  find_chunk<BM>(tr, cs, s_indptr, g.token_order, g.num_slots, g.positions, c);
+  const int tid = threadIdx.x, n = g.n_slices, s = cs.chunk[2];
+  if (tid < n) {
+    int lo = 0, hi = g.out_features;
     if (g.out_offsets != nullptr) {
-      for (int k = 0; k < n; ++k)
-        if (g.out_offsets[k + 1] > g.out_offsets[k]) {
-          j = k;
-          lo = g.out_offsets[k];
-          hi = g.out_offsets[k + 1];
-          break;
-        }
+      lo = g.out_offsets[tid];
+      hi = min(g.out_offsets[tid + 1], g.out_features);
     }
+    cw.lo[tid] = lo;
+    cw.hi[tid] = hi;
+    cw.r[tid] = hi > lo ? min(g.ranks[s * n + tid], g.max_rank) : 0;
+    cw.sc[tid] = g.scaling[s * n + tid];
+  }
+  if (tid == 0) {
     cw.slot = s;
     cw.p0 = cs.chunk[0];
     cw.m = cs.chunk[1];
-    cw.j = j;
-    cw.r = min(g.ranks[s * n + j], g.max_rank);
-    cw.sc = g.scaling[s * n + j];
-    cw.c_lo = lo;
-    cw.c_hi = min(hi, g.out_features);
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int passes = 0, nrb = 1, lo = g.out_features, hi = 0;
+    for (int j = 0; j < n; ++j) {
+      if (cw.hi[j] <= cw.lo[j]) continue;
+      lo = min(lo, cw.lo[j]);
+      hi = max(hi, cw.hi[j]);
+      const int rb = (cw.r[j] + RB - 1) / RB;
+      nrb = max(nrb, rb);
+      for (int k = 0; k < rb; ++k, ++passes) {
+        cw.pass_j[passes] = j;
+        cw.pass_rb[passes] = k * RB;
+      }
+    }
+    cw.passes = passes;
+    cw.nrb = nrb;
+    cw.cb_lo = hi > lo ? lo / BN : 0;
+    cw.cb_hi = hi > lo ? (hi + BN - 1) / BN : 0;
   }
   __syncthreads();
 }
 
-// Part q of `parts`: its shrink into v, then its count into the chunk's ready count.
-template <typename T, int RW, bool ALIGNED>
-__device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<32>& tr, const ChunkWork& cw, int c, int q,
+// Part q of `parts`: its shrink into v, then its count into the chunk's ready count. Its stages
+// run through the passes (slice, rank block) in one ring: pass p's share of `in`, then p + 1's, a
+// pass's sums added into v as its last stage is done.
+template <typename T, int RW, int BM_, bool ALIGNED>
+__device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<BM_>& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
-  using C = Chunk<T, RW>;
+  using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8;
   constexpr int XPR = KC / CH, XPT = BM * XPR / THREADS, XROWS = THREADS / XPR;  // x pieces
   constexpr int APT = C::RB * XPR / THREADS;                                      // A pieces
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int in = g.in_features, nk = (in + KC - 1) / KC, per = (nk + parts - 1) / parts;
-  const int k0 = q * per, k1 = min(k0 + per, nk), m = cw.m;
-  for (int rb0 = 0; k0 < k1 && rb0 < cw.r; rb0 += C::RB) {  // a pass over this part's `in` per rank block
-    // this rank block's ranks: r of them (below the slot's rank), rows up to r16 copied
-    const int r = min(cw.r - rb0, C::RB), r16 = (r + 15) & ~15;
-    const bool vec = ALIGNED || (g.flags & 1);
-    const T* A = g.A + (((size_t)cw.slot * g.n_slices + cw.j) * g.max_rank + rb0) * (size_t)in;
-    auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
-    auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
-    const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
-    const T* xrow[XPT];
+  const int k0 = q * per, nkp = max(min(k0 + per, nk) - k0, 0), total = nkp * cw.passes, m = cw.m;
+  const bool vec = ALIGNED || (g.flags & 1);
+  auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
+  auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
+  const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
+  const T* xrow[XPT];
 #pragma unroll
-    for (int i = 0; i < XPT; ++i) {
-      const int row = pr0 + i * XROWS;
-      xrow[i] = row < m ? g.x + (size_t)tr.tok[row] * in : nullptr;
-    }
-    auto load = [&](int ks, int st) {
-      if (ks < k1) {
-        T* sx = x_tile(st);
-        T* sa = a_tile(st);
-        const int f0 = ks * KC;
-        if (vec) {
-          const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
+  for (int i = 0; i < XPT; ++i) {
+    const int row = pr0 + i * XROWS;
+    xrow[i] = row < m ? g.x + (size_t)tr.tok[row] * in : nullptr;
+  }
+  // stage f: pass f / nkp (its rank block's ranks r below the slice's rank, rows up to r16 copied),
+  // stage k0 + f % nkp of `in`
+  auto load = [&](int f, int st) {
+    if (f < total) {
+      const int p = f / nkp, j = cw.pass_j[p], rb0 = cw.pass_rb[p];
+      const int r = min(cw.r[j] - rb0, C::RB), r16 = (r + 15) & ~15;
+      const T* A = g.A + (((size_t)cw.slot * g.n_slices + j) * g.max_rank + rb0) * (size_t)in;
+      T* sx = x_tile(st);
+      T* sa = a_tile(st);
+      const int f0 = (k0 + f % nkp) * KC;
+      if (vec) {
+        const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
 #pragma unroll
-          for (int i = 0; i < XPT; ++i) {
-            const bool ok = xrow[i] != nullptr && bytes > 0;
-            cp_async16(sx + (pr0 + i * XROWS) * C::LDX + pc, ok ? xrow[i] + f0 + pc : g.x, ok ? bytes : 0);
-          }
+        for (int i = 0; i < XPT; ++i) {
+          const bool ok = xrow[i] != nullptr && bytes > 0;
+          cp_async16(sx + (pr0 + i * XROWS) * C::LDX + pc, ok ? xrow[i] + f0 + pc : g.x, ok ? bytes : 0);
+        }
 #pragma unroll
-          for (int i = 0; i < APT; ++i) {
-            const int row = pr0 + i * XROWS;
-            if (row < r16) {
-              const bool ok = row < r && bytes > 0;
-              cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
-            }
-          }
-        } else {
-          for (int e = tid; e < BM * KC; e += THREADS) {
-            const int row = e / KC, k = e % KC;
-            sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
-          }
-          for (int e = tid; e < r16 * KC; e += THREADS) {
-            const int row = e / KC, k = e % KC;
-            sa[row * C::LDA + k] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
+        for (int i = 0; i < APT; ++i) {
+          const int row = pr0 + i * XROWS;
+          if (row < r16) {
+            const bool ok = row < r && bytes > 0;
+            cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
           }
         }
+      } else {
+        for (int e = tid; e < BM * KC; e += THREADS) {
+          const int row = e / KC, k = e % KC;
+          sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
+        }
+        for (int e = tid; e < r16 * KC; e += THREADS) {
+          const int row = e / KC, k = e % KC;
+          sa[row * C::LDA + k] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
+        }
       }
-      cp_async_commit();
-    };
+    }
+    cp_async_commit();
+  };
 
-    const int mt = warp & 1, kq = warp >> 1, nts = r16 / 8;
-    float acc[NTS][4];  // ranks rb0 + [0, RB) of this warp's m-tile
+  const int mt = warp % C::MT, kq = warp / C::MT;
+  const size_t stride = (size_t)g.n_slices * g.rw;
+  float acc[NTS][4];  // ranks rb0 + [0, RB) of this warp's m-tile, for the pass under way
 #pragma unroll
-    for (int nt = 0; nt < NTS; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  for (int nt = 0; nt < NTS; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; ++st) load(k0 + st, st);
-    for (int f = 0; k0 + f < k1; ++f) {
-      cp_async_wait<STAGES - 2>();
-      __syncthreads();  // stage f has landed for every thread; stage f - 1 is free
-      load(k0 + f + STAGES - 1, (f + STAGES - 1) % STAGES);
-      const T* sx = x_tile(f % STAGES);
-      const T* sa = a_tile(f % STAGES);
+  for (int st = 0; st < STAGES - 1; ++st) load(st, st);
+  for (int f = 0; f < total; ++f) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage f has landed for every thread; stage f - 1 is free
+    load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
+    const int p = f / nkp, j = cw.pass_j[p], rb0 = cw.pass_rb[p];
+    const int r = min(cw.r[j] - rb0, C::RB), nts = ((r + 15) & ~15) / 8;
+    const T* sx = x_tile(f % STAGES);
+    const T* sa = a_tile(f % STAGES);
 #pragma unroll
-      for (int kk = kq; kk < C::KSTEPS; kk += 2) {
-        Frags<M, false, T> fa;
-        fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
+    for (int kk = kq; kk < C::KSTEPS; kk += C::WK) {
+      Frags<M, false, T> fa;
+      fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
 #pragma unroll
-        for (int nt = 0; nt < NTS; ++nt) {
-          if (nt < nts) {
-            Frags<M, false, T> fb;
-            fb.load_b(sa, C::LDA, nt * 8, kk * 16, gq, tq);
-            mma_frags<M, false, false>(acc[nt], fa, fb);
-          }
+      for (int nt = 0; nt < NTS; ++nt) {
+        if (nt < nts) {
+          Frags<M, false, T> fb;
+          fb.load_b(sa, C::LDA, nt * 8, kk * 16, gq, tq);
+          mma_frags<M, false, false>(acc[nt], fa, fb);
         }
       }
     }
-    cp_async_wait<0>();
-    __syncthreads();  // every warp's reads of the stages are done before the next pass loads
-    // this warp's partial sums into v: rows of its m-tile inside the chunk, ranks below r
-    float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + cw.j) * g.rw + rb0;
-    const size_t stride = (size_t)g.n_slices * g.rw;
+    if (f % nkp != nkp - 1) continue;
+    // the pass's last stage: this warp's partial sums into v (rows of its m-tile inside the
+    // chunk, ranks below r: 0 * inf stays out of v), then the sums start again
+    float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
 #pragma unroll
     for (int nt = 0; nt < NTS; ++nt) {
       const int col = nt * 8 + 2 * tq;
@@ -212,8 +256,10 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<32>& 
           if (row < m) red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
         }
       }
+      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     }
   }
+  cp_async_wait<0>();
   __threadfence();
   __syncthreads();  // every thread's sums issued and fenced; the stages are free for the expand
   if (tid == 0) atomicAdd(g.counters + 2 + c, 1);
@@ -221,10 +267,10 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<32>& 
 
 // Part q's expand of its column blocks, after all `parts` parts of chunk c have added into v;
 // then the chunk's v released (the last part to finish zeroes it and resets the chunk's counts).
-template <typename T, int RW, bool ALIGNED>
-__device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& tr, const ChunkWork& cw, int c, int q,
+template <typename T, int RW, int BM_, bool ALIGNED>
+__device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<BM_>& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
-  using C = Chunk<T, RW>;
+  using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, CH = C::CH, NT = C::NT, RB = C::RB;
   constexpr int KS = RW / 16, KPB = RB / 16;                                     // k-steps of v; of a rank block
@@ -232,10 +278,11 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
   constexpr int BPR = RB / CH, BPT = BN * BPR / THREADS, BROWS = THREADS / BPR;  // B pieces
   __shared__ int last_reader;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-  const int out = g.out_features, m = cw.m, r = cw.r, r16 = (r + 15) & ~15, kss = r16 / 16;
-  const int cbA = cw.c_lo / BN, cbZ = (cw.c_hi + BN - 1) / BN, per = (cbZ - cbA + parts - 1) / parts;
-  const int cb0 = cbA + q * per, cb1 = r > 0 ? min(cb0 + per, cbZ) : cb0;  // rank 0: nothing to add
-  const int nrb = (r16 + RB - 1) / RB, steps = (cb1 - cb0) * nrb;  // steps: (column block, rank block)
+  const int out = g.out_features, n = g.n_slices, m = cw.m;
+  const int cbA = cw.cb_lo, cbZ = cw.cb_hi, per = (cbZ - cbA + parts - 1) / parts;
+  const int cb0 = cbA + q * per, cb1 = min(cb0 + per, cbZ);
+  // steps: (column block, rank block), nrb rank blocks each (those past its slice's rank empty)
+  const int nrb = cw.nrb, steps = max(cb1 - cb0, 0) * nrb;
   const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
   // y tiles in a ring of their own (a column block's tile lives through its rank blocks' steps),
   // slot (column block - cb0) % STAGES, beside the B ring's stage of the same index
@@ -251,8 +298,9 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
   const int bk = (tid % BPR) * CH, br0 = tid / BPR;
   const T* bs = g.B + (size_t)cw.slot * g.b_slot;
   auto load = [&](int step, int st) {
-    if (step < steps) {
-      const int vis = step / nrb, rb0 = (step % nrb) * RB, c0 = (cb0 + vis) * BN;
+    const int vis = step / nrb, rb0 = (step % nrb) * RB, c0 = (cb0 + vis) * BN;
+    const int j = chunk_slice<BN>(cw, n, cb0 + vis), r = cw.r[j];
+    if (step < steps && rb0 < r) {  // else nothing to add: no y tile, no B
       const int rr = min(r - rb0, RB), rr16 = (rr + 15) & ~15;  // this rank block's ranks
       T* sy = y_tile(vis);
       T* sb = b_tile(st);
@@ -274,14 +322,14 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
 #pragma unroll
           for (int i = 0; i < BPT; ++i) {
             const int row = br0 + i * BROWS, col = c0 + row;
-            const bool ok = col >= cw.c_lo && col < cw.c_hi && bytes > 0;
+            const bool ok = col >= cw.lo[j] && col < cw.hi[j] && bytes > 0;
             cp_async16(sb + row * C::LDB + bk, ok ? bs + (size_t)col * g.max_rank + rb0 + bk : g.B, ok ? bytes : 0);
           }
         }
       } else {
         for (int e = tid; e < BN * rr16; e += THREADS) {
           const int row = e / rr16, k = e % rr16, col = c0 + row;
-          const bool ok = col >= cw.c_lo && col < cw.c_hi && k < rr;
+          const bool ok = col >= cw.lo[j] && col < cw.hi[j] && k < rr;
           sb[row * C::LDB + k] = ok ? bs[(size_t)col * g.max_rank + rb0 + k] : from_float<T>(0.f);
         }
       }
@@ -297,17 +345,12 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
   }
   __syncthreads();
 
-  // this warp's rows of v * scaling as MMA fragments, one per k-step below r rounded up to 16
-  const int mt = warp & 1, half = warp >> 1, row0 = mt * 16 + gq, row1 = row0 + 8;
+  // this warp's rows of v * scaling as MMA fragments, one per k-step below the slice's rank
+  // rounded up to 16: read at the first column block of each slice the part meets
+  const int mt = warp % C::MT, half = warp / C::MT, row0 = mt * 16 + gq, row1 = row0 + 8;
+  const size_t stride = (size_t)n * g.rw;
   Frags<M, false, float> vreg[KS];
-  {
-    const size_t stride = (size_t)g.n_slices * g.rw;
-    const float* base = g.ws + ((size_t)cw.p0 * g.n_slices + cw.j) * g.rw + 4 * tq;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks)
-      load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
-                               cw.sc);
-  }
+  int vj = -1;  // the slice whose v the fragments hold
 
   float acc[NT][4];
 #pragma unroll
@@ -316,8 +359,18 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // step f has landed for every thread; stage f - 1 is free
     load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
-    const int vis = f / nrb, rb = f % nrb;
-    const T* sb = b_tile(f % STAGES) + (half * (BN / 2) + gq) * C::LDB + 4 * tq;
+    const int vis = f / nrb, rb = f % nrb, j = chunk_slice<BN>(cw, n, cb0 + vis), r = cw.r[j];
+    if (rb * RB >= r) continue;  // a rank block past the slice's rank (or a slice of rank 0)
+    const int kss = ((r + 15) & ~15) / 16;
+    if (j != vj) {
+      vj = j;
+      const float* base = g.ws + ((size_t)cw.p0 * n + j) * g.rw + 4 * tq;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks)
+        load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
+                                 cw.sc[j]);
+    }
+    const T* sb = b_tile(f % STAGES) + (half * (BN / C::WK) + gq) * C::LDB + 4 * tq;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {  // the rank block's k-steps (a warp-uniform test, unrolled)
       if (ks / KPB == rb && ks < kss) {
@@ -331,10 +384,10 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
         }
       }
     }
-    if (rb < nrb - 1) continue;  // the column block's sums go on into its next rank block
+    if (rb < (r + RB - 1) / RB - 1) continue;  // the column block's sums go on into its next rank block
     // this warp's rows and columns of the y tile plus its sums, then back to y
     T* sy = y_tile(vis);
-    const int c0 = (cb0 + vis) * BN, cw0 = half * (BN / 2);
+    const int c0 = (cb0 + vis) * BN, cw0 = half * (BN / C::WK);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -348,7 +401,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
     }
     __syncwarp();
     if (vec_y) {
-      constexpr int PPR = BN / 2 / CH;  // pieces of a row of this warp's half
+      constexpr int PPR = BN / C::WK / CH;  // pieces of a row of this warp's share
 #pragma unroll
       for (int e = lane; e < 16 * PPR; e += 32) {
         const int row = mt * 16 + e / PPR, col = cw0 + (e % PPR) * CH;
@@ -357,43 +410,73 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<32>& 
               *reinterpret_cast<const uint4*>(sy + row * C::LDY + col);
       }
     } else {
-      for (int e = lane; e < 16 * (BN / 2); e += 32) {
-        const int row = mt * 16 + e / (BN / 2), col = cw0 + e % (BN / 2);
+      for (int e = lane; e < 16 * (BN / C::WK); e += 32) {
+        const int row = mt * 16 + e / (BN / C::WK), col = cw0 + e % (BN / C::WK);
         if (row < m && c0 + col < out) g.y[(size_t)tr.tok[row] * out + c0 + col] = sy[row * C::LDY + col];
       }
     }
   }
   cp_async_wait<0>();
 
-  // release v: the last part of the chunk to finish reading it zeroes it and resets the counts
+  // release v: the last part of the chunk to finish reading it zeroes it (each slice's ranks below
+  // its rank rounded up to 16) and resets the counts
   __syncthreads();
   if (tid == 0) {
     __threadfence();
-    last_reader = atomicAdd(g.counters + 2 + g.units(BM) + c, 1) == parts - 1;
+    last_reader = atomicAdd(g.counters + 2 + g.units(CHUNK_UNIT_BM) + c, 1) == parts - 1;
   }
   __syncthreads();
   if (last_reader) {
     __threadfence();
-    const int r4 = r16 / 4;
-    for (int e = tid; e < m * r4; e += THREADS) {
-      const int row = e / r4, c4 = (e % r4) * 4;
-      __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(cw.p0 + row) * g.n_slices + cw.j) * g.rw + c4),
-             make_float4(0.f, 0.f, 0.f, 0.f));
+    for (int j = 0; j < n; ++j) {
+      const int r4 = ((cw.r[j] + 15) & ~15) / 4;
+      for (int e = tid; e < m * r4; e += THREADS) {
+        const int row = e / r4, c4 = (e % r4) * 4;
+        __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(cw.p0 + row) * n + j) * g.rw + c4),
+               make_float4(0.f, 0.f, 0.f, 0.f));
+      }
     }
     if (tid == 0) {
       atomicExch(g.counters + 2 + c, 0);
-      atomicExch(g.counters + 2 + g.units(BM) + c, 0);
+      atomicExch(g.counters + 2 + g.units(CHUNK_UNIT_BM) + c, 0);
     }
   }
 }
 
-// One block of lora_chunk: items (chunk, part) by ticket, chunk-major, until the step's are gone;
-// the last block to finish resets the ticket and done counts.
-template <typename T, int RW, bool ALIGNED>
-__device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<32>& tr, ChunkScan& cs,
-                           ChunkWork& cw) {
+// The shared memory of lora_chunk<T, RW>: the larger of its two chunk heights' stages.
+template <typename T, int RW>
+struct ChunkKernel {
+  static constexpr int SMEM = Chunk<T, RW, (RW > 16 ? 64 : 32)>::SMEM;  // the tallest chunks take the most
+};
+
+// A block's token rows for either chunk height.
+union ChunkRows {
+  TileRows<32> t32;
+  TileRows<64> t64;
+};
+
+// Whether a step at rank width RW > 16 is cut into chunks of 64 positions (every block computes
+// the same): where it has at least CHUNK_WIDE_MIN of them and they are mostly full (at most 3/4 as
+// many as of 32), so a wide A and B are read once for 64 rows; else 32, where chunks of 64 would
+// leave the grid idle or carry empty rows. Leaves cs counted at the height it chooses.
+constexpr int CHUNK_WIDE_MIN = 8;
+__device__ bool chunk_wide(ChunkScan& cs, int* s_indptr, const int* slot_indptr, int num_slots, int positions) {
+  count_chunks<32>(cs, s_indptr, slot_indptr, num_slots, positions);
+  const int c32 = cs.chunks;
+  __syncthreads();  // every thread has read the count before it is recounted
+  count_chunks<64>(cs, s_indptr, slot_indptr, num_slots, positions, false);
+  const int c64 = cs.chunks;
+  if (c64 >= CHUNK_WIDE_MIN && 4 * c64 <= 3 * c32) return true;
+  __syncthreads();
+  count_chunks<32>(cs, s_indptr, slot_indptr, num_slots, positions, false);
+  return false;
+}
+
+// A block's items (chunk, part) of a step cut into chunks of BM_ positions, by ticket.
+template <typename T, int RW, int BM_, bool ALIGNED>
+__device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM_>& tr, ChunkScan& cs,
+                            ChunkWork& cw) {
   __shared__ int ticket;
-  count_chunks<32>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
   const int parts = chunk_parts(g, cs.chunks, gridDim.x), items = cs.chunks * parts;
   // a block takes another ticket only where the items outnumber the grid (a step of more chunks
   // than blocks); otherwise its first ticket was its only item, and a second would only add a
@@ -405,10 +488,25 @@ __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
     __syncthreads();  // every thread has read the ticket before the next is taken
     if (it >= items) break;
     const int c = it / parts, q = it % parts;
-    chunk_setup<T>(g, s_indptr, tr, cs, cw, c);
-    chunk_shrink<T, RW, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
-    chunk_expand<T, RW, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
+    chunk_setup<T, RW, BM_>(g, s_indptr, tr, cs, cw, c);
+    chunk_shrink<T, RW, BM_, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
+    chunk_expand<T, RW, BM_, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
   }
+}
+
+// One block of lora_chunk: the step's chunk height, its items by ticket; the last block to finish
+// resets the ticket and done counts.
+template <typename T, int RW, bool ALIGNED>
+__device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
+                           ChunkWork& cw) {
+  bool wide = false;
+  if constexpr (RW > 16) {
+    wide = chunk_wide(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+    if (wide) chunk_items<T, RW, 64, ALIGNED>(g, dsmem, s_indptr, tr.t64, cs, cw);
+  } else {
+    count_chunks<32>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+  }
+  if (!wide) chunk_items<T, RW, 32, ALIGNED>(g, dsmem, s_indptr, tr.t32, cs, cw);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

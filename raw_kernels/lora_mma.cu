@@ -213,10 +213,12 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
 // lane's run of slots and scans the counts; cs.chunks is their number (every thread, on return).
 template <int BM>
 __device__ void count_chunks(ChunkScan& cs, int* s_indptr, const int* __restrict__ slot_indptr, int num_slots,
-                             int positions) {
+                             int positions, bool stage = true) {
   const int tid = threadIdx.x;
-  for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
-  __syncthreads();
+  if (stage) {  // else s_indptr is staged already
+    for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
+    __syncthreads();
+  }
   if (tid < 32) {
     const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
     int c = 0;
@@ -1000,11 +1002,12 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
 template <typename T, int RW, bool ALIGNED>
 __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::TileRows<32> tr;
+  __shared__ lora::ChunkRows tr;
   __shared__ lora::ChunkScan cs;
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;
   g.chunked = 1;
-  lora::require_smem(lora::Chunk<T, RW>::SMEM + 4 * (num_slots + 1));
-  lora::chunk_task<T, RW, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Chunk<T, RW>::SMEM), tr, cs, cw);
+  constexpr int SMEM = lora::ChunkKernel<T, RW>::SMEM;
+  lora::require_smem(SMEM + 4 * (num_slots + 1));
+  lora::chunk_task<T, RW, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
 }

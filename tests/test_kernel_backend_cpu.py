@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lora_cupy import kernels
 from lora_cupy.backends import cupy as cb
@@ -78,12 +80,15 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
                      f"{kernels.RING_BN}, \"expand_ring tile {dtype}\");")
         if dtype in kernels.CHUNK_DTYPES:
             for rw in kernels.CHUNK_RW:
-                g = cb.chunk_geometry(rw)
-                lines.append(f"static_assert(lora::Chunk<{ct}, {rw}>::SMEM == {cb.chunk_smem(dtype, rw)} && "
-                             f"lora::Chunk<{ct}, {rw}>::KC == {g[1]} && lora::Chunk<{ct}, {rw}>::BN == {g[2]} && "
-                             f"lora::Chunk<{ct}, {rw}>::RB == {g[3]} && "
-                             f"lora::Chunk<{ct}, {rw}>::BM == {kernels.CHUNK_BM}, \"chunk {dtype} {rw}\");")
+                g, c = cb.chunk_geometry(rw), f"lora::Chunk<{ct}, {rw}, {kernels.CHUNK_BM}>"
+                lines.append(f"static_assert(lora::ChunkKernel<{ct}, {rw}>::SMEM == {cb.chunk_smem(dtype, rw)} && "
+                             f"{c}::KC == {g[1]} && {c}::BN == {g[2]} && {c}::RB == {g[3]} && "
+                             f"{c}::BM == {kernels.CHUNK_BM}, \"chunk {dtype} {rw}\");")
+                if rw > 16:
+                    lines.append(f"static_assert(lora::Chunk<{ct}, {rw}, {kernels.CHUNK_WIDE_BM}>::SMEM == "
+                                 f"{cb.chunk_smem(dtype, rw)}, \"wide chunk {dtype} {rw}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
+    lines.append(f"static_assert(lora::CHUNK_WIDE_MIN == {cb.CHUNK_WIDE_MIN}, \"wide chunks\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
 
@@ -293,18 +298,56 @@ def test_each_shipped_kernel_is_a_default_somewhere():
     assert widths == set(kernels.CHUNK_RW)
 
 
+@given(st.lists(st.integers(0, 300), min_size=2, max_size=40), st.integers(0, 5000), st.sampled_from([8, 16, 48, 64, 128]))
+def test_chunk_height_takes_64_only_for_mostly_full_wide_chunks(lens, positions, R):
+    """lora_chunk's chunk height (mirrored from chunk.cuh): 32 at rank width 16; above, 64 where the
+    step has at least CHUNK_WIDE_MIN chunks of 64 and they number at most 3/4 of its chunks of 32
+    (slot 0 and positions past ``positions`` count for nothing)."""
+    ip = np.concatenate([[0], np.cumsum(lens)])
+    runs = []
+    for s in range(1, len(lens)):  # slot 0 addresses nothing
+        lo, hi = ip[s], min(ip[s + 1], positions)
+        runs.append(max(hi - lo, 0))
+    c32 = sum(-(-n // 32) for n in runs)
+    c64 = sum(-(-n // 64) for n in runs)
+    wide = cb.rank_width(R) > 16 and c64 >= cb.CHUNK_WIDE_MIN and 4 * c64 <= 3 * c32
+    assert cb.chunk_height(ip, positions, R) == (64 if wide else 32)
+    assert c64 <= c32 <= cb.fused_units(max(positions, 1), cb.CHUNK_BM, len(lens))  # the units the plan sizes
+
+
 def test_chunk_plans_refuse_what_the_kernel_does_not_serve():
     for kw, why in ((dict(dtype="float32"), "serves"), (dict(max_rank=256), "ranks up to"),
-                    (dict(n_slices=3), "one slice"), (dict(whole=False), "one launch")):
+                    (dict(n_slices=3), "multiples of 128, not of an unknown"),
+                    (dict(n_slices=3, slice_align=64), "multiples of 128, not of 64"),
+                    (dict(n_slices=2, max_rank=64, slice_align=32), "multiples of 64, not of 32"),
+                    (dict(whole=False), "one launch")):
         args = dict(bucket=1024, in_features=4096, out_features=6144, n_slices=1, max_rank=16, dtype="bfloat16")
         args.update({k: v for k, v in kw.items() if k in args})
         with pytest.raises(ValueError, match=why):
-            cb.plan_launch(*args.values(), num_slots=33, expand="chunk", **{k: v for k, v in kw.items() if k == "whole"})
+            cb.plan_launch(*args.values(), num_slots=33, expand="chunk",
+                           **{k: v for k, v in kw.items() if k in ("whole", "slice_align")})
     for kw in (dict(tile=16), dict(chunks=True)):  # what it would ignore is refused
         with pytest.raises(ValueError, match="chunks of 32"):
             cb.plan_launch(1024, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="chunk", **kw)
     p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", live_slices=1)
     assert (p.expand, p.bm, p.tiles) == ("chunk", kernels.CHUNK_BM, cb.fused_units(1024, kernels.CHUNK_BM, 33))
+    p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", slice_align=128)
+    assert (p.expand, p.n_slices) == ("chunk", 3)  # several slices on its column blocks: served whole
+
+
+@pytest.mark.parametrize("offsets,R,aligned", [((0, 4096, 5120, 6144), 16, 128), ((0, 14336, 28672), 16, 128),
+                                               ((0, 192, 384), 64, 64), ((0, 192, 384), 16, 64),
+                                               ((0, 96, 136, 160), 64, 8), ((0, 4096), 16, 128)])
+def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(offsets, R, aligned):
+    """A fused target (q/k/v, gate/up) runs lora_chunk whole by default where every slice's
+    columns start on one of its column blocks (128 columns at rank width 16, 64 above)."""
+    assert cb.slice_alignment(offsets) == aligned
+    n, out = len(offsets) - 1, offsets[-1]
+    fits = cb.chunk_fits("bfloat16", R, n, None, aligned) is None
+    assert fits == (n == 1 or aligned % cb.chunk_geometry(R)[2] == 0)
+    for b in DEFAULT_CAPTURE_BUCKETS:
+        p = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, slice_align=aligned)
+        assert (p.expand == "chunk") == (fits and cb.default_chunk(b, R, n)), (b, p)
 
 
 def test_unknown_kernels_are_refused():
@@ -530,8 +573,10 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         assert "default" in names
         assert (set(bench.VERSIONS) - {"chunk"} <= names) == (not fused)
         assert (set(bench.DECODE_VERSIONS) <= names) == fused
-        # lora_chunk is timed wherever it serves the row: 16-bit, one slice, a pool of rank <= 128
-        fits = cb.chunk_fits(row.dtype, row.pool_rank, len(row.slices), None) is None
+        # lora_chunk is timed wherever it serves the row: 16-bit, a pool of rank <= 128, one slice or
+        # several on its column blocks
+        fits = cb.chunk_fits(row.dtype, row.pool_rank, len(row.slices), None,
+                             cb.slice_alignment(np.cumsum((0,) + tuple(row.slices)))) is None
         assert ("chunk" in names) == fits
     assert set(bench.VERSIONS) == set(kernels.EXPAND_KERNELS)
 

@@ -20,6 +20,7 @@ streams (a side lane beside the main chain) each need a backend of their own.
 from __future__ import annotations
 
 import functools
+import math
 
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
+from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        STREAM_BN, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name)
@@ -100,12 +101,29 @@ def chunk_geometry(max_rank: int) -> tuple[int, int, int, int]:
 
 
 def chunk_smem(dtype: str, max_rank: int) -> int:
-    """``Chunk<T, RW>::SMEM`` of chunk.cuh: 3 stages, each the larger of a shrink stage (x rows of
-    32 positions and A rows of a rank block, KC features) and an expand stage (y tile of 32 x BN,
-    B tile of BN columns x a rank block), rows padded by 8 elements."""
-    _, kc, bn, rb = chunk_geometry(max_rank)
-    size = _ITEMSIZE[dtype]
-    return 3 * max((CHUNK_BM + rb) * (kc + 8) * size, (CHUNK_BM * (bn + 8) + bn * (rb + 8)) * size)
+    """``ChunkKernel<T, RW>::SMEM`` of chunk.cuh, that of its tallest chunks (``CHUNK_WIDE_BM``
+    positions at rank widths above 16, else ``CHUNK_BM``): 3 stages, each the larger of a shrink
+    stage (x rows of the chunk and A rows of a rank block, KC features) and an expand stage (y tile
+    of the chunk x BN, B tile of BN columns x a rank block), rows padded by 8 elements."""
+    rw, kc, bn, rb = chunk_geometry(max_rank)
+    size, bm = _ITEMSIZE[dtype], CHUNK_WIDE_BM if rw > 16 else CHUNK_BM
+    return 3 * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size)
+
+
+def chunk_height(slot_indptr, positions: int, max_rank: int) -> int:
+    """The chunk height ``lora_chunk`` chooses for a step (chunk.cuh's ``chunk_wide``, mirrored):
+    ``CHUNK_WIDE_BM`` positions at rank widths above 16 where the step has at least
+    ``CHUNK_WIDE_MIN`` such chunks and they number at most 3/4 of its chunks of ``CHUNK_BM``."""
+    ip = np.minimum(np.asarray(slot_indptr, dtype=np.int64), positions)
+    lens = np.maximum(ip[2:] - ip[1:-1], 0)  # slot 0 addresses nothing
+
+    def count(bm: int) -> int:
+        return int(((lens + bm - 1) // bm).sum())
+
+    if chunk_geometry(max_rank)[0] <= 16:
+        return CHUNK_BM
+    c32, c64 = count(CHUNK_BM), count(CHUNK_WIDE_BM)
+    return CHUNK_WIDE_BM if c64 >= CHUNK_WIDE_MIN and 4 * c64 <= 3 * c32 else CHUNK_BM
 
 
 def glu_smem(dtype: str) -> int:
@@ -235,34 +253,51 @@ RING_EXPAND_FROM = 1024
 #: most parts one chunk is cut into.
 CHUNK_BLOCKS_PER_SM = 4
 CHUNK_MAX_PARTS = 32
-#: From this many positions a call that ``chunk_fits`` runs ``lora_chunk`` by default, and for pools
-#: of rank width above 16 up to ``CHUNK_WIDE_UNTIL`` (NOTES.md, "lora_chunk"; results/kernels-h200.md,
-#: the run of f557283). On an H200 it beat the fused launch on the one-slice rows of 16 and 64
+#: From this many positions a call that ``chunk_fits`` runs ``lora_chunk`` by default (NOTES.md,
+#: "lora_chunk"; results/kernels-h200.md, the run of f557283). On an H200 it beat the fused launch on the one-slice rows of 16 and 64
 #: positions (T=16 r64 with 8 adapters 14.8 against 20.5 us; T=64 r16 with 32: 15.0 against 22.5),
 #: one row within 0.1 us, and lost at one position (9.9 against 9.5); it beat the unfused pair on
 #: every one-slice row of 256 to 4096 positions at rank width 16 (T=4096 r16: 43.7-45.5 against
 #: 51.0-52.0 us the call) and of 256 to 1024 at rank widths 64 and 128; at 4096 positions the pair
-#: was faster there (rank 64: 61.5-65.0 against 64.4-67.9 us).
+#: was faster there (rank 64: 61.5-65.0 against 64.4-67.9 us) until chunks of 64 positions at rank
+#: widths above 16 (NOTES.md, "Chunks of 64 at wide ranks"): 55.7-60.4 against 61.2-64.9 us.
 CHUNK_FROM = 2
-CHUNK_WIDE_UNTIL = 1024
+#: From this many positions a target of several slices with columns runs ``lora_chunk`` by default.
+CHUNK_SLICES_FROM = 2
+#: The most ``slice_alignment`` counts: BN of every rank width of lora_chunk divides it.
+CHUNK_SLICE_ALIGN = 128
+#: Chunks of ``CHUNK_WIDE_BM`` positions need this many in a step to be chosen (``chunk_height``).
+CHUNK_WIDE_MIN = 8
 
 
-def default_chunk(bucket: int, max_rank: int) -> bool:
-    """Whether a call of ``bucket`` positions whose target ``chunk_fits`` runs ``lora_chunk`` by default."""
-    return bucket >= CHUNK_FROM and (rank_width(max_rank) <= 16 or bucket <= CHUNK_WIDE_UNTIL)
+def default_chunk(bucket: int, max_rank: int, n_slices: int = 1, live_slices: int | None = None) -> bool:
+    """Whether a call of ``bucket`` positions whose target ``chunk_fits`` runs ``lora_chunk`` by
+    default: from ``CHUNK_FROM`` positions with one slice with columns, from ``CHUNK_SLICES_FROM``
+    with several."""
+    several = n_slices > 1 and live_slices != 1
+    return bucket >= (CHUNK_SLICES_FROM if several else CHUNK_FROM)
 
 
-def chunk_fits(dtype: str, max_rank: int, n_slices: int, live_slices: int | None) -> str | None:
+def chunk_fits(dtype: str, max_rank: int, n_slices: int, live_slices: int | None, slice_align: int = 0) -> str | None:
     """Why ``lora_chunk`` cannot serve a target (None: it can): 16-bit types, a pool of rank 128 or
     less, and one slice with columns (a one-slice target, or one member of a fused target served
-    into its own output)."""
+    into its own output) or several whose column boundaries fall on its column blocks
+    (``slice_align``, :func:`slice_alignment`, a multiple of ``chunk_geometry``'s BN)."""
     if normalize_dtype(dtype) not in CHUNK_DTYPES:
         return f"lora_chunk serves {' and '.join(CHUNK_DTYPES)}, not {dtype}"
     if rank_width(max_rank) > CHUNK_RW[-1]:
         return f"lora_chunk is built for ranks up to {CHUNK_RW[-1]}, not {max_rank}"
-    if n_slices > 1 and live_slices != 1:
-        return f"lora_chunk serves one slice with columns, not {live_slices or n_slices} of {n_slices}"
+    bn = chunk_geometry(max_rank)[2]
+    if n_slices > 1 and live_slices != 1 and (slice_align <= 0 or slice_align % bn):
+        return (f"lora_chunk serves several slices whose columns start at multiples of {bn}, not of "
+                f"{slice_align or 'an unknown step'}")
     return None
+
+
+def slice_alignment(out_offsets) -> int:
+    """The largest power of two up to ``CHUNK_SLICE_ALIGN`` that every column offset of a target's
+    slices is a multiple of (what ``chunk_fits`` asks of several slices)."""
+    return math.gcd(CHUNK_SLICE_ALIGN, *(int(o) for o in out_offsets))
 
 
 def default_expand(bucket: int) -> str:
@@ -277,9 +312,11 @@ def default_expand(bucket: int) -> str:
 def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
-                chunks: bool | None = None, live_slices: int | None = None, whole: bool = True) -> LaunchPlan:
+                chunks: bool | None = None, live_slices: int | None = None, whole: bool = True,
+                slice_align: int = 0) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
-    slots (slot 0 included; a fused launch's chunks depend on it).
+    slots (slot 0 included; a fused launch's chunks depend on it). ``slice_align``: what every
+    column offset of the target's slices is a multiple of (:func:`slice_alignment`; 0: unknown).
 
     ``live_slices``: how many of the ``n_slices`` have columns (one slice of a fused target served
     into its own output: the others have none, and their shrink tasks stop at once); an unfused
@@ -311,7 +348,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     """
     dtype = normalize_dtype(dtype)
     if (fused is None and expand is None and chunks is None and whole and tile is None
-            and default_chunk(bucket, max_rank) and chunk_fits(dtype, max_rank, n_slices, live_slices) is None):
+            and default_chunk(bucket, max_rank, n_slices, live_slices)
+            and chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) is None):
         fused, expand = False, "chunk"
     fused = default_fused(bucket) if fused is None else bool(fused)
     if fused:
@@ -328,7 +366,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
             raise ValueError(f"lora_chunk takes chunks of {CHUNK_BM} positions of one slot: no tile {tile} or "
                              f"fused chunks")
         return _plan_chunk(bucket, in_features, out_features, n_slices, max_rank, dtype, num_slots=num_slots,
-                           num_sms=num_sms, live_slices=live_slices, whole=whole)
+                           num_sms=num_sms, live_slices=live_slices, whole=whole, slice_align=slice_align)
     bm = (RING_BM if expand == "expand_ring" else default_tile(bucket)) if tile is None else int(tile)
     bn = dict(MMA_TILES).get(bm)
     if bn is None:
@@ -375,15 +413,16 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 
 
 def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
-                num_slots: int, num_sms: int, live_slices: int | None, whole: bool) -> LaunchPlan:
+                num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int) -> LaunchPlan:
     """``lora_chunk``'s plan: ``tiles`` is the most chunks of one slot (at most ``CHUNK_BM``
-    positions) a step can have; the grid (``blocks``) one wave of ``CHUNK_BLOCKS_PER_SM`` blocks a
+    positions; the kernel cuts a step into chunks of ``CHUNK_WIDE_BM`` instead where
+    ``chunk_height`` says, which are never more) a step can have; the grid (``blocks``) one wave of ``CHUNK_BLOCKS_PER_SM`` blocks a
     multiprocessor (fewer where the bucket's chunks and parts cannot fill it), whose blocks take
     (chunk, part) items by ticket. The kernel cuts each of the step's chunks into as many parts
     (a share of ``in`` and of the column blocks) as fill the grid, at most ``splits``:
     ``CHUNK_MAX_PARTS``, or the stages of ``in`` or column blocks there are if more. ``k_split``
     and ``cpb`` are what a step filling its bucket gets."""
-    why = chunk_fits(dtype, max_rank, n_slices, live_slices) or (
+    why = chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) or (
         None if whole else "lora_chunk runs the whole delta in one launch, not in halves")
     if why:
         raise ValueError(why)
@@ -571,12 +610,13 @@ class CallLimits:
     chunks: bool | None = None
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
-             dtype: str, num_slots: int, live_slices: int | None = None, halves: bool = False) -> LaunchPlan:
+             dtype: str, num_slots: int, live_slices: int | None = None, halves: bool = False,
+             slice_align: int = 0) -> LaunchPlan:
         """``halves``: a plan for the delta in two launches of its own (shrink, then expand), never fused."""
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
                            fused=False if halves else self.fused, expand=self.expand, chunks=self.chunks,
-                           live_slices=live_slices, whole=not halves)
+                           live_slices=live_slices, whole=not halves, slice_align=slice_align)
 
 
 @dataclass(frozen=True)
@@ -592,6 +632,7 @@ class WeightArgs:
     flags: int
     b_slot: int  # w.b's elements from one slot to the next (slot_stride)
     live: int  # slices with columns (n, or 1 for one slice of a fused target served alone)
+    align: int  # what every column offset of its slices is a multiple of (slice_alignment)
 
 
 def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
@@ -639,7 +680,7 @@ def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
     flags = ((1 if in_f % ch == 0 and A.ptr % 16 == 0 else 0)
              | (2 if R % ch == 0 and b_slot % ch == 0 and B.ptr % 16 == 0 else 0) | (4 if out % ch == 0 else 0))
     return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags, b_slot,
-                      live_slices(offs))
+                      live_slices(offs), slice_alignment(offs))
 
 
 def live_slices(out_offsets) -> int:
@@ -704,7 +745,7 @@ def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO:
         return None
     if T > limits.spec.max_tokens:
         raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
-    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S, wa.live, halves)
+    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S, wa.live, halves, wa.align)
     if plan.counter_ints() > limits.counter_ints:
         raise ValueError(f"{plan.tiles} work units exceed the counters built for the spec")
     a, b, sc, rk, offs = wa.ptrs
@@ -986,7 +1027,7 @@ class CupyBackend:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
         S, n, R, in_f = w.a.shape
         return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, R, normalize_dtype(dtype or self.spec.dtype), S,
-                                live_slices(w.out_offsets))
+                                live_slices(w.out_offsets), slice_align=slice_alignment(w.out_offsets))
 
     def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
         """``y[t, cols_j] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T`` for each

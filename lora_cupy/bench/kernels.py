@@ -525,12 +525,13 @@ DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles":
 def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
     """The backend options timed on one row: the default, then each expand kernel (unfused
     buckets) or the unfused launches (fused buckets)."""
-    from ..backends.cupy import chunk_fits, default_fused
+    from ..backends.cupy import chunk_fits, default_fused, slice_alignment
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
     spec = LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=row.slots + 1, max_rank=row.pool_rank)
-    fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None) is None
+    fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None,
+                      slice_alignment(np.cumsum((0,) + tuple(row.slices)))) is None
     if default_fused(spec.bucket_for(row.bucket or row.T)):
         out.update(DECODE_VERSIONS)
         if fits:  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)

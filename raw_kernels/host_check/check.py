@@ -65,10 +65,20 @@ PTX_FUNCTIONS = ("void cp_async16(", "void cp_async_commit(", "void cp_async_wai
 
 from test_kernels import CASES as GPU_CASES  # noqa: E402
 
-#: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp.
+#: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp,
+#: two whose lora_chunk steps take chunks of 64, and two of several slices lora_chunk serves whole.
 CASES = {**GPU_CASES,
          "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                       mix="zipf", num_slots=17, active=12),
+         # lora_chunk at rank widths 64 and 128: steps whose chunks of 64 are mostly full (chunk_wide)
+         "tall-r64": dict(T=700, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
+                          num_slots=9, active=4),
+         "tall-r128": dict(T=600, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
+         # lora_chunk over several slices (boundaries on its column blocks: 128 at rank width 16, 64 above)
+         "qkv128": dict(T=150, in_f=136, slices=(256, 128, 128), max_rank=16, ranks=(0, 5, 16), mix="zipf",
+                        num_slots=9, active=6),
+         "gateup64": dict(T=333, in_f=200, slices=(192, 192), max_rank=64, ranks=(0, 3, 16, 33, 64), mix="skewed",
+                          num_slots=17, active=9, pad_to=384),
          "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
                             num_slots=513, active=61),
          # fp32: every 16-byte path allowed, out ending half-way into expand_stream's last 8-column
@@ -174,7 +184,8 @@ def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
     S, n, R, in_f = case.w.a.shape
     return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, out or case.y0.shape[1], n, R,
                           case.spec.dtype, num_slots=S, tile=tile, fused=fused, expand=None if fused else expand,
-                          chunks=chunks, num_sms=sms, live_slices=None if out is None else 1)
+                          chunks=chunks, num_sms=sms, live_slices=None if out is None else 1,
+                          slice_align=cb.slice_alignment(case.w.out_offsets))
 
 
 def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto",

@@ -138,36 +138,49 @@ template <typename T, bool AL> static void ring_block(int u) {
 // has not run. An item runs as a block of its own; the parts a chunk is cut into are the kernel's
 // for a grid of `blocks`.
 static int g_chunk_phase = 0, g_chunk_grid = 0;
-template <typename T, int RW, bool AL> static void chunk_block(int u) {
-  static lora::TileRows<32> tr;
+// The step's chunk count at the height chunk_task chooses (chunk.cuh's chunk_wide); true: 64.
+template <int RW> static bool chunk_count(lora::ChunkScan& cs, int* s_ip, const int* slot_indptr, int num_slots,
+                                          int positions) {
+  if constexpr (RW > 16) {
+    return lora::chunk_wide(cs, s_ip, slot_indptr, num_slots, positions);
+  } else {
+    lora::count_chunks<32>(cs, s_ip, slot_indptr, num_slots, positions);
+    return false;
+  }
+}
+template <typename T, int RW, int BM, bool AL> static void chunk_block(int u) {
+  static lora::TileRows<BM> tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
-  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW>::SMEM);
-  lora::count_chunks<32>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
+  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::ChunkKernel<T, RW>::SMEM);
+  chunk_count<RW>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
   const int parts = lora::chunk_parts(g, cs.chunks, g_chunk_grid), c = u / parts, q = u % parts;
   if (c >= cs.chunks) return;
-  lora::chunk_setup<T>(g, s_ip, tr, cs, cw, c);
-  if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, AL>(g, dsm.data(), tr, cw, c, q, parts);
-  else lora::chunk_expand<T, RW, AL>(g, dsm.data(), tr, cw, c, q, parts);
+  lora::chunk_setup<T, RW, BM>(g, s_ip, tr, cs, cw, c);
+  if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, BM, AL>(g, dsm.data(), tr, cw, c, q, parts);
+  else lora::chunk_expand<T, RW, BM, AL>(g, dsm.data(), tr, cw, c, q, parts);
 }
-// The kernel's own block body (chunk_task: tickets, the loop over items, the done count), for a
-// step whose chunks are cut into one part each: no part then waits on another block.
-static int g_step_chunks = 0;
+// The kernel's own block body (chunk_task: the height, tickets, the loop over items, the done
+// count), for a step whose chunks are cut into one part each: no part then waits on another block.
+static int g_step_chunks = 0, g_step_wide = 0;
 template <typename T, int RW> static void chunk_count_block(int) {
   static lora::ChunkScan cs;
   auto g = args<T>();
-  lora::count_chunks<32>(cs, reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW>::SMEM), g.slot_indptr,
-                         g.num_slots, g.positions);
-  if (threadIdx.x == 0) g_step_chunks = cs.chunks;
+  const bool wide = chunk_count<RW>(cs, reinterpret_cast<int*>(dsm.data() + lora::ChunkKernel<T, RW>::SMEM),
+                                    g.slot_indptr, g.num_slots, g.positions);
+  if (threadIdx.x == 0) {
+    g_step_chunks = cs.chunks;
+    g_step_wide = wide;
+  }
 }
 template <typename T, int RW, bool AL> static void chunk_task_block(int) {
-  static lora::TileRows<32> tr;
+  static lora::ChunkRows tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
-  lora::chunk_task<T, RW, AL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW>::SMEM), tr, cs,
-                              cw);
+  lora::chunk_task<T, RW, AL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::ChunkKernel<T, RW>::SMEM), tr,
+                              cs, cw);
 }
 template <typename T, int RW, bool AL> static int run_chunk_rw(int blocks) {
   emu::run_block(chunk_count_block<T, RW>, 0);
@@ -180,7 +193,15 @@ template <typename T, int RW, bool AL> static int run_chunk_rw(int blocks) {
   g_chunk_grid = blocks;  // else every item the most chunks (units) times `splits` parts can make
   const int items = args<T>().units(32) * L.splits;
   for (g_chunk_phase = 0; g_chunk_phase < 2; ++g_chunk_phase)
-    for (int u = 0; u < items; ++u) emu::run_block(chunk_block<T, RW, AL>, u);
+    for (int u = 0; u < items; ++u) {
+      if constexpr (RW > 16) {
+        if (g_step_wide) {
+          emu::run_block(chunk_block<T, RW, 64, AL>, u);
+          continue;
+        }
+      }
+      emu::run_block(chunk_block<T, RW, 32, AL>, u);
+    }
   return 0;
 }
 // blocks: the kernel's grid

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lora_cupy.backends import cupy as cb
 from lora_cupy.backends.base import member_weights
 from lora_cupy.planning import LaunchViews
 
@@ -93,6 +94,29 @@ def test_chunk_serves_one_member_of_a_fused_target(make_case, check, dtype, T):
     check(case, got, dtype)
 
 
+#: fused targets lora_chunk serves whole: every slice's columns start on a column block (128 at
+#: rank width 16, 64 above); ranks 0 (a slice with nothing to add at a slot) and odd ones
+SLICED = {
+    "qkv-r16": dict(slices=(256, 128, 128), max_rank=16, ranks=(0, 1, 5, 16)),
+    "gate_up-r64": dict(slices=(192, 192), max_rank=64, ranks=(0, 3, 16, 33, 64)),
+    "three-r128": dict(slices=(128, 64, 192), max_rank=128, ranks=(0, 16, 65, 128)),
+}
+
+
+@pytest.mark.parametrize("T,mix", [(3, "distinct"), (64, "zipf"), (1000, "skewed"), (1000, "identical")])
+@pytest.mark.parametrize("name", list(SLICED))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chunk_serves_a_fused_target_whole(make_case, check, dtype, name, T, mix):
+    """Several slices in one launch: each chunk's shrink runs through every slice's rank blocks,
+    each column block takes its own slice's v, rank and scaling; by default from CHUNK_SLICES_FROM
+    positions."""
+    case = make_case(T=T, in_f=200, dtype=dtype, mix=mix, num_slots=17, active=9, **SLICED[name])
+    be = backend_for(case.spec)
+    assert (be.plan(T, dev_weights(case.w), dtype).expand == "chunk") == (T >= cb.CHUNK_SLICES_FROM)
+    be = backend_for(case.spec, **CHUNK)
+    check(case, run_cupy(be, case), dtype)
+
+
 def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
     """An inf in one adapter token's row of x: v and the counters end at zero and every other row
     matches the oracle (the inf row is inf / NaN by design)."""
@@ -105,9 +129,25 @@ def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
     check(case, y, "bfloat16")
 
 
-def test_chunk_graph_replays_new_addressing(make_case, check):
+@pytest.mark.parametrize("R", [64, 128])
+@pytest.mark.parametrize("mix,active,height", [("identical", 40, 64), ("skewed", 8, 64), ("distinct", 40, 32),
+                                               ("zipf", 40, 32)])
+def test_chunk_wide_ranks_take_the_steps_height(make_case, check, R, mix, active, height):
+    """At rank widths above 16 a step of mostly full chunks of 64 positions is cut into those (A
+    and B read once for 64 rows), one of many short runs into chunks of 32; either matches."""
+    case = make_case(T=1000, in_f=200, slices=(264,), max_rank=R, ranks=(1, 17, 64, R), dtype="bfloat16", mix=mix,
+                     num_slots=65, active=active)
+    assert cb.chunk_height(case.slot_indptr, 1000, R) == height
+    be = backend_for(case.spec, **CHUNK)
+    check(case, run_cupy(be, case), "bfloat16")
+
+
+@pytest.mark.parametrize("R", [16, 64])
+def test_chunk_graph_replays_new_addressing(make_case, check, R):
+    """Rank 64: the replays' steps take chunks of 64 (512 positions of one slot) and of 32 (one
+    position) in turn."""
     graph_replays_new_addressing(
         make_case, check, CHUNK,
-        dict(T=512, in_f=264, slices=(392,), max_rank=16, ranks=(1, 8, 16), dtype="bfloat16", mix="uniform",
+        dict(T=512, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="uniform",
              num_slots=17, active=6),
-        ((512, "zipf"), (300, "skewed"), (1, "identical"), (512, "distinct")))
+        ((512, "identical"), (512, "zipf"), (300, "skewed"), (1, "identical"), (512, "distinct")))
