@@ -1,7 +1,7 @@
 // lora_chunk: the whole delta of a large step in one launch, shrink and expand of each chunk of
 // one slot in the same blocks, for 16-bit types and a call whose one slice has columns (a
 // one-slice target, or one member of a fused target served into its own output). Included by
-// lora_mma.cu (it uses Args, TileRows, ChunkScan, count_chunks and find_chunk from there,
+// lora_mma.cu (it uses Args, ChunkScan, count_chunks and locate_chunk from there,
 // add_word from expand_stream.cuh).
 //
 // Why: an unfused large step runs lora_shrink, then lora_expand_ring, and each streams its bytes
@@ -75,6 +75,11 @@ struct Chunk {
 // have); a step cut into chunks of 64 uses the first of them.
 constexpr int CHUNK_UNIT_BM = 32;
 
+// A block's chunk's token rows (either height).
+struct ChunkRows {
+  int tok[64];
+};
+
 // One block's chunk: slot, first position and rows (from find_chunk), the slice with columns,
 // its rank, scaling and columns.
 struct ChunkWork {
@@ -108,11 +113,12 @@ __device__ __forceinline__ int chunk_slice(const ChunkWork& cw, int n, int cb) {
 // (one per rank block of each slice with columns and a rank) and the column blocks. Every thread
 // calls.
 template <typename T, int RW, int BM>
-__device__ void chunk_setup(const Args<T>& g, const int* s_indptr, TileRows<BM>& tr, ChunkScan& cs, ChunkWork& cw,
+__device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr, ChunkScan& cs, ChunkWork& cw,
                             int c) {
   constexpr int BN = Chunk<T, RW, BM>::BN, RB = Chunk<T, RW, BM>::RB;
-  find_chunk<BM>(tr, cs, s_indptr, g.token_order, g.num_slots, g.positions, c);
+  locate_chunk<BM>(cs, s_indptr, g.num_slots, g.positions, c);
   const int tid = threadIdx.x, n = g.n_slices, s = cs.chunk[2];
+  if (tid < BM) tr.tok[tid] = tid < cs.chunk[1] ? g.token_order[cs.chunk[0] + tid] : -1;
   if (tid < n) {
     int lo = 0, hi = g.out_features;
     if (g.out_offsets != nullptr) {
@@ -155,7 +161,7 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, TileRows<BM>&
 // run through the passes (slice, rank block) in one ring: pass p's share of `in`, then p + 1's, a
 // pass's sums added into v as its last stage is done.
 template <typename T, int RW, int BM_, bool ALIGNED>
-__device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<BM_>& tr, const ChunkWork& cw, int c, int q,
+__device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
@@ -169,12 +175,6 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<BM_>&
   auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
   auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
   const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
-  const T* xrow[XPT];
-#pragma unroll
-  for (int i = 0; i < XPT; ++i) {
-    const int row = pr0 + i * XROWS;
-    xrow[i] = row < m ? g.x + (size_t)tr.tok[row] * in : nullptr;
-  }
   // stage f: pass f / nkp (its rank block's ranks r below the slice's rank, rows up to r16 copied),
   // stage k0 + f % nkp of `in`
   auto load = [&](int f, int st) {
@@ -188,9 +188,10 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<BM_>&
       if (vec) {
         const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
 #pragma unroll
-        for (int i = 0; i < XPT; ++i) {
-          const bool ok = xrow[i] != nullptr && bytes > 0;
-          cp_async16(sx + (pr0 + i * XROWS) * C::LDX + pc, ok ? xrow[i] + f0 + pc : g.x, ok ? bytes : 0);
+        for (int i = 0; i < XPT; ++i) {  // token rows from shared memory: no registers held across stages
+          const int row = pr0 + i * XROWS;
+          const bool ok = row < m && bytes > 0;
+          cp_async16(sx + row * C::LDX + pc, ok ? g.x + (size_t)tr.tok[row] * in + f0 + pc : g.x, ok ? bytes : 0);
         }
 #pragma unroll
         for (int i = 0; i < APT; ++i) {
@@ -268,7 +269,7 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const TileRows<BM_>&
 // Part q's expand of its column blocks, after all `parts` parts of chunk c have added into v;
 // then the chunk's v released (the last part to finish zeroes it and resets the chunk's counts).
 template <typename T, int RW, int BM_, bool ALIGNED>
-__device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<BM_>& tr, const ChunkWork& cw, int c, int q,
+__device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
@@ -289,12 +290,6 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<BM_>&
   auto y_tile = [&](int vis) { return reinterpret_cast<T*>(dsmem + (vis % STAGES) * C::STAGE); };
   auto b_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::Y_BYTES); };
   const int yc = (tid % YPR) * CH, yr0 = tid / YPR;
-  const T* yrow[YPT];
-#pragma unroll
-  for (int i = 0; i < YPT; ++i) {
-    const int row = yr0 + i * YROWS;
-    yrow[i] = row < m ? g.y + (size_t)tr.tok[row] * out : nullptr;
-  }
   const int bk = (tid % BPR) * CH, br0 = tid / BPR;
   const T* bs = g.B + (size_t)cw.slot * g.b_slot;
   auto load = [&](int step, int st) {
@@ -308,8 +303,10 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<BM_>&
       } else if (vec_y) {
         const bool in = c0 + yc < out;
 #pragma unroll
-        for (int i = 0; i < YPT; ++i)
-          if (yrow[i] != nullptr && in) cp_async16(sy + (yr0 + i * YROWS) * C::LDY + yc, yrow[i] + c0 + yc, 16);
+        for (int i = 0; i < YPT; ++i) {  // token rows from shared memory: no registers held across steps
+          const int row = yr0 + i * YROWS;
+          if (row < m && in) cp_async16(sy + row * C::LDY + yc, g.y + (size_t)tr.tok[row] * out + c0 + yc, 16);
+        }
       } else {
         for (int e = tid; e < BM * BN; e += THREADS) {
           const int row = e / BN, col = e % BN;
@@ -443,16 +440,14 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const TileRows<BM_>&
   }
 }
 
+// The static shared memory of lora_chunk (ChunkRows, ChunkScan, ChunkWork and two ints) is at
+// most this: with the stages and the slot table it must leave 4 blocks a multiprocessor.
+constexpr int CHUNK_STATIC_SMEM = 768;
+
 // The shared memory of lora_chunk<T, RW>: the larger of its two chunk heights' stages.
 template <typename T, int RW>
 struct ChunkKernel {
   static constexpr int SMEM = Chunk<T, RW, (RW > 16 ? 64 : 32)>::SMEM;  // the tallest chunks take the most
-};
-
-// A block's token rows for either chunk height.
-union ChunkRows {
-  TileRows<32> t32;
-  TileRows<64> t64;
 };
 
 // Whether a step at rank width RW > 16 is cut into chunks of 64 positions (every block computes
@@ -474,7 +469,7 @@ __device__ bool chunk_wide(ChunkScan& cs, int* s_indptr, const int* slot_indptr,
 
 // A block's items (chunk, part) of a step cut into chunks of BM_ positions, by ticket.
 template <typename T, int RW, int BM_, bool ALIGNED>
-__device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, TileRows<BM_>& tr, ChunkScan& cs,
+__device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
                             ChunkWork& cw) {
   __shared__ int ticket;
   const int parts = chunk_parts(g, cs.chunks, gridDim.x), items = cs.chunks * parts;
@@ -502,11 +497,11 @@ __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRo
   bool wide = false;
   if constexpr (RW > 16) {
     wide = chunk_wide(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
-    if (wide) chunk_items<T, RW, 64, ALIGNED>(g, dsmem, s_indptr, tr.t64, cs, cw);
+    if (wide) chunk_items<T, RW, 64, ALIGNED>(g, dsmem, s_indptr, tr, cs, cw);
   } else {
     count_chunks<32>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
   }
-  if (!wide) chunk_items<T, RW, 32, ALIGNED>(g, dsmem, s_indptr, tr.t32, cs, cw);
+  if (!wide) chunk_items<T, RW, 32, ALIGNED>(g, dsmem, s_indptr, tr, cs, cw);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

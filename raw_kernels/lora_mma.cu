@@ -234,12 +234,10 @@ __device__ void count_chunks(ChunkScan& cs, int* s_indptr, const int* __restrict
   __syncthreads();
 }
 
-// Chunk k (< cs.chunks, after count_chunks) as a tile of one run: rows [0, m) hold positions
-// [p0, p0 + m) of one slot (p0 = cs.chunk[0]), so its token rows are one round of loads after the count.
+// Chunk k (< cs.chunks, after count_chunks): its first position, rows and slot into cs.chunk
+// (every thread, on return).
 template <int BM>
-__device__ void find_chunk(TileRows<BM>& tr, ChunkScan& cs, const int* s_indptr, const int* __restrict__ token_order,
-                           int num_slots, int positions, int k) {
-  static_assert(BM <= 128, "a chunk has at most 128 positions");
+__device__ void locate_chunk(ChunkScan& cs, const int* s_indptr, int num_slots, int positions, int k) {
   const int tid = threadIdx.x;
   if (tid < 32) {
     const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
@@ -259,6 +257,16 @@ __device__ void find_chunk(TileRows<BM>& tr, ChunkScan& cs, const int* s_indptr,
     }
   }
   __syncthreads();
+}
+
+// Chunk k (< cs.chunks, after count_chunks) as a tile of one run: rows [0, m) hold positions
+// [p0, p0 + m) of one slot (p0 = cs.chunk[0]), so its token rows are one round of loads after the count.
+template <int BM>
+__device__ void find_chunk(TileRows<BM>& tr, ChunkScan& cs, const int* s_indptr, const int* __restrict__ token_order,
+                           int num_slots, int positions, int k) {
+  static_assert(BM <= 128, "a chunk has at most 128 positions");
+  const int tid = threadIdx.x;
+  locate_chunk<BM>(cs, s_indptr, num_slots, positions, k);
   const int p0 = cs.chunk[0], m = cs.chunk[1];
   if (tid < BM) {
     const bool in = tid < m;
@@ -1002,7 +1010,7 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
 template <typename T, int RW, bool ALIGNED>
 __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::ChunkRows tr;
+  __shared__ lora::ChunkRows tr;  // static shared memory: lora::CHUNK_STATIC_SMEM at most
   __shared__ lora::ChunkScan cs;
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;

@@ -89,6 +89,9 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
                                  f"{cb.chunk_smem(dtype, rw)}, \"wide chunk {dtype} {rw}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::CHUNK_WIDE_MIN == {cb.CHUNK_WIDE_MIN}, \"wide chunks\");")
+    lines.append(f"static_assert(lora::CHUNK_STATIC_SMEM == {cb.CHUNK_STATIC_SMEM} && sizeof(lora::ChunkRows) + "
+                 f"sizeof(lora::ChunkScan) + sizeof(lora::ChunkWork) + 2 * sizeof(int) <= {cb.CHUNK_STATIC_SMEM}, "
+                 f"\"chunk static\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
 
@@ -101,9 +104,15 @@ def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
         assert cb.fused_smem(dtype, bm, bn) >= max(cb.shrink_smem(dtype, bm), cb.expand_smem(dtype, bm, bn))
     assert cb.ring_smem(dtype) + extra <= 227 * 1024
     if dtype in kernels.CHUNK_DTYPES:
-        # what __launch_bounds__(128, CHUNK_BLOCKS_PER_SM) is built for must fit beside the slot table
+        # what __launch_bounds__(128, CHUNK_BLOCKS_PER_SM) is built for fits beside the slot table of
+        # a pool of 256 slots and the static shared memory; a pool of 4096 slots gets fewer blocks,
+        # and its grid is one wave of those
         for rw in kernels.CHUNK_RW:
-            assert cb.CHUNK_BLOCKS_PER_SM * (cb.chunk_smem(dtype, rw) + 4 * 34 + 1024) <= 228 * 1024
+            assert cb.chunk_blocks_per_sm(dtype, rw, 256) == cb.CHUNK_BLOCKS_PER_SM
+            per = cb.chunk_smem(dtype, rw) + 4 * 4097 + cb.CHUNK_STATIC_SMEM + cb.BLOCK_RESERVED_SMEM
+            assert cb.chunk_blocks_per_sm(dtype, rw, 4096) == min(cb.CHUNK_BLOCKS_PER_SM, cb.SM_SMEM // per)
+            p = cb.plan_launch(4096, 4096, 4096, 1, rw, dtype, num_slots=4096, expand="chunk")
+            assert p.blocks == cb.chunk_blocks_per_sm(dtype, rw, 4096) * cb.DEFAULT_SMS
 
 
 # -- plans -------------------------------------------------------------------------------------------

@@ -110,6 +110,22 @@ def chunk_smem(dtype: str, max_rank: int) -> int:
     return 3 * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size)
 
 
+#: Shared memory of one H100 / H200 multiprocessor, and what each resident block costs beside its own.
+SM_SMEM = 228 * 1024
+BLOCK_RESERVED_SMEM = 1024
+#: lora_chunk's static shared memory at most (chunk.cuh, CHUNK_STATIC_SMEM).
+CHUNK_STATIC_SMEM = 768
+
+
+def chunk_blocks_per_sm(dtype: str, max_rank: int, num_slots: int) -> int:
+    """Blocks of lora_chunk one multiprocessor holds (at most ``CHUNK_BLOCKS_PER_SM``, what its
+    registers allow): its stages, the slot table, its static shared memory and the reserve. Its
+    grid is one wave of these: a part waits for the other parts of its chunk, so a block left for
+    a second wave holds up the blocks waiting on it."""
+    per_block = chunk_smem(dtype, max_rank) + 4 * (num_slots + 1) + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM
+    return max(1, min(CHUNK_BLOCKS_PER_SM, SM_SMEM // per_block))
+
+
 def chunk_height(slot_indptr, positions: int, max_rank: int) -> int:
     """The chunk height ``lora_chunk`` chooses for a step (chunk.cuh's ``chunk_wide``, mirrored):
     ``CHUNK_WIDE_BM`` positions at rank widths above 16 where the step has at least
@@ -416,8 +432,9 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
                 num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int) -> LaunchPlan:
     """``lora_chunk``'s plan: ``tiles`` is the most chunks of one slot (at most ``CHUNK_BM``
     positions; the kernel cuts a step into chunks of ``CHUNK_WIDE_BM`` instead where
-    ``chunk_height`` says, which are never more) a step can have; the grid (``blocks``) one wave of ``CHUNK_BLOCKS_PER_SM`` blocks a
-    multiprocessor (fewer where the bucket's chunks and parts cannot fill it), whose blocks take
+    ``chunk_height`` says, which are never more) a step can have; the grid (``blocks``) one wave of
+    ``chunk_blocks_per_sm`` blocks a multiprocessor (fewer where the bucket's chunks and parts
+    cannot fill it), whose blocks take
     (chunk, part) items by ticket. The kernel cuts each of the step's chunks into as many parts
     (a share of ``in`` and of the column blocks) as fill the grid, at most ``splits``:
     ``CHUNK_MAX_PARTS``, or the stages of ``in`` or column blocks there are if more. ``k_split``
@@ -430,7 +447,7 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     tiles = fused_units(bucket, CHUNK_BM, num_slots)
     nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
-    blocks = min(CHUNK_BLOCKS_PER_SM * num_sms, tiles * most)
+    blocks = min(chunk_blocks_per_sm(dtype, max_rank, num_slots) * num_sms, tiles * most)
     parts = max(1, min(most, blocks // _ceil(bucket, CHUNK_BM)))  # what the kernel picks for a full bucket
     return LaunchPlan(bucket=bucket, bm=CHUNK_BM, bn=bn, splits=most, k_split=_ceil(nk, parts) * kc, fused=False,
                       tiles=tiles, rank_blocks=1, col_blocks=col_blocks, cpb=_ceil(col_blocks, parts),

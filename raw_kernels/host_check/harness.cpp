@@ -149,7 +149,7 @@ template <int RW> static bool chunk_count(lora::ChunkScan& cs, int* s_ip, const 
   }
 }
 template <typename T, int RW, int BM, bool AL> static void chunk_block(int u) {
-  static lora::TileRows<BM> tr;
+  static lora::ChunkRows tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
