@@ -94,15 +94,17 @@ def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None 
 CHUNK_RW = (16, 64, 128)
 CHUNK_DTYPES = ("float16", "bfloat16")
 CHUNK_BM = 32
-#: Positions a chunk of lora_chunk at rank widths above 16 where a step's chunks of that many are
-#: mostly full (chunk.cuh, ``chunk_wide``): a wide A and B are read once for 64 rows.
+#: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_WIDE_FROM``
+#: positions (``chunk_bm``): a wide A and B are read once for 64 rows.
 CHUNK_WIDE_BM = 64
+#: ``(rank width, positions a chunk)`` of each lora_chunk instantiation.
+CHUNK_SHAPES = tuple((rw, bm) for rw in CHUNK_RW for bm in ((CHUNK_BM,) if rw <= 16 else (CHUNK_BM, CHUNK_WIDE_BM)))
 
 
-def chunk_name(ctype: str, rw: int, *, aligned: bool) -> str:
+def chunk_name(ctype: str, rw: int, bm: int, *, aligned: bool) -> str:
     """The name expression of ``lora_chunk`` (chunk.cuh, in the tensor-core family) for one element
     type, rank width (``CHUNK_RW``) and instantiation."""
-    return f"lora_chunk<{ctype}, {rw}, {_cbool(aligned)}>"
+    return f"lora_chunk<{ctype}, {rw}, {bm}, {_cbool(aligned)}>"
 
 
 def mma_kernels():
@@ -132,7 +134,8 @@ def glu_name(ctype: str, ks: int) -> str:
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
     glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
-    chunk = tuple(chunk_name(ctype, rw, aligned=a) for rw in CHUNK_RW for a in (False, True)) if ctype != "float" else ()
+    chunk = tuple(chunk_name(ctype, rw, bm, aligned=a) for rw, bm in CHUNK_SHAPES
+                  for a in (False, True)) if ctype != "float" else ()
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
                  for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk
 

@@ -444,29 +444,6 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 // most this: with the stages and the slot table it must leave 4 blocks a multiprocessor.
 constexpr int CHUNK_STATIC_SMEM = 768;
 
-// The shared memory of lora_chunk<T, RW>: the larger of its two chunk heights' stages.
-template <typename T, int RW>
-struct ChunkKernel {
-  static constexpr int SMEM = Chunk<T, RW, (RW > 16 ? 64 : 32)>::SMEM;  // the tallest chunks take the most
-};
-
-// Whether a step at rank width RW > 16 is cut into chunks of 64 positions (every block computes
-// the same): where it has at least CHUNK_WIDE_MIN of them and they are mostly full (at most 3/4 as
-// many as of 32), so a wide A and B are read once for 64 rows; else 32, where chunks of 64 would
-// leave the grid idle or carry empty rows. Leaves cs counted at the height it chooses.
-constexpr int CHUNK_WIDE_MIN = 8;
-__device__ bool chunk_wide(ChunkScan& cs, int* s_indptr, const int* slot_indptr, int num_slots, int positions) {
-  count_chunks<32>(cs, s_indptr, slot_indptr, num_slots, positions);
-  const int c32 = cs.chunks;
-  __syncthreads();  // every thread has read the count before it is recounted
-  count_chunks<64>(cs, s_indptr, slot_indptr, num_slots, positions, false);
-  const int c64 = cs.chunks;
-  if (c64 >= CHUNK_WIDE_MIN && 4 * c64 <= 3 * c32) return true;
-  __syncthreads();
-  count_chunks<32>(cs, s_indptr, slot_indptr, num_slots, positions, false);
-  return false;
-}
-
 // A block's items (chunk, part) of a step cut into chunks of BM_ positions, by ticket.
 template <typename T, int RW, int BM_, bool ALIGNED>
 __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
@@ -489,19 +466,13 @@ __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkR
   }
 }
 
-// One block of lora_chunk: the step's chunk height, its items by ticket; the last block to finish
-// resets the ticket and done counts.
-template <typename T, int RW, bool ALIGNED>
+// One block of lora_chunk: the step's chunks of BM positions, its items by ticket; the last block
+// to finish resets the ticket and done counts.
+template <typename T, int RW, int BM, bool ALIGNED>
 __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
                            ChunkWork& cw) {
-  bool wide = false;
-  if constexpr (RW > 16) {
-    wide = chunk_wide(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
-    if (wide) chunk_items<T, RW, 64, ALIGNED>(g, dsmem, s_indptr, tr, cs, cw);
-  } else {
-    count_chunks<32>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
-  }
-  if (!wide) chunk_items<T, RW, 32, ALIGNED>(g, dsmem, s_indptr, tr, cs, cw);
+  count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+  chunk_items<T, RW, BM, ALIGNED>(g, dsmem, s_indptr, tr, cs, cw);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

@@ -1007,7 +1007,7 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
 // lora_chunk (chunk.cuh): a large step's whole delta of one slice with columns in one launch,
 // shrink and expand of each chunk of one slot in the same blocks; 16-bit types, rank widths 16,
 // 64 and 128. Registers capped for the 4 blocks per multiprocessor its shared memory allows.
-template <typename T, int RW, bool ALIGNED>
+template <typename T, int RW, int BM, bool ALIGNED>
 __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::ChunkRows tr;  // static shared memory: lora::CHUNK_STATIC_SMEM at most
@@ -1015,7 +1015,7 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;
   g.chunked = 1;
-  constexpr int SMEM = lora::ChunkKernel<T, RW>::SMEM;
+  constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM;
   lora::require_smem(SMEM + 4 * (num_slots + 1));
-  lora::chunk_task<T, RW, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
+  lora::chunk_task<T, RW, BM, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
 }

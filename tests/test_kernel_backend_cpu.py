@@ -43,7 +43,7 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     if dtype in kernels.GLU_DTYPES:  # the gated activation with the gate / up expand: 16-bit only
         wanted |= {f"lora_expand_glu<{ct}, {ks}>" for ks in kernels.GLU_KS}
     if dtype in kernels.CHUNK_DTYPES:  # a large step's whole delta in one launch: 16-bit only
-        wanted |= {f"lora_chunk<{ct}, {rw}, {al}>" for rw in kernels.CHUNK_RW for al in ("false", "true")}
+        wanted |= {f"lora_chunk<{ct}, {rw}, {bm}, {al}>" for rw, bm in kernels.CHUNK_SHAPES for al in ("false", "true")}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -79,16 +79,11 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
         lines.append(f"static_assert(lora::Ring<{ct}>::BM == {kernels.RING_BM} && lora::Ring<{ct}>::BN == "
                      f"{kernels.RING_BN}, \"expand_ring tile {dtype}\");")
         if dtype in kernels.CHUNK_DTYPES:
-            for rw in kernels.CHUNK_RW:
-                g, c = cb.chunk_geometry(rw), f"lora::Chunk<{ct}, {rw}, {kernels.CHUNK_BM}>"
-                lines.append(f"static_assert(lora::ChunkKernel<{ct}, {rw}>::SMEM == {cb.chunk_smem(dtype, rw)} && "
-                             f"{c}::KC == {g[1]} && {c}::BN == {g[2]} && {c}::RB == {g[3]} && "
-                             f"{c}::BM == {kernels.CHUNK_BM}, \"chunk {dtype} {rw}\");")
-                if rw > 16:
-                    lines.append(f"static_assert(lora::Chunk<{ct}, {rw}, {kernels.CHUNK_WIDE_BM}>::SMEM == "
-                                 f"{cb.chunk_smem(dtype, rw)}, \"wide chunk {dtype} {rw}\");")
+            for rw, bm in kernels.CHUNK_SHAPES:
+                g, c = cb.chunk_geometry(rw), f"lora::Chunk<{ct}, {rw}, {bm}>"
+                lines.append(f"static_assert({c}::SMEM == {cb.chunk_smem(dtype, rw, bm)} && {c}::KC == {g[1]} && "
+                             f"{c}::BN == {g[2]} && {c}::RB == {g[3]} && {c}::BM == {bm}, \"chunk {dtype} {rw} {bm}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
-    lines.append(f"static_assert(lora::CHUNK_WIDE_MIN == {cb.CHUNK_WIDE_MIN}, \"wide chunks\");")
     lines.append(f"static_assert(lora::CHUNK_STATIC_SMEM == {cb.CHUNK_STATIC_SMEM} && sizeof(lora::ChunkRows) + "
                  f"sizeof(lora::ChunkScan) + sizeof(lora::ChunkWork) + 2 * sizeof(int) <= {cb.CHUNK_STATIC_SMEM}, "
                  f"\"chunk static\");")
@@ -107,12 +102,13 @@ def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
         # what __launch_bounds__(128, CHUNK_BLOCKS_PER_SM) is built for fits beside the slot table of
         # a pool of 256 slots and the static shared memory; a pool of 4096 slots gets fewer blocks,
         # and its grid is one wave of those
+        for rw, bm in kernels.CHUNK_SHAPES:
+            assert cb.chunk_blocks_per_sm(dtype, rw, bm, 256) == cb.CHUNK_BLOCKS_PER_SM
+            per = cb.chunk_smem(dtype, rw, bm) + 4 * 4097 + cb.CHUNK_STATIC_SMEM + cb.BLOCK_RESERVED_SMEM
+            assert cb.chunk_blocks_per_sm(dtype, rw, bm, 4096) == min(cb.CHUNK_BLOCKS_PER_SM, cb.SM_SMEM // per)
         for rw in kernels.CHUNK_RW:
-            assert cb.chunk_blocks_per_sm(dtype, rw, 256) == cb.CHUNK_BLOCKS_PER_SM
-            per = cb.chunk_smem(dtype, rw) + 4 * 4097 + cb.CHUNK_STATIC_SMEM + cb.BLOCK_RESERVED_SMEM
-            assert cb.chunk_blocks_per_sm(dtype, rw, 4096) == min(cb.CHUNK_BLOCKS_PER_SM, cb.SM_SMEM // per)
             p = cb.plan_launch(4096, 4096, 4096, 1, rw, dtype, num_slots=4096, expand="chunk")
-            assert p.blocks == cb.chunk_blocks_per_sm(dtype, rw, 4096) * cb.DEFAULT_SMS
+            assert p.blocks == cb.chunk_blocks_per_sm(dtype, rw, p.bm, 4096) * cb.DEFAULT_SMS
 
 
 # -- plans -------------------------------------------------------------------------------------------
@@ -167,12 +163,15 @@ def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
 
 def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """The pair: only the rank blocks differ, the extra ones stop at once past a rank-16 adapter.
-    lora_chunk: the same grid and chunks, its loops bounded by each adapter's own rank."""
+    lora_chunk: the same chunks of 32 below CHUNK_WIDE_FROM positions and the same grid there (its
+    loops bounded by each adapter's own rank), chunks of 64 from there at rank 128."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         c16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         c128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
         if c16.expand == c128.expand == "chunk":
-            assert (c16.bm, c16.tiles, c16.blocks) == (c128.bm, c128.tiles, c128.blocks)
+            assert (c16.bm, c128.bm) == (32, cb.chunk_bm(b, 128)) and c16.tiles == c128.tiles
+            if b < cb.CHUNK_WIDE_FROM:
+                assert c16.blocks == c128.blocks
         pair = None if c16.fused else cb.default_expand(b)
         p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand=pair)
         p128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33, expand=pair)
@@ -307,21 +306,18 @@ def test_each_shipped_kernel_is_a_default_somewhere():
     assert widths == set(kernels.CHUNK_RW)
 
 
-@given(st.lists(st.integers(0, 300), min_size=2, max_size=40), st.integers(0, 5000), st.sampled_from([8, 16, 48, 64, 128]))
-def test_chunk_height_takes_64_only_for_mostly_full_wide_chunks(lens, positions, R):
-    """lora_chunk's chunk height (mirrored from chunk.cuh): 32 at rank width 16; above, 64 where the
-    step has at least CHUNK_WIDE_MIN chunks of 64 and they number at most 3/4 of its chunks of 32
-    (slot 0 and positions past ``positions`` count for nothing)."""
-    ip = np.concatenate([[0], np.cumsum(lens)])
-    runs = []
-    for s in range(1, len(lens)):  # slot 0 addresses nothing
-        lo, hi = ip[s], min(ip[s + 1], positions)
-        runs.append(max(hi - lo, 0))
-    c32 = sum(-(-n // 32) for n in runs)
-    c64 = sum(-(-n // 64) for n in runs)
-    wide = cb.rank_width(R) > 16 and c64 >= cb.CHUNK_WIDE_MIN and 4 * c64 <= 3 * c32
-    assert cb.chunk_height(ip, positions, R) == (64 if wide else 32)
-    assert c64 <= c32 <= cb.fused_units(max(positions, 1), cb.CHUNK_BM, len(lens))  # the units the plan sizes
+@pytest.mark.parametrize("R", [8, 16, 48, 64, 128])
+def test_chunk_height_is_64_at_wide_ranks_from_chunk_wide_from(R):
+    """lora_chunk's chunks: 64 positions at rank widths above 16 from CHUNK_WIDE_FROM positions
+    (each an instantiation of its own), else 32; the counters are sized for chunks of 32 either
+    way, and the grid for the chunks of the height it runs."""
+    for b in DEFAULT_CAPTURE_BUCKETS:
+        p = cb.plan_launch(b, 4096, 4096, 1, R, "bfloat16", num_slots=33, fused=False, expand="chunk")
+        wide = cb.rank_width(R) > 16 and b >= cb.CHUNK_WIDE_FROM
+        assert p.bm == (64 if wide else 32) == cb.chunk_bm(b, R)
+        assert (cb.chunk_geometry(R)[0], p.bm) in kernels.CHUNK_SHAPES
+        assert p.tiles == cb.fused_units(b, 32, 33)
+        assert p.blocks <= cb.fused_units(b, p.bm, 33) * p.splits
 
 
 def test_chunk_plans_refuse_what_the_kernel_does_not_serve():

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
+from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        STREAM_BN, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name)
@@ -100,14 +100,19 @@ def chunk_geometry(max_rank: int) -> tuple[int, int, int, int]:
     return (rw, 128, 128, 16) if rw <= 16 else (rw, 64, 64, 64)
 
 
-def chunk_smem(dtype: str, max_rank: int) -> int:
-    """``ChunkKernel<T, RW>::SMEM`` of chunk.cuh, that of its tallest chunks (``CHUNK_WIDE_BM``
-    positions at rank widths above 16, else ``CHUNK_BM``): 3 stages, each the larger of a shrink
-    stage (x rows of the chunk and A rows of a rank block, KC features) and an expand stage (y tile
-    of the chunk x BN, B tile of BN columns x a rank block), rows padded by 8 elements."""
-    rw, kc, bn, rb = chunk_geometry(max_rank)
-    size, bm = _ITEMSIZE[dtype], CHUNK_WIDE_BM if rw > 16 else CHUNK_BM
+def chunk_smem(dtype: str, max_rank: int, bm: int) -> int:
+    """``Chunk<T, RW, BM>::SMEM`` of chunk.cuh: 3 stages, each the larger of a shrink stage (x rows
+    of a chunk of ``bm`` positions and A rows of a rank block, KC features) and an expand stage (y
+    tile of the chunk x BN, B tile of BN columns x a rank block), rows padded by 8 elements."""
+    _, kc, bn, rb = chunk_geometry(max_rank)
+    size = _ITEMSIZE[dtype]
     return 3 * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size)
+
+
+def chunk_bm(bucket: int, max_rank: int) -> int:
+    """Positions a chunk of lora_chunk: ``CHUNK_WIDE_BM`` at rank widths above 16 from
+    ``CHUNK_WIDE_FROM`` positions (a wide A and B read once for 64 rows), else ``CHUNK_BM``."""
+    return CHUNK_WIDE_BM if rank_width(max_rank) > 16 and bucket >= CHUNK_WIDE_FROM else CHUNK_BM
 
 
 #: Shared memory of one H100 / H200 multiprocessor, and what each resident block costs beside its own.
@@ -117,29 +122,13 @@ BLOCK_RESERVED_SMEM = 1024
 CHUNK_STATIC_SMEM = 768
 
 
-def chunk_blocks_per_sm(dtype: str, max_rank: int, num_slots: int) -> int:
+def chunk_blocks_per_sm(dtype: str, max_rank: int, bm: int, num_slots: int) -> int:
     """Blocks of lora_chunk one multiprocessor holds (at most ``CHUNK_BLOCKS_PER_SM``, what its
     registers allow): its stages, the slot table, its static shared memory and the reserve. Its
     grid is one wave of these: a part waits for the other parts of its chunk, so a block left for
     a second wave holds up the blocks waiting on it."""
-    per_block = chunk_smem(dtype, max_rank) + 4 * (num_slots + 1) + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM
+    per_block = chunk_smem(dtype, max_rank, bm) + 4 * (num_slots + 1) + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM
     return max(1, min(CHUNK_BLOCKS_PER_SM, SM_SMEM // per_block))
-
-
-def chunk_height(slot_indptr, positions: int, max_rank: int) -> int:
-    """The chunk height ``lora_chunk`` chooses for a step (chunk.cuh's ``chunk_wide``, mirrored):
-    ``CHUNK_WIDE_BM`` positions at rank widths above 16 where the step has at least
-    ``CHUNK_WIDE_MIN`` such chunks and they number at most 3/4 of its chunks of ``CHUNK_BM``."""
-    ip = np.minimum(np.asarray(slot_indptr, dtype=np.int64), positions)
-    lens = np.maximum(ip[2:] - ip[1:-1], 0)  # slot 0 addresses nothing
-
-    def count(bm: int) -> int:
-        return int(((lens + bm - 1) // bm).sum())
-
-    if chunk_geometry(max_rank)[0] <= 16:
-        return CHUNK_BM
-    c32, c64 = count(CHUNK_BM), count(CHUNK_WIDE_BM)
-    return CHUNK_WIDE_BM if c64 >= CHUNK_WIDE_MIN and 4 * c64 <= 3 * c32 else CHUNK_BM
 
 
 def glu_smem(dtype: str) -> int:
@@ -279,11 +268,19 @@ CHUNK_MAX_PARTS = 32
 #: widths above 16 (NOTES.md, "Chunks of 64 at wide ranks"): 55.7-60.4 against 61.2-64.9 us.
 CHUNK_FROM = 2
 #: From this many positions a target of several slices with columns runs ``lora_chunk`` by default.
-CHUNK_SLICES_FROM = 2
+#: On an H200 (NOTES.md, "Several slices in one lora_chunk"), the layer's q/k/v and gate/up at 64
+#: positions with 32 adapters took 23.9 and 43.3 us against the fused kernel's 31.0 and 46.1, and
+#: at 256 positions gate/up 45.0 against the pair's 53.6 (q/k/v 24.3 against 21.9); with 8 adapters
+#: at 64 positions 16.9 and 25.1 against 16.6 and 23.1. Fewer positions keep the fused kernel.
+CHUNK_SLICES_FROM = 64
 #: The most ``slice_alignment`` counts: BN of every rank width of lora_chunk divides it.
 CHUNK_SLICE_ALIGN = 128
-#: Chunks of ``CHUNK_WIDE_BM`` positions need this many in a step to be chosen (``chunk_height``).
-CHUNK_WIDE_MIN = 8
+#: From this many positions lora_chunk cuts a step into chunks of ``CHUNK_WIDE_BM`` at rank widths
+#: above 16 (``chunk_bm``). On an H200 (NOTES.md, "Chunks of 64 at wide ranks") they beat chunks of 32
+#: on every rank-64 row of 4096 positions (55.7-60.4 against 65.0-67.8 us), of 1024 with one or eight
+#: adapters and on the wide shapes there, and lost with 32 adapters of 32 positions each (34.3
+#: against 33.6) and on most rows of 128 and 256 positions.
+CHUNK_WIDE_FROM = 1024
 
 
 def default_chunk(bucket: int, max_rank: int, n_slices: int = 1, live_slices: int | None = None) -> bool:
@@ -378,8 +375,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if expand not in EXPAND_KERNELS:
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
     if expand == "chunk":
-        if (tile is not None and int(tile) != CHUNK_BM) or chunks:
-            raise ValueError(f"lora_chunk takes chunks of {CHUNK_BM} positions of one slot: no tile {tile} or "
+        bm = chunk_bm(bucket, max_rank)
+        if (tile is not None and int(tile) != bm) or chunks:
+            raise ValueError(f"lora_chunk takes chunks of {bm} positions of one slot here: no tile {tile} or "
                              f"fused chunks")
         return _plan_chunk(bucket, in_features, out_features, n_slices, max_rank, dtype, num_slots=num_slots,
                            num_sms=num_sms, live_slices=live_slices, whole=whole, slice_align=slice_align)
@@ -431,8 +429,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
                 num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int) -> LaunchPlan:
     """``lora_chunk``'s plan: ``tiles`` is the most chunks of one slot (at most ``CHUNK_BM``
-    positions; the kernel cuts a step into chunks of ``CHUNK_WIDE_BM`` instead where
-    ``chunk_height`` says, which are never more) a step can have; the grid (``blocks``) one wave of
+    positions: its counters are sized for those, the most a step can have; ``bm``, from
+    ``chunk_bm``, is the height its kernel cuts a step into) a step can have; the grid (``blocks``) one wave of
     ``chunk_blocks_per_sm`` blocks a multiprocessor (fewer where the bucket's chunks and parts
     cannot fill it), whose blocks take
     (chunk, part) items by ticket. The kernel cuts each of the step's chunks into as many parts
@@ -444,12 +442,13 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     if why:
         raise ValueError(why)
     rw, kc, bn, _ = chunk_geometry(max_rank)
-    tiles = fused_units(bucket, CHUNK_BM, num_slots)
+    bm, tiles = chunk_bm(bucket, max_rank), fused_units(bucket, CHUNK_BM, num_slots)
     nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
-    blocks = min(chunk_blocks_per_sm(dtype, max_rank, num_slots) * num_sms, tiles * most)
-    parts = max(1, min(most, blocks // _ceil(bucket, CHUNK_BM)))  # what the kernel picks for a full bucket
-    return LaunchPlan(bucket=bucket, bm=CHUNK_BM, bn=bn, splits=most, k_split=_ceil(nk, parts) * kc, fused=False,
+    blocks = min(chunk_blocks_per_sm(dtype, max_rank, bm, num_slots) * num_sms,
+                 fused_units(bucket, bm, num_slots) * most)
+    parts = max(1, min(most, blocks // _ceil(bucket, bm)))  # what the kernel picks for a full bucket
+    return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=most, k_split=_ceil(nk, parts) * kc, fused=False,
                       tiles=tiles, rank_blocks=1, col_blocks=col_blocks, cpb=_ceil(col_blocks, parts),
                       n_slices=n_slices, expand="chunk", blocks=blocks)
 
@@ -1006,11 +1005,11 @@ class CupyBackend:
                 "expand_stream": lambda bm, bn: 0,  # expand_stream: slot_indptr alone
                 "expand_ring": lambda bm, bn: ring_smem(dtype)}
         if dtype in CHUNK_DTYPES:
-            for rw in CHUNK_RW:
+            for rw, bm in CHUNK_SHAPES:
                 for aligned in (False, True):
-                    fn = mod.get_function(chunk_name(ct, rw, aligned=aligned))
-                    fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw) + extra
-                    self._fns[(dtype, "chunk", rw, aligned)] = fn
+                    fn = mod.get_function(chunk_name(ct, rw, bm, aligned=aligned))
+                    fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw, bm) + extra
+                    self._fns[(dtype, "chunk", rw, bm, aligned)] = fn
         if dtype in GLU_DTYPES:
             for ks in GLU_KS:
                 fn = mod.get_function(glu_name(ct, ks))
@@ -1136,7 +1135,7 @@ class CupyBackend:
             if set(parts) != {"shrink", "expand"}:
                 raise ValueError("lora_chunk runs the shrink and the expand in one launch: neither runs alone")
             rw = chunk_geometry(R)[0]
-            return [mma("chunk", ("chunk", rw), plan.blocks, chunk_smem(dtype, R))]
+            return [mma("chunk", ("chunk", rw, plan.bm), plan.blocks, chunk_smem(dtype, R, plan.bm))]
         out_calls = []
         if "shrink" in parts:
             out_calls.append(mma("shrink", ("shrink", plan.bm), plan.shrink_blocks, shrink_smem(dtype, plan.bm)))

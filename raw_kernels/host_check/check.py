@@ -183,7 +183,7 @@ def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
     columns where a call serves one slice alone."""
     S, n, R, in_f = case.w.a.shape
     return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, out or case.y0.shape[1], n, R,
-                          case.spec.dtype, num_slots=S, tile=tile, fused=fused, expand=None if fused else expand,
+                          case.spec.dtype, num_slots=S, tile=tile or None, fused=fused, expand=None if fused else expand,
                           chunks=chunks, num_sms=sms, live_slices=None if out is None else 1,
                           slice_align=cb.slice_alignment(case.w.out_offsets))
 
@@ -532,7 +532,7 @@ def main(argv=None) -> int:
             return 1 if fails else 0
         for name in args.cases.split(","):
             for dt in args.dtypes.split(","):
-                tiles = ([cb.RING_BM] if args.expand == "expand_ring" else [cb.CHUNK_BM] if args.expand == "chunk"
+                tiles = ([cb.RING_BM] if args.expand == "expand_ring" else [0] if args.expand == "chunk"
                          else args.tiles.split(",")) if not args.fused else args.tiles.split(",")
                 for tile in (int(t) for t in tiles):
                     case = build_case(rng, dtype=dt, **CASES[name])
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
                         fails += 1
                         status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
                     kind = ("fused" if plan.fused else f"shrink/{plan.expand}") + ("/chunks" if plan.chunks else "")
-                    print(f"{name:10s} {dt:9s} tile {tile:2d} {kind} units {plan.tiles:3d} splits {plan.splits:3d} "
+                    print(f"{name:10s} {dt:9s} tile {plan.bm:2d} {kind} units {plan.tiles:3d} splits {plan.splits:3d} "
                           f"cpb {plan.cpb:3d} {status} ({time.time() - t0:.1f}s)", flush=True)
         print(f"{fails} failed")
     return 1 if fails else 0

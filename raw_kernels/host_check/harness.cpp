@@ -138,81 +138,60 @@ template <typename T, bool AL> static void ring_block(int u) {
 // has not run. An item runs as a block of its own; the parts a chunk is cut into are the kernel's
 // for a grid of `blocks`.
 static int g_chunk_phase = 0, g_chunk_grid = 0;
-// The step's chunk count at the height chunk_task chooses (chunk.cuh's chunk_wide); true: 64.
-template <int RW> static bool chunk_count(lora::ChunkScan& cs, int* s_ip, const int* slot_indptr, int num_slots,
-                                          int positions) {
-  if constexpr (RW > 16) {
-    return lora::chunk_wide(cs, s_ip, slot_indptr, num_slots, positions);
-  } else {
-    lora::count_chunks<32>(cs, s_ip, slot_indptr, num_slots, positions);
-    return false;
-  }
-}
 template <typename T, int RW, int BM, bool AL> static void chunk_block(int u) {
   static lora::ChunkRows tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
-  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::ChunkKernel<T, RW>::SMEM);
-  chunk_count<RW>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
+  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM);
+  lora::count_chunks<BM>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
   const int parts = lora::chunk_parts(g, cs.chunks, g_chunk_grid), c = u / parts, q = u % parts;
   if (c >= cs.chunks) return;
   lora::chunk_setup<T, RW, BM>(g, s_ip, tr, cs, cw, c);
   if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, BM, AL>(g, dsm.data(), tr, cw, c, q, parts);
   else lora::chunk_expand<T, RW, BM, AL>(g, dsm.data(), tr, cw, c, q, parts);
 }
-// The kernel's own block body (chunk_task: the height, tickets, the loop over items, the done
-// count), for a step whose chunks are cut into one part each: no part then waits on another block.
-static int g_step_chunks = 0, g_step_wide = 0;
-template <typename T, int RW> static void chunk_count_block(int) {
+// The kernel's own block body (chunk_task: tickets, the loop over items, the done count), for a
+// step whose chunks are cut into one part each: no part then waits on another block.
+static int g_step_chunks = 0;
+template <typename T, int RW, int BM> static void chunk_count_block(int) {
   static lora::ChunkScan cs;
   auto g = args<T>();
-  const bool wide = chunk_count<RW>(cs, reinterpret_cast<int*>(dsm.data() + lora::ChunkKernel<T, RW>::SMEM),
-                                    g.slot_indptr, g.num_slots, g.positions);
-  if (threadIdx.x == 0) {
-    g_step_chunks = cs.chunks;
-    g_step_wide = wide;
-  }
+  lora::count_chunks<BM>(cs, reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM), g.slot_indptr,
+                         g.num_slots, g.positions);
+  if (threadIdx.x == 0) g_step_chunks = cs.chunks;
 }
-template <typename T, int RW, bool AL> static void chunk_task_block(int) {
+template <typename T, int RW, int BM, bool AL> static void chunk_task_block(int) {
   static lora::ChunkRows tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
-  lora::chunk_task<T, RW, AL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::ChunkKernel<T, RW>::SMEM), tr,
-                              cs, cw);
+  lora::chunk_task<T, RW, BM, AL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM),
+                                  tr, cs, cw);
 }
-template <typename T, int RW, bool AL> static int run_chunk_rw(int blocks) {
-  emu::run_block(chunk_count_block<T, RW>, 0);
+template <typename T, int RW, int BM, bool AL> static int run_chunk_rw(int blocks) {
+  emu::run_block(chunk_count_block<T, RW, BM>, 0);
   if (lora::chunk_parts(args<T>(), g_step_chunks, blocks) == 1) {  // the kernel's blocks, in order
     emu::grid_dim = EmuIdx{unsigned(blocks), 1u, 1u};
-    for (int b = 0; b < blocks; ++b) emu::run_block(chunk_task_block<T, RW, AL>, b);
+    for (int b = 0; b < blocks; ++b) emu::run_block(chunk_task_block<T, RW, BM, AL>, b);
     emu::grid_dim = EmuIdx{1u, 1u, 1u};
     return 0;
   }
   g_chunk_grid = blocks;  // else every item the most chunks (units) times `splits` parts can make
-  const int items = args<T>().units(32) * L.splits;
+  const int items = args<T>().units(BM) * L.splits;
   for (g_chunk_phase = 0; g_chunk_phase < 2; ++g_chunk_phase)
-    for (int u = 0; u < items; ++u) {
-      if constexpr (RW > 16) {
-        if (g_step_wide) {
-          emu::run_block(chunk_block<T, RW, 64, AL>, u);
-          continue;
-        }
-      }
-      emu::run_block(chunk_block<T, RW, 32, AL>, u);
-    }
+    for (int u = 0; u < items; ++u) emu::run_block(chunk_block<T, RW, BM, AL>, u);
   return 0;
 }
-// blocks: the kernel's grid
-template <typename T, bool AL> static int run_chunk(int blocks) {
+// blocks: the kernel's grid; bm: positions a chunk
+template <typename T, bool AL> static int run_chunk(int bm, int blocks) {
   if constexpr (sizeof(T) != 2) {
     return 2;
   } else {
     L.chunked = 1;
-    if (L.rw <= 16) return run_chunk_rw<T, 16, AL>(blocks);
-    if (L.rw <= 64) return run_chunk_rw<T, 64, AL>(blocks);
-    if (L.rw <= 128) return run_chunk_rw<T, 128, AL>(blocks);
+    if (L.rw <= 16) return bm == 32 ? run_chunk_rw<T, 16, 32, AL>(blocks) : 2;
+    if (L.rw <= 64) return bm == 32 ? run_chunk_rw<T, 64, 32, AL>(blocks) : run_chunk_rw<T, 64, 64, AL>(blocks);
+    if (L.rw <= 128) return bm == 32 ? run_chunk_rw<T, 128, 32, AL>(blocks) : run_chunk_rw<T, 128, 64, AL>(blocks);
     return 2;
   }
 }
@@ -252,7 +231,7 @@ template <typename T, bool AL> static int run_a(int bm, int expand, int sb, int 
 }
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (L.aligned && L.flags != 7) return 3;  // the ALIGNED instantiation serves flags == 7 alone
-  if (expand == 6) return L.aligned ? run_chunk<T, true>(sb) : run_chunk<T, false>(sb);
+  if (expand == 6) return L.aligned ? run_chunk<T, true>(bm, sb) : run_chunk<T, false>(bm, sb);
   return L.aligned ? run_a<T, true>(bm, expand, sb, eb) : run_a<T, false>(bm, expand, sb, eb);
 }
 

@@ -130,24 +130,24 @@ def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
 
 
 @pytest.mark.parametrize("R", [64, 128])
-@pytest.mark.parametrize("mix,active,height", [("identical", 40, 64), ("skewed", 8, 64), ("distinct", 40, 32),
-                                               ("zipf", 40, 32)])
-def test_chunk_wide_ranks_take_the_steps_height(make_case, check, R, mix, active, height):
-    """At rank widths above 16 a step of mostly full chunks of 64 positions is cut into those (A
-    and B read once for 64 rows), one of many short runs into chunks of 32; either matches."""
-    case = make_case(T=1000, in_f=200, slices=(264,), max_rank=R, ranks=(1, 17, 64, R), dtype="bfloat16", mix=mix,
+@pytest.mark.parametrize("T,mix,active", [(1000, "identical", 40), (1000, "skewed", 8), (1000, "distinct", 40),
+                                          (2000, "zipf", 40), (700, "zipf", 12)])
+def test_chunk_wide_ranks_take_chunks_of_64_from_chunk_wide_from(make_case, check, R, T, mix, active):
+    """At rank widths above 16 a step of a bucket of CHUNK_WIDE_FROM positions or more is cut into
+    chunks of 64 (A and B read once for 64 rows): full, or many short runs each in a chunk of its own
+    (the one-slice cases of 300 positions and fewer run chunks of 32)."""
+    case = make_case(T=T, in_f=200, slices=(264,), max_rank=R, ranks=(1, 17, 64, R), dtype="bfloat16", mix=mix,
                      num_slots=65, active=active)
-    assert cb.chunk_height(case.slot_indptr, 1000, R) == height
     be = backend_for(case.spec, **CHUNK)
+    assert case.spec.bucket_for(T) >= cb.CHUNK_WIDE_FROM and be.plan(T, dev_weights(case.w), "bfloat16").bm == 64
     check(case, run_cupy(be, case), "bfloat16")
 
 
 @pytest.mark.parametrize("R", [16, 64])
 def test_chunk_graph_replays_new_addressing(make_case, check, R):
-    """Rank 64: the replays' steps take chunks of 64 (512 positions of one slot) and of 32 (one
-    position) in turn."""
+    """The bucket of 1024 positions: chunks of 64 at rank 64, whatever the replayed step holds."""
     graph_replays_new_addressing(
         make_case, check, CHUNK,
-        dict(T=512, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="uniform",
+        dict(T=1000, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="uniform",
              num_slots=17, active=6),
-        ((512, "identical"), (512, "zipf"), (300, "skewed"), (1, "identical"), (512, "distinct")))
+        ((1000, "identical"), (900, "zipf"), (300, "skewed"), (1, "identical"), (1000, "distinct")))
