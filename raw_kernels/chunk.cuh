@@ -1,8 +1,8 @@
 // lora_chunk: the whole delta of a large step in one launch, shrink and expand of each chunk of
-// one slot in the same blocks, for 16-bit types and a call whose one slice has columns (a
-// one-slice target, or one member of a fused target served into its own output). Included by
-// lora_mma.cu (it uses Args, ChunkScan, count_chunks and locate_chunk from there,
-// add_word from expand_stream.cuh).
+// one slot in the same blocks, for 16-bit types: a one-slice target, one member of a fused target
+// served into its own output, or a fused target (q/k/v, gate/up) whose slices' columns start on
+// its column blocks (multiples of BN). Included by lora_mma.cu (it uses Args, ChunkScan,
+// count_chunks and locate_chunk from there, add_word from expand_stream.cuh).
 //
 // Why: an unfused large step runs lora_shrink, then lora_expand_ring, and each streams its bytes
 // at 1.7-1.9 TB/s (NOTES.md): the second waits for the whole first, and neither alone keeps
@@ -10,38 +10,44 @@
 // some chunks while it writes y of others, and the y and B of a block's first column blocks are
 // in flight while it waits for its chunk's v.
 //
-// Algebra (slice j the one with columns, [c_lo, c_hi) = [out_offsets[j], out_offsets[j + 1]),
-// r = ranks[s, j], positions p of a chunk of slot s, t = token_order[p]):
-//   v[p, j, :r] = sum over parts q of x[t, K_q] @ A[s, j, :r, K_q].T   (fp32, in ws)
-//   y[t, c]    += round(scaling[s, j] * v[p, j, :r]) @ B[s, c, :r].T     (c in [c_lo, c_hi))
+// Algebra (for each slice j with columns [c_lo_j, c_hi_j) = [out_offsets[j], out_offsets[j + 1]),
+// r_j = ranks[s, j]; positions p of a chunk of slot s, t = token_order[p]):
+//   v[p, j, :r_j] = sum over parts q of x[t, K_q] @ A[s, j, :r_j, K_q].T      (fp32, in ws)
+//   y[t, c]      += round(scaling[s, j] * v[p, j, :r_j]) @ B[s, c, :r_j].T    (c in [c_lo_j, c_hi_j))
 // Work: the step's chunks (each slot's positions cut into pieces of at most BM from its start, as
-// lora_fused's chunks: 32 at rank width 16, 64 above, so a wide A and B are read once for 64 rows)
-// times P parts, P = chunk_parts: as many as fill the grid (one
-// wave of blocks) for the chunks the step has, at most `splits`. Part q of chunk c takes an equal
-// share of `in` (stages of KC) and of the slice's column blocks (BN columns, counted from column 0):
-//   1. shrink: its share of `in` through a ring of cp.async stages of x rows and A rows (a rank
-//      block of RB ranks, rows up to r rounded up to 16, zero past r; one pass over its share of
-//      `in` per rank block of r), 4 warps: warp w holds m-tile w % MT and k-steps w / MT,
-//      w / MT + WK, ... of each stage (MT = BM / 16 m-tiles, WK = 4 / MT warps on each); its sums (ranks < r only: 0 * inf stays out of v) added into
-//      v with 8-byte red.add; then the part counts itself into the chunk's ready count.
-//   2. expand: steps (column block, rank block). The first STAGES - 1 steps' y tiles (whole
-//      16-byte pieces of BM rows, at a column block's first step, in a ring of their own) and B
-//      tiles (BN columns x the rank block's ranks below r rounded up to 16, zero past r and
-//      outside the slice) are issued, then the part waits for all parts' v, reads v * scaling
-//      into registers as MMA fragments (ranks permuted inside each k-step as common.cuh's global
-//      fragments; B read with the same permutation), and walks its steps: at a column block's
-//      last, warp w adds rows of m-tile w % MT x its WK-th w / MT of the columns into the y tile (fp32,
-//      rounded once; an element whose delta is exactly zero keeps its bits) and writes them back.
-//   3. the last part of the chunk to finish reading v zeroes it (ranks below r rounded up to 16)
-//      and resets the chunk's counts; the last block resets the ticket.
+// lora_fused's chunks; BM is the instantiation's: 32, or 64 at rank widths above 16 from the
+// plan's CHUNK_WIDE_FROM positions, so a wide A and B are read once for 64 rows) times P parts,
+// P = chunk_parts: as many as fill the grid (one wave of blocks) for the chunks the step has, at
+// most `splits`. Part q of chunk c takes an equal share of `in` (stages of KC) and of the column
+// blocks with columns (BN columns, counted from column 0; each in one slice):
+//   1. shrink: passes (slice, rank block of RB ranks) over its share of `in`, every slice with
+//      columns and a rank, all in one ring of cp.async stages of x rows and A rows (rows up to the
+//      block's ranks rounded up to 16, zero past them), 4 warps: warp w holds m-tile w % MT and
+//      k-steps w / MT, w / MT + WK, ... of each stage (MT = BM / 16 m-tiles, WK = 4 / MT warps on
+//      each); at a pass's last stage its sums (ranks below the slice's only: 0 * inf stays out of
+//      v) are added into v with 8-byte red.add; then the part counts itself into the chunk's
+//      ready count.
+//   2. expand: steps (column block, rank block; rank blocks past the block's slice's rank are
+//      empty). The first STAGES - 1 steps' y tiles (whole 16-byte pieces of BM rows, at a column
+//      block's first step, in a ring of their own) and B tiles (BN columns x the rank block's
+//      ranks rounded up to 16, zero past the rank and outside the slice) are issued, then the
+//      part waits for all parts' v, reads its first slice's v * scaling into registers as MMA
+//      fragments (ranks permuted inside each k-step as common.cuh's global fragments; B read with
+//      the same permutation; the next slice's at its first column block), and walks its steps: at
+//      a column block's last, warp w adds rows of m-tile w % MT x its WK-th w / MT of the columns
+//      into the y tile (fp32, rounded once; an element whose delta is exactly zero keeps its bits)
+//      and writes them back.
+//   3. the last part of the chunk to finish reading v zeroes it (each slice's ranks rounded up to
+//      16) and resets the chunk's counts; the last block resets the ticket.
 // Grid (1-D, 128 threads): one wave of blocks (the plan's, a function of the capture bucket and
-// the slot count only: graph-safe), each taking items (chunk, part) by ticket, chunk-major, until
-// the step's are gone. A part waits only for the other parts of its chunk, and every chunk but the
-// last one handed out has all its parts handed out, so at most P - 1 blocks wait on items not yet
-// taken while the others run on and take them (P is at most `splits`, far below the grid).
+// the slot count only: graph-safe; as many as its shared memory leaves resident), each taking
+// items (chunk, part) by ticket, chunk-major, until the step's are gone. A part waits only for
+// the other parts of its chunk, and every chunk but the last one handed out has all its parts
+// handed out, so at most P - 1 blocks wait on items not yet taken while the others run on and
+// take them (P is at most `splits`, far below the grid).
 // Counters: [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 units) v readers done
-// (units as Args::units with chunked set: the most chunks a step can have). ws: v [bucket, n, rw]
-// f32, zero before and after.
+// (units as Args::units(32) with chunked set: the most chunks of 32 a step can have, so chunks of
+// 64 use the first of them). ws: v [bucket, n, rw] f32, zero before and after.
 // RW: the pool's rank width (16; 64 for ranks 17-64; 128 for 65-128); stages sized for its rank
 // block RB (16, or 64: a rank-128 pool's adapters above rank 64 take two), loops bounded by each
 // slot's own rank, so a rank-128 pool's rank-16 adapters run as a rank-64 pool's do.
@@ -343,11 +349,20 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   __syncthreads();
 
   // this warp's rows of v * scaling as MMA fragments, one per k-step below the slice's rank
-  // rounded up to 16: read at the first column block of each slice the part meets
+  // rounded up to 16: the first slice's now, another's at its first column block
   const int mt = warp % C::MT, half = warp / C::MT, row0 = mt * 16 + gq, row1 = row0 + 8;
   const size_t stride = (size_t)n * g.rw;
   Frags<M, false, float> vreg[KS];
-  int vj = -1;  // the slice whose v the fragments hold
+  auto load_v = [&](int j) {
+    const int kss = ((cw.r[j] + 15) & ~15) / 16;
+    const float* base = g.ws + ((size_t)cw.p0 * n + j) * g.rw + 4 * tq;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
+                               cw.sc[j]);
+  };
+  int vj = steps > 0 ? chunk_slice<BN>(cw, n, cb0) : 0;  // the slice whose v the fragments hold: the
+  load_v(vj);                                            // first one's, in flight with the first stages
 
   float acc[NT][4];
 #pragma unroll
@@ -359,13 +374,9 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     const int vis = f / nrb, rb = f % nrb, j = chunk_slice<BN>(cw, n, cb0 + vis), r = cw.r[j];
     if (rb * RB >= r) continue;  // a rank block past the slice's rank (or a slice of rank 0)
     const int kss = ((r + 15) & ~15) / 16;
-    if (j != vj) {
+    if (j != vj) {  // a column block of the next slice (several slices)
       vj = j;
-      const float* base = g.ws + ((size_t)cw.p0 * n + j) * g.rw + 4 * tq;
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-        load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
-                                 cw.sc[j]);
+      load_v(j);
     }
     const T* sb = b_tile(f % STAGES) + (half * (BN / C::WK) + gq) * C::LDB + 4 * tq;
 #pragma unroll

@@ -26,10 +26,12 @@
 //     one slice after a shrink of every slice leaves the others' v to theirs), so every launch (and
 //     graph replay) starts from a zero v and zero counters.
 // The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
-//   lora_chunk (chunk.cuh: shrink and expand of each chunk of one slot in the same blocks, no
-//     second kernel waiting on the first): by default every call of a 16-bit one-slice target (or
-//     one member of a fused target served alone) from 2 positions on, to 1024 for pools of rank
-//     width above 16 (backends/cupy.py, default_chunk). The kernels below serve every other call.
+//   lora_chunk<..., RW, BM, ALIGNED> (chunk.cuh: shrink and expand of each chunk of one slot in the
+//     same blocks, no second kernel waiting on the first): by default every call of a 16-bit
+//     one-slice target (or one member of a fused target served alone) from 2 positions on, and of
+//     a fused target whose slices start on its column blocks from 64 (backends/cupy.py,
+//     default_chunk, chunk_fits); chunks of 64 positions at rank widths above 16 from 1024
+//     (chunk_bm). The kernels below serve every other call.
 //   lora_shrink  (one shrink task a block): every unfused launch but lora_chunk's.
 //   lora_expand  (one expand task a block): unfused launches of fewer than 1024 positions but those of
 //     expand_stream's buckets (of the default capture buckets: 128 and 512).
@@ -41,7 +43,8 @@
 //     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
 //     large steps on models with a silu gated MLP.
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
-//     that lora_chunk does not take (one position; fp32; several slices with columns), on
+//     that lora_chunk does not take (one position; fp32; several slices with columns below 64
+//     positions or off its column blocks), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
 //     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink
 //     tasks first, and an expand task (after prefetching its y and B) waits for its unit's ready
@@ -1004,9 +1007,10 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
                                tr, blockIdx.x);
 }
 
-// lora_chunk (chunk.cuh): a large step's whole delta of one slice with columns in one launch,
-// shrink and expand of each chunk of one slot in the same blocks; 16-bit types, rank widths 16,
-// 64 and 128. Registers capped for the 4 blocks per multiprocessor its shared memory allows.
+// lora_chunk (chunk.cuh): a large step's whole delta in one launch, shrink and expand of each
+// chunk of BM positions of one slot in the same blocks; 16-bit types, rank widths 16, 64 and 128,
+// chunks of 32 or (rank widths 64 and 128) 64. Registers capped for the 4 blocks per
+// multiprocessor its shared memory allows.
 template <typename T, int RW, int BM, bool ALIGNED>
 __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];

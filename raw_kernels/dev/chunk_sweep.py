@@ -10,7 +10,7 @@ shapes of a Llama-8B layer at T 1024 and pools of rank 64 and 128 running rank-1
 against the float64 oracle, timed with the bench's timer (difference of graphs of 20 calls, 256 MB
 write flush).
 
-    PYTHONPATH=. python raw_kernels/dev/chunk_sweep.py --plans 4x32,4x16,2x32 [--match T1024] [--json out.json]
+    PYTHONPATH=. python raw_kernels/dev/chunk_sweep.py --plans 4x32,4x16,2x32 [--match T1024] [--heights] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default="4x32", help="comma-separated BxP: blocks a multiprocessor x most parts")
     ap.add_argument("--match", default="", help="only rows whose label holds this text")
+    ap.add_argument("--heights", action="store_true",
+                    help="also lora_chunk with chunks of 32 and of 64 positions (rank widths above 16) at every bucket")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
 
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             err = oracle_error(d, d.y)
             us = timer(lambda: be.delta(d.y, d.x, w, d.token_order, d.slot_indptr))
-            cells[name] = dict(us=us, err=err, splits=plan.splits, expand=plan.expand)
+            cells[name] = dict(us=us, err=err, splits=plan.splits, expand=plan.expand, bm=plan.bm)
 
         time_it("default")
         time_it("pair", expand=cb.default_expand(d.spec.bucket_for(T)))
@@ -69,6 +71,16 @@ def main(argv=None) -> int:
             finally:
                 cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = saved
                 cb.plan_launch.cache_clear()
+        if args.heights and cb.rank_width(pool) > 16:
+            saved_from = cb.CHUNK_WIDE_FROM
+            for name, wide_from in (("bm32", 1 << 30), ("bm64", 1)):
+                cb.CHUNK_WIDE_FROM = wide_from
+                cb.plan_launch.cache_clear()
+                try:
+                    time_it(name, fused=False, expand="chunk")
+                finally:
+                    cb.CHUNK_WIDE_FROM = saved_from
+                    cb.plan_launch.cache_clear()
         bad = [n for n, c in cells.items() if not c["err"] < cb.TOLERANCE[row.dtype]]
         line = f"{row.label:40s} " + " ".join(f"{n} {c['us']:6.1f}/p{c['splits']}" for n, c in cells.items())
         print(line + (f"  ERR {bad}" if bad else ""), flush=True)
