@@ -259,27 +259,30 @@ RING_EXPAND_FROM = 1024
 CHUNK_BLOCKS_PER_SM = 4
 CHUNK_MAX_PARTS = 32
 #: From this many positions a call that ``chunk_fits`` runs ``lora_chunk`` by default (NOTES.md,
-#: "lora_chunk"; results/kernels-h200.md, the run of f557283). On an H200 it beat the fused launch on the one-slice rows of 16 and 64
-#: positions (T=16 r64 with 8 adapters 14.8 against 20.5 us; T=64 r16 with 32: 15.0 against 22.5),
-#: one row within 0.1 us, and lost at one position (9.9 against 9.5); it beat the unfused pair on
-#: every one-slice row of 256 to 4096 positions at rank width 16 (T=4096 r16: 43.7-45.5 against
-#: 51.0-52.0 us the call) and of 256 to 1024 at rank widths 64 and 128; at 4096 positions the pair
-#: was faster there (rank 64: 61.5-65.0 against 64.4-67.9 us) until chunks of 64 positions at rank
-#: widths above 16 (NOTES.md, "Chunks of 64 at wide ranks"): 55.7-60.4 against 61.2-64.9 us.
+#: "lora_chunk"; results/kernels-h200.md, the run of f557283). On an H200 it beat the fused launch
+#: on the one-slice rows of 16 and 64 positions (T=16 r64 with 8 adapters 14.8 against 20.5 us; T=64
+#: r16 with 32: 15.0 against 22.5), one row within 0.1 us, and lost at one position (9.9 against
+#: 9.5); it beat the unfused pair on every one-slice row of 256 to 4096 positions at rank width 16
+#: (T=4096 r16: 43.7-45.5 against 51.0-52.0 us the call) and of 256 to 1024 at rank widths 64 and
+#: 128; at 4096 positions of rank 64 the pair was faster there (61.5-65.0 against 64.4-67.9 us) until
+#: chunks of 64 positions (the run of b34b9e4: 59.7-63.7 against the pair's 61.3-64.9).
 CHUNK_FROM = 2
 #: From this many positions a target of several slices with columns runs ``lora_chunk`` by default.
-#: On an H200 (NOTES.md, "Several slices in one lora_chunk"), the layer's q/k/v and gate/up at 64
-#: positions with 32 adapters took 23.9 and 43.3 us against the fused kernel's 31.0 and 46.1, and
-#: at 256 positions gate/up 45.0 against the pair's 53.6 (q/k/v 24.3 against 21.9); with 8 adapters
-#: at 64 positions 16.9 and 25.1 against 16.6 and 23.1. Fewer positions keep the fused kernel.
+#: On an H200 (results/kernels-h200.md, the run of b34b9e4) the q/k/v row of 64 positions with 8
+#: adapters took 17.4 us (fused kernel 17.5 on tiles, 19.8 on chunks; the pair 17.4), rank 64 26.2
+#: (25.1-27.7), and at 1024 positions 31.6 (r16; the pair 33.0-43.7) and 47.4 (r64; the ring pair
+#: 45.2); in the layer with 32 adapters at 64 positions q/k/v and gate/up took 24.2 and 44.8 us
+#: alone (31.0 and 46.1 with the fused kernel in the run of f557283), with 8 adapters 16.9 and 25.5
+#: (16.6 and 23.1). Fewer positions keep the fused kernel.
 CHUNK_SLICES_FROM = 64
 #: The most ``slice_alignment`` counts: BN of every rank width of lora_chunk divides it.
 CHUNK_SLICE_ALIGN = 128
 #: From this many positions lora_chunk cuts a step into chunks of ``CHUNK_WIDE_BM`` at rank widths
-#: above 16 (``chunk_bm``). On an H200 (NOTES.md, "Chunks of 64 at wide ranks") they beat chunks of 32
-#: on every rank-64 row of 4096 positions (55.7-60.4 against 65.0-67.8 us), of 1024 with one or eight
-#: adapters and on the wide shapes there, and lost with 32 adapters of 32 positions each (34.3
-#: against 33.6) and on most rows of 128 and 256 positions.
+#: above 16 (``chunk_bm``). On an H200 (results/kernels-h200.md, the run of b34b9e4, the heights side
+#: by side) chunks of 64 took 59.7 / 60.4 / 63.7 us at 4096 positions of rank 64 with 1 / 8 / 32
+#: adapters (32: 71.9 / 71.4 / 72.7), 27.3 / 29.3 / 36.7 at 1024 (29.0 / 29.8 / 34.8) and 46.6 / 40.8 on
+#: the wide shapes there (51.6 / 43.7); at 512 positions they lost with 32 adapters (33.6 against
+#: 30.1) and at 128-256 on most rows.
 CHUNK_WIDE_FROM = 1024
 
 
