@@ -86,8 +86,8 @@ struct ChunkRows {
   int tok[64];
 };
 
-// One block's chunk: slot, first position and rows (from find_chunk), the slice with columns,
-// its rank, scaling and columns.
+// One block's chunk: slot, first position and rows (from locate_chunk); each slice's rank,
+// scaling and columns; the shrink's passes and the column blocks with columns.
 struct ChunkWork {
   int slot, p0, m;
   int r[MAX_SLICES];                // each slice's rank at this slot (0 for a slice without columns)

@@ -29,7 +29,7 @@
 //   lora_chunk<..., RW, BM, ALIGNED> (chunk.cuh: shrink and expand of each chunk of one slot in the
 //     same blocks, no second kernel waiting on the first): by default every call of a 16-bit
 //     one-slice target (or one member of a fused target served alone) from 2 positions on, and of
-//     a fused target whose slices start on its column blocks from 64 (backends/cupy.py,
+//     a fused target whose slices start on its column blocks from 64 at rank width 16 (backends/cupy.py,
 //     default_chunk, chunk_fits); chunks of 64 positions at rank widths above 16 from 1024
 //     (chunk_bm). The kernels below serve every other call.
 //   lora_shrink  (one shrink task a block): every unfused launch but lora_chunk's.
@@ -216,12 +216,10 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
 // lane's run of slots and scans the counts; cs.chunks is their number (every thread, on return).
 template <int BM>
 __device__ void count_chunks(ChunkScan& cs, int* s_indptr, const int* __restrict__ slot_indptr, int num_slots,
-                             int positions, bool stage = true) {
+                             int positions) {
   const int tid = threadIdx.x;
-  if (stage) {  // else s_indptr is staged already
-    for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
-    __syncthreads();
-  }
+  for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
+  __syncthreads();
   if (tid < 32) {
     const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
     int c = 0;

@@ -308,14 +308,14 @@ def test_each_shipped_kernel_is_a_default_somewhere():
 def test_chunk_height_is_64_at_wide_ranks_from_chunk_wide_from(R):
     """lora_chunk's chunks: 64 positions at rank widths above 16 from CHUNK_WIDE_FROM positions
     (each an instantiation of its own), else 32; the counters are sized for chunks of 32 either
-    way, and the grid for the chunks of the height it runs."""
+    way, and the grid is one wave of what the shared memory of that height leaves resident."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         p = cb.plan_launch(b, 4096, 4096, 1, R, "bfloat16", num_slots=33, fused=False, expand="chunk")
         wide = cb.rank_width(R) > 16 and b >= cb.CHUNK_WIDE_FROM
         assert p.bm == (64 if wide else 32) == cb.chunk_bm(b, R)
         assert (cb.chunk_geometry(R)[0], p.bm) in kernels.CHUNK_SHAPES
-        assert p.tiles == cb.fused_units(b, 32, 33)
-        assert p.blocks <= cb.fused_units(b, p.bm, 33) * p.splits
+        assert p.tiles == cb.fused_units(b, 32, 33)  # counters for chunks of 32: never fewer than of 64
+        assert p.blocks <= cb.chunk_blocks_per_sm("bfloat16", R, p.bm, 33) * cb.DEFAULT_SMS  # one wave
 
 
 def test_chunk_plans_refuse_what_the_kernel_does_not_serve():
@@ -338,19 +338,32 @@ def test_chunk_plans_refuse_what_the_kernel_does_not_serve():
     assert (p.expand, p.n_slices) == ("chunk", 3)  # several slices on its column blocks: served whole
 
 
-@pytest.mark.parametrize("offsets,R,aligned", [((0, 4096, 5120, 6144), 16, 128), ((0, 14336, 28672), 16, 128),
-                                               ((0, 192, 384), 64, 64), ((0, 192, 384), 16, 64),
-                                               ((0, 96, 136, 160), 64, 8), ((0, 4096), 16, 128)])
-def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(offsets, R, aligned):
-    """A fused target (q/k/v, gate/up) runs lora_chunk whole by default where every slice's
-    columns start on one of its column blocks (128 columns at rank width 16, 64 above)."""
+#: (offsets, max rank, slice_alignment, chunk_fits, the first bucket lora_chunk serves by default)
+SLICE_CASES = [((0, 4096, 5120, 6144), 16, 128, True, 64),  # Llama-8B q/k/v
+               ((0, 14336, 28672), 16, 128, True, 64),        # its gate/up
+               ((0, 4096, 5120, 6144), 64, 128, True, None),  # fits, but rank 64 keeps the fused kernel / pair
+               ((0, 192, 384), 64, 64, True, None),
+               ((0, 192, 384), 16, 64, False, None),          # 192 is no multiple of 128
+               ((0, 96, 136, 160), 64, 8, False, None),
+               ((0, 4096), 16, 128, True, 2)]                 # one slice: from CHUNK_FROM
+
+
+@pytest.mark.parametrize("offsets,R,aligned,fits,first", SLICE_CASES)
+def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(offsets, R, aligned, fits, first):
+    """A fused target (q/k/v, gate/up) runs lora_chunk whole where every slice's columns start on
+    one of its column blocks (128 columns at rank width 16, 64 above); by default from 64
+    positions at rank width 16 (above it the fused kernel and the pair measured faster)."""
     assert cb.slice_alignment(offsets) == aligned
     n, out = len(offsets) - 1, offsets[-1]
-    fits = cb.chunk_fits("bfloat16", R, n, None, aligned) is None
-    assert fits == (n == 1 or aligned % cb.chunk_geometry(R)[2] == 0)
-    for b in DEFAULT_CAPTURE_BUCKETS:
-        p = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, slice_align=aligned)
-        assert (p.expand == "chunk") == (fits and cb.default_chunk(b, R, n)), (b, p)
+    assert (cb.chunk_fits("bfloat16", R, n, None, aligned) is None) == fits
+    chunked = [b for b in DEFAULT_CAPTURE_BUCKETS
+               if cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, slice_align=aligned).expand == "chunk"]
+    assert chunked == ([b for b in DEFAULT_CAPTURE_BUCKETS if b >= first] if first else [])
+    if fits:  # asked for, it serves every bucket
+        for b in DEFAULT_CAPTURE_BUCKETS:
+            p = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, slice_align=aligned, fused=False,
+                               expand="chunk")
+            assert (p.expand, p.n_slices, p.col_blocks) == ("chunk", n, -(-out // cb.chunk_geometry(R)[2]))
 
 
 def test_unknown_kernels_are_refused():

@@ -258,22 +258,25 @@ RING_EXPAND_FROM = 1024
 #: most parts one chunk is cut into.
 CHUNK_BLOCKS_PER_SM = 4
 CHUNK_MAX_PARTS = 32
-#: From this many positions a call that ``chunk_fits`` runs ``lora_chunk`` by default (NOTES.md,
-#: "lora_chunk"; results/kernels-h200.md, the run of f557283). On an H200 it beat the fused launch
-#: on the one-slice rows of 16 and 64 positions (T=16 r64 with 8 adapters 14.8 against 20.5 us; T=64
-#: r16 with 32: 15.0 against 22.5), one row within 0.1 us, and lost at one position (9.9 against
-#: 9.5); it beat the unfused pair on every one-slice row of 256 to 4096 positions at rank width 16
-#: (T=4096 r16: 43.7-45.5 against 51.0-52.0 us the call) and of 256 to 1024 at rank widths 64 and
-#: 128; at 4096 positions of rank 64 the pair was faster there (61.5-65.0 against 64.4-67.9 us) until
-#: chunks of 64 positions (the run of b34b9e4: 59.7-63.7 against the pair's 61.3-64.9).
+#: From this many positions a call of one slice with columns that ``chunk_fits`` runs ``lora_chunk``
+#: by default (NOTES.md, "lora_chunk"; results/kernels-h200.md, the runs of f557283 and b34b9e4). At
+#: f557283 on an H200 it beat the fused launch on the one-slice rows of 16 and 64 positions (T=16 r64
+#: with 8 adapters 14.8 against 20.5 us; T=64 r16 with 32: 15.0 against 22.5), one row within 0.1 us,
+#: and lost at one position (9.9 against 9.5); it beat the unfused pair on every one-slice row of 256
+#: to 4096 positions at rank width 16 (T=4096 r16: 43.7-45.5 against 51.0-52.0 us the call) and of 256
+#: to 1024 at rank widths 64 and 128. At b34b9e4 it lost four rows of 256 positions to the pair with
+#: expand_stream by 0.1-1.8 us (r64 one adapter 19.0 against 17.9) and won those with 32 adapters
+#: (16.9 against 19.4-22.3; r64 27.1 against 34.1-36.0); at 4096 positions of rank 64 chunks of 64 beat the pair
+#: (59.7-63.7 against 61.3-64.9).
 CHUNK_FROM = 2
-#: From this many positions a target of several slices with columns runs ``lora_chunk`` by default.
-#: On an H200 (results/kernels-h200.md, the run of b34b9e4) the q/k/v row of 64 positions with 8
-#: adapters took 17.4 us (fused kernel 17.5 on tiles, 19.8 on chunks; the pair 17.4), rank 64 26.2
-#: (25.1-27.7), and at 1024 positions 31.6 (r16; the pair 33.0-43.7) and 47.4 (r64; the ring pair
-#: 45.2); in the layer with 32 adapters at 64 positions q/k/v and gate/up took 24.2 and 44.8 us
-#: alone (31.0 and 46.1 with the fused kernel in the run of f557283), with 8 adapters 16.9 and 25.5
-#: (16.6 and 23.1). Fewer positions keep the fused kernel.
+#: From this many positions a target of several slices with columns runs ``lora_chunk`` by default,
+#: at rank width 16 only. On an H200 (results/kernels-h200.md, the run of b34b9e4) the q/k/v row of 64
+#: positions with 8 adapters took 17.4 us (fused kernel 17.5 on tiles, 19.8 on chunks; the pair
+#: 17.4), and at 1024 positions 31.6 (the pair 33.0-43.7); at rank 64 it lost (26.2 against the
+#: pair's 25.1 and the fused kernel's 25.9 at 64 positions, 47.4 against the ring pair's 45.2 at
+#: 1024). In the layer (rank 16) with 32 adapters at 64 positions q/k/v and gate/up took 24.2 and 44.8
+#: us alone (31.0 and 46.1 with the fused kernel in the run of f557283), with 8 adapters 16.9 and
+#: 25.5 (16.6 and 23.1). Fewer positions keep the fused kernel.
 CHUNK_SLICES_FROM = 64
 #: The most ``slice_alignment`` counts: BN of every rank width of lora_chunk divides it.
 CHUNK_SLICE_ALIGN = 128
@@ -289,9 +292,10 @@ CHUNK_WIDE_FROM = 1024
 def default_chunk(bucket: int, max_rank: int, n_slices: int = 1, live_slices: int | None = None) -> bool:
     """Whether a call of ``bucket`` positions whose target ``chunk_fits`` runs ``lora_chunk`` by
     default: from ``CHUNK_FROM`` positions with one slice with columns, from ``CHUNK_SLICES_FROM``
-    with several."""
-    several = n_slices > 1 and live_slices != 1
-    return bucket >= (CHUNK_SLICES_FROM if several else CHUNK_FROM)
+    with several at rank width 16 (above it the fused kernel and the pair measured faster)."""
+    if n_slices > 1 and live_slices != 1:  # several slices with columns
+        return bucket >= CHUNK_SLICES_FROM and rank_width(max_rank) <= 16
+    return bucket >= CHUNK_FROM
 
 
 def chunk_fits(dtype: str, max_rank: int, n_slices: int, live_slices: int | None, slice_align: int = 0) -> str | None:

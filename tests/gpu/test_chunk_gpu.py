@@ -109,10 +109,11 @@ SLICED = {
 def test_chunk_serves_a_fused_target_whole(make_case, check, dtype, name, T, mix):
     """Several slices in one launch: each chunk's shrink runs through every slice's rank blocks,
     each column block takes its own slice's v, rank and scaling; by default from CHUNK_SLICES_FROM
-    positions."""
+    positions at rank width 16 (test_kernel_backend_cpu checks which)."""
     case = make_case(T=T, in_f=200, dtype=dtype, mix=mix, num_slots=17, active=9, **SLICED[name])
     be = backend_for(case.spec)
-    assert (be.plan(T, dev_weights(case.w), dtype).expand == "chunk") == (T >= cb.CHUNK_SLICES_FROM)
+    by_default = cb.default_chunk(case.spec.bucket_for(T), case.spec.max_rank, len(SLICED[name]["slices"]))
+    assert (be.plan(T, dev_weights(case.w), dtype).expand == "chunk") == by_default
     be = backend_for(case.spec, **CHUNK)
     check(case, run_cupy(be, case), dtype)
 
