@@ -266,8 +266,8 @@ CHUNK_MAX_PARTS = 32
 #: to 4096 positions at rank width 16 (T=4096 r16: 43.7-45.5 against 51.0-52.0 us the call) and of 256
 #: to 1024 at rank widths 64 and 128. At b34b9e4 it lost four rows of 256 positions to the pair with
 #: expand_stream by 0.1-1.8 us (r64 one adapter 19.0 against 17.9) and won those with 32 adapters
-#: (16.9 against 19.4-22.3; r64 27.1 against 34.1-36.0); at 4096 positions of rank 64 chunks of 64 beat the pair
-#: (59.7-63.7 against 61.3-64.9).
+#: (16.9 against 19.4-22.3; r64 27.1 against 34.1-36.0); at 4096 positions of rank 64 chunks of 64
+#: beat the pair (59.7-63.7 against 61.3-64.9).
 CHUNK_FROM = 2
 #: From this many positions a target of several slices with columns runs ``lora_chunk`` by default,
 #: at rank width 16 only. On an H200 (results/kernels-h200.md, the run of b34b9e4) the q/k/v row of 64
@@ -435,12 +435,11 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 
 def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
                 num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int) -> LaunchPlan:
-    """``lora_chunk``'s plan: ``tiles`` is the most chunks of one slot (at most ``CHUNK_BM``
-    positions: its counters are sized for those, the most a step can have; ``bm``, from
-    ``chunk_bm``, is the height its kernel cuts a step into) a step can have; the grid (``blocks``) one wave of
-    ``chunk_blocks_per_sm`` blocks a multiprocessor (fewer where the bucket's chunks and parts
-    cannot fill it), whose blocks take
-    (chunk, part) items by ticket. The kernel cuts each of the step's chunks into as many parts
+    """``lora_chunk``'s plan: ``bm`` is the height its kernel cuts a step's slots into
+    (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_BM`` positions of one slot a step can
+    have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
+    (``blocks``) one wave of ``chunk_blocks_per_sm`` blocks a multiprocessor (fewer where the
+    bucket's chunks and parts cannot fill it), whose blocks take (chunk, part) items by ticket. The kernel cuts each of the step's chunks into as many parts
     (a share of ``in`` and of the column blocks) as fill the grid, at most ``splits``:
     ``CHUNK_MAX_PARTS``, or the stages of ``in`` or column blocks there are if more. ``k_split``
     and ``cpb`` are what a step filling its bucket gets."""
