@@ -274,8 +274,9 @@ def test_each_shipped_kernel_is_a_default_somewhere():
     """Every expand kernel is some bucket's default (a bucket listed for expand_stream launches
     unfused: a fused launch would ignore it), the fused kernel is, and lora_chunk is, at each of
     its rank widths. The pair's expand is the bucket's alone; lora_chunk runs where
-    ``default_chunk`` says and the target fits it (16-bit, one slice with columns), never in
-    halves or with a forced tile."""
+    ``default_chunk`` says and the target fits it (16-bit; one slice with columns, since these plans
+    are given no slice offsets: several slices are test_several_slices_...'s), never in halves or
+    with a forced tile."""
     for b in cb.STREAM_EXPAND_BUCKETS:
         assert not cb.default_fused(b)
     chosen, widths = set(), set()

@@ -439,10 +439,11 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_BM`` positions of one slot a step can
     have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
     (``blocks``) one wave of ``chunk_blocks_per_sm`` blocks a multiprocessor (fewer where the
-    bucket's chunks and parts cannot fill it), whose blocks take (chunk, part) items by ticket. The kernel cuts each of the step's chunks into as many parts
-    (a share of ``in`` and of the column blocks) as fill the grid, at most ``splits``:
-    ``CHUNK_MAX_PARTS``, or the stages of ``in`` or column blocks there are if more. ``k_split``
-    and ``cpb`` are what a step filling its bucket gets."""
+    bucket's chunks and parts cannot fill it), whose blocks take (chunk, part) items by ticket.
+    The kernel cuts each of the step's chunks into as many parts (a share of ``in`` and of the
+    column blocks) as fill the grid, at most ``splits``: ``CHUNK_MAX_PARTS``, or the stages of
+    ``in`` or column blocks there are if more. ``k_split`` and ``cpb`` are what a step filling its
+    bucket gets."""
     why = chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) or (
         None if whole else "lora_chunk runs the whole delta in one launch, not in halves")
     if why:
