@@ -102,10 +102,11 @@ CHUNK_WIDE_BM = 64
 CHUNK_SHAPES = tuple((rw, bm) for rw in CHUNK_RW for bm in ((CHUNK_BM,) if rw <= 16 else (CHUNK_BM, CHUNK_WIDE_BM)))
 
 
-def chunk_name(ctype: str, rw: int, bm: int, *, aligned: bool) -> str:
+def chunk_name(ctype: str, rw: int, bm: int, *, aligned: bool, sliced: bool) -> str:
     """The name expression of ``lora_chunk`` (chunk.cuh, in the tensor-core family) for one element
-    type, rank width (``CHUNK_RW``) and instantiation."""
-    return f"lora_chunk<{ctype}, {rw}, {bm}, {_cbool(aligned)}>"
+    type, rank width (``CHUNK_RW``) and instantiation: ``sliced`` serves several slices with
+    columns, the other one slice (the slice loops and lookups compiled out)."""
+    return f"lora_chunk<{ctype}, {rw}, {bm}, {_cbool(aligned)}, {_cbool(sliced)}>"
 
 
 def mma_kernels():
@@ -135,8 +136,8 @@ def glu_name(ctype: str, ks: int) -> str:
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
     glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
-    chunk = tuple(chunk_name(ctype, rw, bm, aligned=a) for rw, bm in CHUNK_SHAPES
-                  for a in (False, True)) if ctype != "float" else ()
+    chunk = tuple(chunk_name(ctype, rw, bm, aligned=a, sliced=sl) for rw, bm in CHUNK_SHAPES
+                  for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
                  for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk
 

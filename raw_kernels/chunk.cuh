@@ -38,13 +38,15 @@
 //      into the y tile (fp32, rounded once; an element whose delta is exactly zero keeps its bits)
 //      and writes them back.
 //   3. the last part of the chunk to finish reading v zeroes it (each slice's ranks rounded up to
-//      16) and resets the chunk's counts; the last block resets the ticket.
+//      16) and resets the chunk's counts; the last block to finish resets the ticket.
 // Grid (1-D, 128 threads): one wave of blocks (the plan's, a function of the capture bucket and
 // the slot count only: graph-safe; as many as its shared memory leaves resident), each taking
 // items (chunk, part) by ticket, chunk-major, until the step's are gone. A part waits only for
 // the other parts of its chunk, and every chunk but the last one handed out has all its parts
 // handed out, so at most P - 1 blocks wait on items not yet taken while the others run on and
-// take them (P is at most `splits`, far below the grid).
+// take them (P is at most `splits`, far below the grid). Where the step has fewer items than the
+// grid has blocks (a small step in a large bucket), blocks past the items leave after counting
+// the chunks, with no ticket and no done count: each item's block is then one of the first.
 // Counters: [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 units) v readers done
 // (units as Args::units(32) with chunked set: the most chunks of 32 a step can have, so chunks of
 // 64 use the first of them). ws: v [bucket, n, rw] f32, zero before and after.
@@ -90,6 +92,7 @@ struct ChunkRows {
 // scaling and columns; the shrink's passes and the column blocks with columns.
 struct ChunkWork {
   int slot, p0, m;
+  int j;                            // the slice with columns (an instantiation of one slice: SLICED false)
   int r[MAX_SLICES];                // each slice's rank at this slot (0 for a slice without columns)
   float sc[MAX_SLICES];             // its scaling
   int lo[MAX_SLICES], hi[MAX_SLICES];  // its columns
@@ -118,13 +121,48 @@ __device__ __forceinline__ int chunk_slice(const ChunkWork& cw, int n, int cb) {
 // each slice's rank, scaling and columns (thread j reads slice j's), then the shrink's passes
 // (one per rank block of each slice with columns and a rank) and the column blocks. Every thread
 // calls.
-template <typename T, int RW, int BM>
+template <typename T, int RW, int BM, bool SLICED>
 __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr, ChunkScan& cs, ChunkWork& cw,
                             int c) {
   constexpr int BN = Chunk<T, RW, BM>::BN, RB = Chunk<T, RW, BM>::RB;
   locate_chunk<BM>(cs, s_indptr, g.num_slots, g.positions, c);
   const int tid = threadIdx.x, n = g.n_slices, s = cs.chunk[2];
   if (tid < BM) tr.tok[tid] = tid < cs.chunk[1] ? g.token_order[cs.chunk[0] + tid] : -1;
+  if constexpr (!SLICED) {
+    // one slice with columns: warp 0 finds it by ballot (slice 0 where none has, at rank 0), and
+    // its thread writes everything the parts need; one barrier
+    if (tid < 32) {
+      const bool mine = tid < n;
+      int lo = 0, hi = g.out_features, r = 0;
+      float sc = 0.f;
+      if (mine) {
+        if (g.out_offsets != nullptr) {
+          lo = g.out_offsets[tid];
+          hi = min(g.out_offsets[tid + 1], g.out_features);
+        }
+        r = min(g.ranks[s * n + tid], g.max_rank);
+        sc = g.scaling[s * n + tid];
+      }
+      const unsigned live = __ballot_sync(0xffffffffu, mine && hi > lo);
+      if (tid == (live ? __ffs(live) - 1 : 0)) {
+        r = hi > lo ? r : 0;
+        cw.j = tid;
+        cw.lo[tid] = lo;
+        cw.hi[tid] = hi;
+        cw.r[tid] = r;
+        cw.sc[tid] = sc;
+        cw.slot = s;
+        cw.p0 = cs.chunk[0];
+        cw.m = cs.chunk[1];
+        cw.passes = (r + RB - 1) / RB;
+        cw.nrb = max(1, cw.passes);
+        cw.cb_lo = hi > lo ? lo / BN : 0;
+        cw.cb_hi = hi > lo ? (hi + BN - 1) / BN : 0;
+      }
+    }
+    __syncthreads();
+    return;
+  }
   if (tid < n) {
     int lo = 0, hi = g.out_features;
     if (g.out_offsets != nullptr) {
@@ -166,7 +204,7 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr
 // Part q of `parts`: its shrink into v, then its count into the chunk's ready count. Its stages
 // run through the passes (slice, rank block) in one ring: pass p's share of `in`, then p + 1's, a
 // pass's sums added into v as its last stage is done.
-template <typename T, int RW, int BM_, bool ALIGNED>
+template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
   using C = Chunk<T, RW, BM_>;
@@ -178,6 +216,8 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   const int in = g.in_features, nk = (in + KC - 1) / KC, per = (nk + parts - 1) / parts;
   const int k0 = q * per, nkp = max(min(k0 + per, nk) - k0, 0), total = nkp * cw.passes, m = cw.m;
   const bool vec = ALIGNED || (g.flags & 1);
+  // one slice at rank widths 16 and 64: one pass (its rank fits one rank block), stage f is f
+  constexpr bool ONE_PASS = !SLICED && RW <= C::RB;
   auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
   auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
   const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
@@ -185,12 +225,13 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   // stage k0 + f % nkp of `in`
   auto load = [&](int f, int st) {
     if (f < total) {
-      const int p = f / nkp, j = cw.pass_j[p], rb0 = cw.pass_rb[p];
+      const int p = ONE_PASS ? 0 : f / nkp, j = SLICED ? cw.pass_j[p] : cw.j;
+      const int rb0 = SLICED ? cw.pass_rb[p] : p * C::RB;
       const int r = min(cw.r[j] - rb0, C::RB), r16 = (r + 15) & ~15;
       const T* A = g.A + (((size_t)cw.slot * g.n_slices + j) * g.max_rank + rb0) * (size_t)in;
       T* sx = x_tile(st);
       T* sa = a_tile(st);
-      const int f0 = (k0 + f % nkp) * KC;
+      const int f0 = (k0 + (ONE_PASS ? f : f % nkp)) * KC;
       if (vec) {
         const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
 #pragma unroll
@@ -232,7 +273,8 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage f has landed for every thread; stage f - 1 is free
     load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
-    const int p = f / nkp, j = cw.pass_j[p], rb0 = cw.pass_rb[p];
+    const int p = ONE_PASS ? 0 : f / nkp, j = SLICED ? cw.pass_j[p] : cw.j;
+    const int rb0 = SLICED ? cw.pass_rb[p] : p * C::RB;
     const int r = min(cw.r[j] - rb0, C::RB), nts = ((r + 15) & ~15) / 8;
     const T* sx = x_tile(f % STAGES);
     const T* sa = a_tile(f % STAGES);
@@ -249,7 +291,7 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
         }
       }
     }
-    if (f % nkp != nkp - 1) continue;
+    if ((ONE_PASS ? f : f % nkp) != nkp - 1) continue;
     // the pass's last stage: this warp's partial sums into v (rows of its m-tile inside the
     // chunk, ranks below r: 0 * inf stays out of v), then the sums start again
     float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
@@ -274,7 +316,7 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 
 // Part q's expand of its column blocks, after all `parts` parts of chunk c have added into v;
 // then the chunk's v released (the last part to finish zeroes it and resets the chunk's counts).
-template <typename T, int RW, int BM_, bool ALIGNED>
+template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
   using C = Chunk<T, RW, BM_>;
@@ -288,8 +330,12 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   const int out = g.out_features, n = g.n_slices, m = cw.m;
   const int cbA = cw.cb_lo, cbZ = cw.cb_hi, per = (cbZ - cbA + parts - 1) / parts;
   const int cb0 = cbA + q * per, cb1 = min(cb0 + per, cbZ);
-  // steps: (column block, rank block), nrb rank blocks each (those past its slice's rank empty)
-  const int nrb = cw.nrb, steps = max(cb1 - cb0, 0) * nrb;
+  // steps: (column block, rank block), nrb rank blocks each (those past its slice's rank empty);
+  // one slice at rank widths 16 and 64: one rank block, a step a column block
+  constexpr bool ONE_RB = !SLICED && RW <= RB;
+  const int nrb = ONE_RB ? 1 : cw.nrb, steps = max(cb1 - cb0, 0) * nrb;
+  // the slice of column block cb: the one slice's, or (several) the one with columns there
+  auto slice_of = [&](int cb) { return SLICED ? chunk_slice<BN>(cw, n, cb) : cw.j; };
   const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
   // y tiles in a ring of their own (a column block's tile lives through its rank blocks' steps),
   // slot (column block - cb0) % STAGES, beside the B ring's stage of the same index
@@ -299,8 +345,8 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   const int bk = (tid % BPR) * CH, br0 = tid / BPR;
   const T* bs = g.B + (size_t)cw.slot * g.b_slot;
   auto load = [&](int step, int st) {
-    const int vis = step / nrb, rb0 = (step % nrb) * RB, c0 = (cb0 + vis) * BN;
-    const int j = chunk_slice<BN>(cw, n, cb0 + vis), r = cw.r[j];
+    const int vis = ONE_RB ? step : step / nrb, rb0 = ONE_RB ? 0 : (step % nrb) * RB, c0 = (cb0 + vis) * BN;
+    const int j = slice_of(cb0 + vis), r = cw.r[j];
     if (step < steps && rb0 < r) {  // else nothing to add: no y tile, no B
       const int rr = min(r - rb0, RB), rr16 = (rr + 15) & ~15;  // this rank block's ranks
       T* sy = y_tile(vis);
@@ -361,8 +407,9 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
       load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
                                cw.sc[j]);
   };
-  int vj = steps > 0 ? chunk_slice<BN>(cw, n, cb0) : 0;  // the slice whose v the fragments hold: the
-  load_v(vj);                                            // first one's, in flight with the first stages
+  // the slice whose v the fragments hold: the first one's, in flight with the first stages
+  int vj = SLICED ? (steps > 0 ? slice_of(cb0) : 0) : cw.j;
+  load_v(vj);
 
   float acc[NT][4];
 #pragma unroll
@@ -371,10 +418,10 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // step f has landed for every thread; stage f - 1 is free
     load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
-    const int vis = f / nrb, rb = f % nrb, j = chunk_slice<BN>(cw, n, cb0 + vis), r = cw.r[j];
+    const int vis = ONE_RB ? f : f / nrb, rb = ONE_RB ? 0 : f % nrb, j = slice_of(cb0 + vis), r = cw.r[j];
     if (rb * RB >= r) continue;  // a rank block past the slice's rank (or a slice of rank 0)
     const int kss = ((r + 15) & ~15) / 16;
-    if (j != vj) {  // a column block of the next slice (several slices)
+    if (SLICED && j != vj) {  // a column block of the next slice
       vj = j;
       load_v(j);
     }
@@ -436,7 +483,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   __syncthreads();
   if (last_reader) {
     __threadfence();
-    for (int j = 0; j < n; ++j) {
+    for (int j = SLICED ? 0 : cw.j; j < (SLICED ? n : cw.j + 1); ++j) {
       const int r4 = ((cw.r[j] + 15) & ~15) / 4;
       for (int e = tid; e < m * r4; e += THREADS) {
         const int row = e / r4, c4 = (e % r4) * 4;
@@ -455,12 +502,12 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 // most this: with the stages and the slot table it must leave 4 blocks a multiprocessor.
 constexpr int CHUNK_STATIC_SMEM = 768;
 
-// A block's items (chunk, part) of a step cut into chunks of BM_ positions, by ticket.
-template <typename T, int RW, int BM_, bool ALIGNED>
+// A block's items (chunk, part) of a step cut into chunks of BM_ positions, by ticket: `parts`
+// each, `items` in all (what the step has for this grid).
+template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
-                            ChunkWork& cw) {
+                            ChunkWork& cw, int parts, int items) {
   __shared__ int ticket;
-  const int parts = chunk_parts(g, cs.chunks, gridDim.x), items = cs.chunks * parts;
   // a block takes another ticket only where the items outnumber the grid (a step of more chunks
   // than blocks); otherwise its first ticket was its only item, and a second would only add a
   // round trip to the end of every block
@@ -471,23 +518,29 @@ __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkR
     __syncthreads();  // every thread has read the ticket before the next is taken
     if (it >= items) break;
     const int c = it / parts, q = it % parts;
-    chunk_setup<T, RW, BM_>(g, s_indptr, tr, cs, cw, c);
-    chunk_shrink<T, RW, BM_, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
-    chunk_expand<T, RW, BM_, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
+    chunk_setup<T, RW, BM_, SLICED>(g, s_indptr, tr, cs, cw, c);
+    chunk_shrink<T, RW, BM_, ALIGNED, SLICED>(g, dsmem, tr, cw, c, q, parts);
+    chunk_expand<T, RW, BM_, ALIGNED, SLICED>(g, dsmem, tr, cw, c, q, parts);
   }
 }
 
-// One block of lora_chunk: the step's chunks of BM positions, its items by ticket; the last block
-// to finish resets the ticket and done counts.
-template <typename T, int RW, int BM, bool ALIGNED>
+// One block of lora_chunk: the step's chunks of BM positions, its items by ticket. The blocks that
+// take tickets are the first min(items, grid): the others leave once the chunks are counted (a
+// small step's items are then taken by as many blocks, and the ticket and done counts see no
+// more atomics than the step has items). The last taker to finish resets the ticket and done
+// counts.
+template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
 __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
                            ChunkWork& cw) {
   count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
-  chunk_items<T, RW, BM, ALIGNED>(g, dsmem, s_indptr, tr, cs, cw);
+  const int parts = chunk_parts(g, cs.chunks, gridDim.x), items = cs.chunks * parts;
+  const int takers = min(items, (int)gridDim.x);
+  if ((int)blockIdx.x >= takers) return;  // cs.chunks is the block's after count_chunks: uniform
+  chunk_items<T, RW, BM, ALIGNED, SLICED>(g, dsmem, s_indptr, tr, cs, cw, parts, items);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    if (atomicAdd(g.counters + 1, 1) == (int)gridDim.x - 1) {  // every other block has finished
+    if (atomicAdd(g.counters + 1, 1) == takers - 1) {  // every other taker has finished
       g.counters[0] = 0;
       g.counters[1] = 0;
       __threadfence();

@@ -1009,7 +1009,7 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
 // chunk of BM positions of one slot in the same blocks; 16-bit types, rank widths 16, 64 and 128,
 // chunks of 32 or (rank widths 64 and 128) 64. Registers capped for the 4 blocks per
 // multiprocessor its shared memory allows.
-template <typename T, int RW, int BM, bool ALIGNED>
+template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
 __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::ChunkRows tr;  // static shared memory: lora::CHUNK_STATIC_SMEM at most
@@ -1019,5 +1019,5 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   g.chunked = 1;
   constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM;
   lora::require_smem(SMEM + 4 * (num_slots + 1));
-  lora::chunk_task<T, RW, BM, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
+  lora::chunk_task<T, RW, BM, ALIGNED, SLICED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
 }

@@ -41,7 +41,8 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     if dtype in kernels.GLU_DTYPES:  # the gated activation with the gate / up expand: 16-bit only
         wanted |= {f"lora_expand_glu<{ct}, {ks}>" for ks in kernels.GLU_KS}
     if dtype in kernels.CHUNK_DTYPES:  # a large step's whole delta in one launch: 16-bit only
-        wanted |= {f"lora_chunk<{ct}, {rw}, {bm}, {al}>" for rw, bm in kernels.CHUNK_SHAPES for al in ("false", "true")}
+        wanted |= {f"lora_chunk<{ct}, {rw}, {bm}, {al}, {sl}>" for rw, bm in kernels.CHUNK_SHAPES
+                   for al in ("false", "true") for sl in ("false", "true")}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -335,8 +336,13 @@ def test_chunk_plans_refuse_what_the_kernel_does_not_serve():
             cb.plan_launch(1024, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="chunk", **kw)
     p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", live_slices=1)
     assert (p.expand, p.bm, p.tiles) == ("chunk", kernels.CHUNK_BM, cb.fused_units(1024, kernels.CHUNK_BM, 33))
+    assert not p.sliced  # one member: the instantiation of one slice
     p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", slice_align=128)
-    assert (p.expand, p.n_slices) == ("chunk", 3)  # several slices on its column blocks: served whole
+    assert (p.expand, p.n_slices, p.sliced) == ("chunk", 3, True)  # several slices on its column blocks: whole
+    p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", slice_align=128,
+                       live_slices=3)
+    assert p.sliced
+    assert not cb.plan_launch(1024, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="chunk").sliced
 
 
 #: (offsets, max rank, slice_alignment, chunk_fits, the first bucket lora_chunk serves by default)

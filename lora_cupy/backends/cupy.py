@@ -186,6 +186,8 @@ class LaunchPlan:
     packed: bool = False
     #: the grid of a launch whose blocks take their work by ticket (``lora_chunk``: one wave)
     blocks: int = 0
+    #: ``lora_chunk`` over several slices with columns (its ``SLICED`` instantiation); else one
+    sliced: bool = False
 
     @property
     def shrink_blocks(self) -> int:
@@ -443,7 +445,8 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     The kernel cuts each of the step's chunks into as many parts (a share of ``in`` and of the
     column blocks) as fill the grid, at most ``splits``: ``CHUNK_MAX_PARTS``, or the stages of
     ``in`` or column blocks there are if more. ``k_split`` and ``cpb`` are what a step filling its
-    bucket gets."""
+    bucket gets. ``sliced``: the instantiation for several slices with columns (``live_slices``
+    unknown counts as several), else the one with the slice loops compiled out."""
     why = chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) or (
         None if whole else "lora_chunk runs the whole delta in one launch, not in halves")
     if why:
@@ -457,7 +460,7 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     parts = max(1, min(most, blocks // _ceil(bucket, bm)))  # what the kernel picks for a full bucket
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=most, k_split=_ceil(nk, parts) * kc, fused=False,
                       tiles=tiles, rank_blocks=1, col_blocks=col_blocks, cpb=_ceil(col_blocks, parts),
-                      n_slices=n_slices, expand="chunk", blocks=blocks)
+                      n_slices=n_slices, expand="chunk", blocks=blocks, sliced=n_slices > 1 and live_slices != 1)
 
 
 def packed_slices(n_slices: int, max_rank: int, fused: bool) -> bool:
@@ -1013,10 +1016,11 @@ class CupyBackend:
                 "expand_ring": lambda bm, bn: ring_smem(dtype)}
         if dtype in CHUNK_DTYPES:
             for rw, bm in CHUNK_SHAPES:
-                for aligned in (False, True):
-                    fn = mod.get_function(chunk_name(ct, rw, bm, aligned=aligned))
-                    fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw, bm) + extra
-                    self._fns[(dtype, "chunk", rw, bm, aligned)] = fn
+                for sliced in (False, True):
+                    for aligned in (False, True):
+                        fn = mod.get_function(chunk_name(ct, rw, bm, aligned=aligned, sliced=sliced))
+                        fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw, bm) + extra
+                        self._fns[(dtype, "chunk", rw, bm, sliced, aligned)] = fn
         if dtype in GLU_DTYPES:
             for ks in GLU_KS:
                 fn = mod.get_function(glu_name(ct, ks))
@@ -1142,7 +1146,7 @@ class CupyBackend:
             if set(parts) != {"shrink", "expand"}:
                 raise ValueError("lora_chunk runs the shrink and the expand in one launch: neither runs alone")
             rw = chunk_geometry(R)[0]
-            return [mma("chunk", ("chunk", rw, plan.bm), plan.blocks, chunk_smem(dtype, R, plan.bm))]
+            return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, R, plan.bm))]
         out_calls = []
         if "shrink" in parts:
             out_calls.append(mma("shrink", ("shrink", plan.bm), plan.shrink_blocks, shrink_smem(dtype, plan.bm)))

@@ -220,7 +220,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
     scaling = np.ascontiguousarray(w.scaling, np.float32)
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     dims = np.asarray([S, n, R, in_f, out, plan.bucket, T, rw, plan.splits, plan.k_split, plan.col_blocks,
-                       plan.cpb, int(plan.chunks), flags, int(use_aligned), b_slot], np.int32)
+                       plan.cpb, int(plan.chunks), flags, int(use_aligned), b_slot, int(plan.sliced)], np.int32)
 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)

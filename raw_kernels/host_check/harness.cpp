@@ -97,7 +97,7 @@ struct Launch {
   float* ws;
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
-      col_blocks, cpb, chunked, flags, aligned, b_slot;  // b_slot: 0 for out * R
+      col_blocks, cpb, chunked, flags, aligned, b_slot, sliced;  // b_slot: 0 for out * R
 };
 static Launch L;
 static std::vector<char> dsm(256 * 1024);
@@ -138,7 +138,7 @@ template <typename T, bool AL> static void ring_block(int u) {
 // has not run. An item runs as a block of its own; the parts a chunk is cut into are the kernel's
 // for a grid of `blocks`.
 static int g_chunk_phase = 0, g_chunk_grid = 0;
-template <typename T, int RW, int BM, bool AL> static void chunk_block(int u) {
+template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_block(int u) {
   static lora::ChunkRows tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
@@ -147,9 +147,9 @@ template <typename T, int RW, int BM, bool AL> static void chunk_block(int u) {
   lora::count_chunks<BM>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
   const int parts = lora::chunk_parts(g, cs.chunks, g_chunk_grid), c = u / parts, q = u % parts;
   if (c >= cs.chunks) return;
-  lora::chunk_setup<T, RW, BM>(g, s_ip, tr, cs, cw, c);
-  if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, BM, AL>(g, dsm.data(), tr, cw, c, q, parts);
-  else lora::chunk_expand<T, RW, BM, AL>(g, dsm.data(), tr, cw, c, q, parts);
+  lora::chunk_setup<T, RW, BM, SL>(g, s_ip, tr, cs, cw, c);
+  if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, BM, AL, SL>(g, dsm.data(), tr, cw, c, q, parts);
+  else lora::chunk_expand<T, RW, BM, AL, SL>(g, dsm.data(), tr, cw, c, q, parts);
 }
 // The kernel's own block body (chunk_task: tickets, the loop over items, the done count), for a
 // step whose chunks are cut into one part each: no part then waits on another block.
@@ -161,39 +161,48 @@ template <typename T, int RW, int BM> static void chunk_count_block(int) {
                          g.num_slots, g.positions);
   if (threadIdx.x == 0) g_step_chunks = cs.chunks;
 }
-template <typename T, int RW, int BM, bool AL> static void chunk_task_block(int) {
+template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_task_block(int) {
   static lora::ChunkRows tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
-  lora::chunk_task<T, RW, BM, AL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM),
+  lora::chunk_task<T, RW, BM, AL, SL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM),
                                   tr, cs, cw);
 }
-template <typename T, int RW, int BM, bool AL> static int run_chunk_rw(int blocks) {
+template <typename T, int RW, int BM, bool AL, bool SL> static int run_chunk_rw(int blocks) {
   emu::run_block(chunk_count_block<T, RW, BM>, 0);
   if (lora::chunk_parts(args<T>(), g_step_chunks, blocks) == 1) {  // the kernel's blocks, in order
     emu::grid_dim = EmuIdx{unsigned(blocks), 1u, 1u};
-    for (int b = 0; b < blocks; ++b) emu::run_block(chunk_task_block<T, RW, BM, AL>, b);
+    for (int b = 0; b < blocks; ++b) {  // blocks past the step's items leave at once: blockIdx counts
+      emu::block_idx = EmuIdx{unsigned(b), 0u, 0u};
+      emu::run_block(chunk_task_block<T, RW, BM, AL, SL>, b);
+    }
     emu::grid_dim = EmuIdx{1u, 1u, 1u};
+    emu::block_idx = EmuIdx{0u, 0u, 0u};
     return 0;
   }
   g_chunk_grid = blocks;  // else every item the most chunks (units) times `splits` parts can make
   const int items = args<T>().units(BM) * L.splits;
   for (g_chunk_phase = 0; g_chunk_phase < 2; ++g_chunk_phase)
-    for (int u = 0; u < items; ++u) emu::run_block(chunk_block<T, RW, BM, AL>, u);
+    for (int u = 0; u < items; ++u) emu::run_block(chunk_block<T, RW, BM, AL, SL>, u);
   return 0;
 }
-// blocks: the kernel's grid; bm: positions a chunk
-template <typename T, bool AL> static int run_chunk(int bm, int blocks) {
+// blocks: the kernel's grid; bm: positions a chunk; SL: the instantiation for several slices
+template <typename T, bool AL, bool SL> static int run_chunk_sl(int bm, int blocks) {
   if constexpr (sizeof(T) != 2) {
     return 2;
   } else {
     L.chunked = 1;
-    if (L.rw <= 16) return bm == 32 ? run_chunk_rw<T, 16, 32, AL>(blocks) : 2;
-    if (L.rw <= 64) return bm == 32 ? run_chunk_rw<T, 64, 32, AL>(blocks) : run_chunk_rw<T, 64, 64, AL>(blocks);
-    if (L.rw <= 128) return bm == 32 ? run_chunk_rw<T, 128, 32, AL>(blocks) : run_chunk_rw<T, 128, 64, AL>(blocks);
+    if (L.rw <= 16) return bm == 32 ? run_chunk_rw<T, 16, 32, AL, SL>(blocks) : 2;
+    if (L.rw <= 64)
+      return bm == 32 ? run_chunk_rw<T, 64, 32, AL, SL>(blocks) : run_chunk_rw<T, 64, 64, AL, SL>(blocks);
+    if (L.rw <= 128)
+      return bm == 32 ? run_chunk_rw<T, 128, 32, AL, SL>(blocks) : run_chunk_rw<T, 128, 64, AL, SL>(blocks);
     return 2;
   }
+}
+template <typename T, bool AL> static int run_chunk(int bm, int blocks) {
+  return L.sliced ? run_chunk_sl<T, AL, true>(bm, blocks) : run_chunk_sl<T, AL, false>(bm, blocks);
 }
 
 static int g_blocks = 0;
@@ -239,13 +248,14 @@ extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 5 (lora_expand_ring),
 // 6 (lora_chunk: shrink_blocks its blocks), 0 / 1 (the fused launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
+// sliced (lora_chunk's instantiation for several slices)
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
                          const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,
                          const int* token_order, const int* slot_indptr, float* ws, int* counters, const int* dims) {
   L = Launch{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0], dims[1],
              dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11], dims[12],
-             dims[13], dims[14], dims[15]};
+             dims[13], dims[14], dims[15], dims[16]};
   if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
   if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
   return run_t<float>(bm, expand, shrink_blocks, expand_blocks);
