@@ -91,15 +91,19 @@ def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None 
 
 #: Rank widths ``lora_chunk`` (chunk.cuh) is built for: a pool of rank 16 or less runs the first, one
 #: of rank 17-64 the second, 65-128 the third; its element types (16-bit only) and positions a chunk
-#: (at rank width 16, and below ``backends.cupy.CHUNK_WIDE_FROM`` positions at the others).
+#: (between ``backends.cupy.CHUNK_NARROW_TO`` and ``CHUNK_WIDE_FROM`` positions; ``chunk_bm``).
 CHUNK_RW = (16, 64, 128)
 CHUNK_DTYPES = ("float16", "bfloat16")
 CHUNK_BM = 32
+#: Positions a chunk of lora_chunk up to ``backends.cupy.CHUNK_NARROW_TO`` positions (decode: a
+#: chunk of a few positions fills one m-tile, not two); every step's counters are sized for these.
+CHUNK_NARROW_BM = 16
 #: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_WIDE_FROM``
 #: positions (``chunk_bm``): a wide A and B are read once for 64 rows.
 CHUNK_WIDE_BM = 64
 #: ``(rank width, positions a chunk)`` of each lora_chunk instantiation.
-CHUNK_SHAPES = tuple((rw, bm) for rw in CHUNK_RW for bm in ((CHUNK_BM,) if rw <= 16 else (CHUNK_BM, CHUNK_WIDE_BM)))
+CHUNK_SHAPES = tuple((rw, bm) for rw in CHUNK_RW
+                     for bm in ((CHUNK_NARROW_BM, CHUNK_BM) + ((CHUNK_WIDE_BM,) if rw > 16 else ())))
 
 
 def chunk_name(ctype: str, rw: int, bm: int, *, aligned: bool, sliced: bool) -> str:

@@ -15,8 +15,9 @@
 //   v[p, j, :r_j] = sum over parts q of x[t, K_q] @ A[s, j, :r_j, K_q].T      (fp32, in ws)
 //   y[t, c]      += round(scaling[s, j] * v[p, j, :r_j]) @ B[s, c, :r_j].T    (c in [c_lo_j, c_hi_j))
 // Work: the step's chunks (each slot's positions cut into pieces of at most BM from its start, as
-// lora_fused's chunks; BM is the instantiation's: 32, or 64 at rank widths above 16 from the
-// plan's CHUNK_WIDE_FROM positions, so a wide A and B are read once for 64 rows) times P parts,
+// lora_fused's chunks; BM is the instantiation's: 16 up to the plan's CHUNK_NARROW_TO positions,
+// where a chunk holds a few, 32, or 64 at rank widths above 16 from the plan's CHUNK_WIDE_FROM
+// positions, so a wide A and B are read once for 64 rows) times P parts,
 // P = chunk_parts: as many as fill the grid (one wave of blocks) for the chunks the step has, at
 // most `splits`. Part q of chunk c takes an equal share of `in` (stages of KC) and of the column
 // blocks with columns (BN columns, counted from column 0; each in one slice):
@@ -53,6 +54,10 @@
 // RW: the pool's rank width (16; 64 for ranks 17-64; 128 for 65-128); stages sized for its rank
 // block RB (16, or 64: a rank-128 pool's adapters above rank 64 take two), loops bounded by each
 // slot's own rank, so a rank-128 pool's rank-16 adapters run as a rank-64 pool's do.
+// SLICED: the instantiation for several slices with columns (a fused target served whole: the pass
+// table, each column block's slice lookup, v reloaded at a slice change). The other serves one
+// slice with columns (found by a ballot in the setup) with all of that compiled out, and at rank
+// widths 16 and 64 (a rank fits one rank block) with one pass and one rank block a column block.
 #pragma once
 
 namespace lora {
@@ -61,7 +66,8 @@ template <typename T, int RW, int BM_>
 struct Chunk {
   static_assert(sizeof(T) == 2, "lora_chunk serves 16-bit types");
   static_assert(RW == 16 || RW == 64 || RW == 128, "lora_chunk is built for rank widths 16, 64 and 128");
-  static_assert(BM_ == 32 || (BM_ == 64 && RW > 16), "chunks of 32 positions, or 64 at rank widths above 16");
+  static_assert(BM_ == 16 || BM_ == 32 || (BM_ == 64 && RW > 16),
+                "chunks of 16 or 32 positions, or 64 at rank widths above 16");
   static constexpr int STAGES = 3, CH = 8;           // 16-byte pieces of 8
   static constexpr int BM = BM_;                     // positions a chunk (A and B read once a chunk)
   static constexpr int MT = BM / 16, WK = 4 / MT;    // m-tiles; warps sharing one
@@ -79,9 +85,9 @@ struct Chunk {
   static constexpr int SMEM = STAGES * STAGE;
 };
 
-// Every kernel's ready and reader counts are sized for chunks of 32 positions (the most a step can
-// have); a step cut into chunks of 64 uses the first of them.
-constexpr int CHUNK_UNIT_BM = 32;
+// Every kernel's ready and reader counts are sized for chunks of 16 positions (the most a step can
+// have); a step cut into taller chunks uses the first of them.
+constexpr int CHUNK_UNIT_BM = 16;
 
 // A block's chunk's token rows (either height).
 struct ChunkRows {
@@ -503,17 +509,19 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 constexpr int CHUNK_STATIC_SMEM = 768;
 
 // A block's items (chunk, part) of a step cut into chunks of BM_ positions, by ticket: `parts`
-// each, `items` in all (what the step has for this grid).
+// each, `items` in all (what the step has for this grid). `taken`: the block's first ticket is
+// already in `ticket`.
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
-                            ChunkWork& cw, int parts, int items) {
-  __shared__ int ticket;
+                            ChunkWork& cw, int parts, int items, int& ticket, bool taken) {
   // a block takes another ticket only where the items outnumber the grid (a step of more chunks
   // than blocks); otherwise its first ticket was its only item, and a second would only add a
   // round trip to the end of every block
   for (bool first = true; first || items > (int)gridDim.x; first = false) {
-    if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
-    __syncthreads();
+    if (!(first && taken)) {
+      if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
+      __syncthreads();
+    }
     const int it = ticket;
     __syncthreads();  // every thread has read the ticket before the next is taken
     if (it >= items) break;
@@ -524,19 +532,26 @@ __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkR
   }
 }
 
-// One block of lora_chunk: the step's chunks of BM positions, its items by ticket. The blocks that
-// take tickets are the first min(items, grid): the others leave once the chunks are counted (a
-// small step's items are then taken by as many blocks, and the ticket and done counts see no
-// more atomics than the step has items). The last taker to finish resets the ticket and done
-// counts.
+// One block of lora_chunk: the step's chunks of BM positions, its items by ticket. A step with a
+// position has at least min(splits, grid / 2) items (chunk_parts), so the blocks below that
+// take their first ticket as they start, its round trip beside the count of the chunks'; the
+// blocks that take tickets at all are the first min(grid, max(items, those)), and the others
+// leave once the chunks are counted (a small step's items then meet no more atomics than it has
+// items). The last taker to finish resets the ticket and done counts.
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
 __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
                            ChunkWork& cw) {
+  __shared__ int ticket;
+  const int grid = gridDim.x, early = min(g.splits, grid / 2);
+  const bool taken = (int)blockIdx.x < early;
+  // the last warp takes it: it stages slot_indptr only for pools of 127 slots or more, so warp 0's
+  // loads go out beside the atomic (the barrier in count_chunks waits for both)
+  if (threadIdx.x == THREADS - 1 && taken) ticket = atomicAdd(g.counters, 1);
   count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
-  const int parts = chunk_parts(g, cs.chunks, gridDim.x), items = cs.chunks * parts;
-  const int takers = min(items, (int)gridDim.x);
+  const int parts = chunk_parts(g, cs.chunks, grid), items = cs.chunks * parts;
+  const int takers = min(grid, max(items, early));
   if ((int)blockIdx.x >= takers) return;  // cs.chunks is the block's after count_chunks: uniform
-  chunk_items<T, RW, BM, ALIGNED, SLICED>(g, dsmem, s_indptr, tr, cs, cw, parts, items);
+  chunk_items<T, RW, BM, ALIGNED, SLICED>(g, dsmem, s_indptr, tr, cs, cw, parts, items, ticket, taken);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

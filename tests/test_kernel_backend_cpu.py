@@ -130,7 +130,7 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         prev = p
         if p.expand == "chunk":  # one launch, whose kernel cuts the step's chunks into parts itself
             assert cb.default_chunk(b, R) and cb.chunk_fits(dtype, R, n, None) is None
-            assert p.tiles == cb.fused_units(b, kernels.CHUNK_BM, spec.num_slots)
+            assert p.tiles == cb.fused_units(b, kernels.CHUNK_NARROW_BM, spec.num_slots)
             assert p.workspace_floats(cb.rank_width(R)) <= floats and p.counter_ints() <= ints
             continue
         kc = 128 // cb._ITEMSIZE[dtype]
@@ -162,13 +162,14 @@ def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
 
 def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """The pair: only the rank blocks differ, the extra ones stop at once past a rank-16 adapter.
-    lora_chunk: the same chunks of 32 below CHUNK_WIDE_FROM positions and the same grid there (its
-    loops bounded by each adapter's own rank), chunks of 64 from there at rank 128."""
+    lora_chunk: the same chunks (16 up to CHUNK_NARROW_TO positions, 32 above) below CHUNK_WIDE_FROM
+    positions and the same grid there (its loops bounded by each adapter's own rank), chunks of 64
+    from there at rank 128."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         c16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         c128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
         if c16.expand == c128.expand == "chunk":
-            assert (c16.bm, c128.bm) == (32, cb.chunk_bm(b, 128)) and c16.tiles == c128.tiles
+            assert (c16.bm, c128.bm) == (16 if b <= 64 else 32, cb.chunk_bm(b, 128)) and c16.tiles == c128.tiles
             if b < cb.CHUNK_WIDE_FROM:
                 assert c16.blocks == c128.blocks
         pair = None if c16.fused else cb.default_expand(b)
@@ -307,16 +308,17 @@ def test_each_shipped_kernel_is_a_default_somewhere():
 
 
 @pytest.mark.parametrize("R", [8, 16, 48, 64, 128])
-def test_chunk_height_is_64_at_wide_ranks_from_chunk_wide_from(R):
-    """lora_chunk's chunks: 64 positions at rank widths above 16 from CHUNK_WIDE_FROM positions
-    (each an instantiation of its own), else 32; the counters are sized for chunks of 32 either
-    way, and the grid is one wave of what the shared memory of that height leaves resident."""
+def test_chunk_height_by_bucket(R):
+    """lora_chunk's chunks: 16 positions up to CHUNK_NARROW_TO positions, 64 at rank widths above
+    16 from CHUNK_WIDE_FROM positions, else 32 (each height an instantiation of its own); the
+    counters are sized for chunks of 16 either way, and the grid is one wave of what the shared
+    memory of that height leaves resident."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         p = cb.plan_launch(b, 4096, 4096, 1, R, "bfloat16", num_slots=33, fused=False, expand="chunk")
-        wide = cb.rank_width(R) > 16 and b >= cb.CHUNK_WIDE_FROM
-        assert p.bm == (64 if wide else 32) == cb.chunk_bm(b, R)
+        wide = cb.rank_width(R) > 16 and b >= 1024
+        assert p.bm == (16 if b <= 64 else 64 if wide else 32) == cb.chunk_bm(b, R)
         assert (cb.chunk_geometry(R)[0], p.bm) in kernels.CHUNK_SHAPES
-        assert p.tiles == cb.fused_units(b, 32, 33)  # counters for chunks of 32: never fewer than of 64
+        assert p.tiles == cb.fused_units(b, 16, 33)  # counters for chunks of 16: never fewer than taller
         assert p.blocks <= cb.chunk_blocks_per_sm("bfloat16", R, p.bm, 33) * cb.DEFAULT_SMS  # one wave
 
 
@@ -335,7 +337,7 @@ def test_chunk_plans_refuse_what_the_kernel_does_not_serve():
         with pytest.raises(ValueError, match="chunks of 32"):
             cb.plan_launch(1024, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="chunk", **kw)
     p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", live_slices=1)
-    assert (p.expand, p.bm, p.tiles) == ("chunk", kernels.CHUNK_BM, cb.fused_units(1024, kernels.CHUNK_BM, 33))
+    assert (p.expand, p.bm, p.tiles) == ("chunk", kernels.CHUNK_BM, cb.fused_units(1024, kernels.CHUNK_NARROW_BM, 33))
     assert not p.sliced  # one member: the instantiation of one slice
     p = cb.plan_launch(1024, 4096, 6144, 3, 16, "bfloat16", num_slots=33, expand="chunk", slice_align=128)
     assert (p.expand, p.n_slices, p.sliced) == ("chunk", 3, True)  # several slices on its column blocks: whole

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
+from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        STREAM_BN, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name)
@@ -110,8 +110,12 @@ def chunk_smem(dtype: str, max_rank: int, bm: int) -> int:
 
 
 def chunk_bm(bucket: int, max_rank: int) -> int:
-    """Positions a chunk of lora_chunk: ``CHUNK_WIDE_BM`` at rank widths above 16 from
-    ``CHUNK_WIDE_FROM`` positions (a wide A and B read once for 64 rows), else ``CHUNK_BM``."""
+    """Positions a chunk of lora_chunk: ``CHUNK_NARROW_BM`` up to ``CHUNK_NARROW_TO`` positions
+    (a decode step's chunks hold a few positions: one m-tile), ``CHUNK_WIDE_BM`` at rank widths
+    above 16 from ``CHUNK_WIDE_FROM`` positions (a wide A and B read once for 64 rows), else
+    ``CHUNK_BM``."""
+    if bucket <= CHUNK_NARROW_TO:
+        return CHUNK_NARROW_BM
     return CHUNK_WIDE_BM if rank_width(max_rank) > 16 and bucket >= CHUNK_WIDE_FROM else CHUNK_BM
 
 
@@ -289,6 +293,10 @@ CHUNK_SLICE_ALIGN = 128
 #: the wide shapes there (51.6 / 43.7); at 512 positions they lost with 32 adapters (33.6 against
 #: 30.1) and at 128-256 on most rows.
 CHUNK_WIDE_FROM = 1024
+#: Up to this many positions lora_chunk cuts a step into chunks of ``CHUNK_NARROW_BM`` (``chunk_bm``):
+#: a decode step's chunk of one slot holds a few positions (2 each with 32 adapters at 64), and a
+#: chunk of 32 computed and staged a second m-tile of nothing.
+CHUNK_NARROW_TO = 64
 
 
 def default_chunk(bucket: int, max_rank: int, n_slices: int = 1, live_slices: int | None = None) -> bool:
@@ -438,8 +446,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
                 num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int) -> LaunchPlan:
     """``lora_chunk``'s plan: ``bm`` is the height its kernel cuts a step's slots into
-    (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_BM`` positions of one slot a step can
-    have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
+    (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_NARROW_BM`` positions of one slot a step
+    can have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
     (``blocks``) one wave of ``chunk_blocks_per_sm`` blocks a multiprocessor (fewer where the
     bucket's chunks and parts cannot fill it), whose blocks take (chunk, part) items by ticket.
     The kernel cuts each of the step's chunks into as many parts (a share of ``in`` and of the
@@ -452,7 +460,7 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     if why:
         raise ValueError(why)
     rw, kc, bn, _ = chunk_geometry(max_rank)
-    bm, tiles = chunk_bm(bucket, max_rank), fused_units(bucket, CHUNK_BM, num_slots)
+    bm, tiles = chunk_bm(bucket, max_rank), fused_units(bucket, CHUNK_NARROW_BM, num_slots)
     nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
     blocks = min(chunk_blocks_per_sm(dtype, max_rank, bm, num_slots) * num_sms,

@@ -66,7 +66,8 @@ PTX_FUNCTIONS = ("void cp_async16(", "void cp_async_commit(", "void cp_async_wai
 from test_kernels import CASES as GPU_CASES  # noqa: E402
 
 #: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp,
-#: two whose lora_chunk steps take chunks of 64, and two of several slices lora_chunk serves whole.
+#: two whose lora_chunk steps take chunks of 64, two of several slices lora_chunk serves whole, and
+#: three of decode buckets (chunks of 16) at each rank width, two of them of several slices.
 CASES = {**GPU_CASES,
          "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                       mix="zipf", num_slots=17, active=12),
@@ -79,6 +80,14 @@ CASES = {**GPU_CASES,
                         num_slots=9, active=6),
          "gateup64": dict(T=333, in_f=200, slices=(192, 192), max_rank=64, ranks=(0, 3, 16, 33, 64), mix="skewed",
                           num_slots=17, active=9, pad_to=384),
+         # lora_chunk at decode buckets (chunks of 16): many short runs over several slices, a
+         # rank-64 gate/up, a rank-128 pool whose adapters above 64 take two rank blocks
+         "dec-qkv": dict(T=50, in_f=136, slices=(256, 128, 128), max_rank=16, ranks=(0, 5, 16), mix="distinct",
+                         num_slots=65, active=40),
+         "dec-gateup64": dict(T=64, in_f=200, slices=(192, 192), max_rank=64, ranks=(0, 3, 33, 64), mix="zipf",
+                              num_slots=17, active=9),
+         "dec-r128": dict(T=33, in_f=72, slices=(200,), max_rank=128, ranks=(0, 16, 80, 128), mix="skewed",
+                          num_slots=9, active=4, pad_to=64),
          "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
                             num_slots=513, active=61),
          # fp32: every 16-byte path allowed, out ending half-way into expand_stream's last 8-column

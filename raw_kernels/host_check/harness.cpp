@@ -193,11 +193,16 @@ template <typename T, bool AL, bool SL> static int run_chunk_sl(int bm, int bloc
     return 2;
   } else {
     L.chunked = 1;
-    if (L.rw <= 16) return bm == 32 ? run_chunk_rw<T, 16, 32, AL, SL>(blocks) : 2;
+    if (L.rw <= 16)
+      return bm == 16 ? run_chunk_rw<T, 16, 16, AL, SL>(blocks) : bm == 32 ? run_chunk_rw<T, 16, 32, AL, SL>(blocks) : 2;
     if (L.rw <= 64)
-      return bm == 32 ? run_chunk_rw<T, 64, 32, AL, SL>(blocks) : run_chunk_rw<T, 64, 64, AL, SL>(blocks);
+      return bm == 16   ? run_chunk_rw<T, 64, 16, AL, SL>(blocks)
+             : bm == 32 ? run_chunk_rw<T, 64, 32, AL, SL>(blocks)
+                        : run_chunk_rw<T, 64, 64, AL, SL>(blocks);
     if (L.rw <= 128)
-      return bm == 32 ? run_chunk_rw<T, 128, 32, AL, SL>(blocks) : run_chunk_rw<T, 128, 64, AL, SL>(blocks);
+      return bm == 16   ? run_chunk_rw<T, 128, 16, AL, SL>(blocks)
+             : bm == 32 ? run_chunk_rw<T, 128, 32, AL, SL>(blocks)
+                        : run_chunk_rw<T, 128, 64, AL, SL>(blocks);
     return 2;
   }
 }

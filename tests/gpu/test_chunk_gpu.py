@@ -136,7 +136,7 @@ def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
 def test_chunk_wide_ranks_take_chunks_of_64_from_chunk_wide_from(make_case, check, R, T, mix, active):
     """At rank widths above 16 a step of a bucket of CHUNK_WIDE_FROM positions or more is cut into
     chunks of 64 (A and B read once for 64 rows): full, or many short runs each in a chunk of its own
-    (the one-slice cases of 300 positions and fewer run chunks of 32)."""
+    (the one-slice cases of 100 and 300 positions run chunks of 32, those of 3 and 61 chunks of 16)."""
     case = make_case(T=T, in_f=200, slices=(264,), max_rank=R, ranks=(1, 17, 64, R), dtype="bfloat16", mix=mix,
                      num_slots=65, active=active)
     be = backend_for(case.spec, **CHUNK)
@@ -152,3 +152,15 @@ def test_chunk_graph_replays_new_addressing(make_case, check, R):
         dict(T=1000, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="uniform",
              num_slots=17, active=6),
         ((1000, "identical"), (900, "zipf"), (300, "skewed"), (1, "identical"), (1000, "distinct")))
+
+
+@pytest.mark.parametrize("R", [16, 64])
+def test_chunk_graph_replays_new_addressing_at_decode(make_case, check, R):
+    """The bucket of 64 positions: chunks of 16, from one slot a position to one position, each
+    replay's step with its own count of items (and so of blocks that take tickets)."""
+    first = dict(T=64, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="distinct",
+                 num_slots=65, active=64)
+    case = make_case(**first)
+    assert backend_for(case.spec, **CHUNK).plan(64, dev_weights(case.w), "bfloat16").bm == 16
+    graph_replays_new_addressing(make_case, check, CHUNK, first,
+                                 ((64, "distinct"), (37, "zipf"), (1, "identical"), (64, "skewed"), (64, "identical")))
