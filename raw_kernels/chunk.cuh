@@ -47,10 +47,12 @@
 // handed out, so at most P - 1 blocks wait on items not yet taken while the others run on and
 // take them (P is at most `splits`, far below the grid). Where the step has fewer items than the
 // grid has blocks (a small step in a large bucket), blocks past the items leave after counting
-// the chunks, with no ticket and no done count: each item's block is then one of the first.
+// the chunks, with no ticket and no done count: each item's block is then one of the first. The
+// first min(splits, grid / 2) blocks (no step with a position has fewer items) take their first
+// ticket as they start, beside the count (chunk_task).
 // Counters: [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 units) v readers done
-// (units as Args::units(32) with chunked set: the most chunks of 32 a step can have, so chunks of
-// 64 use the first of them). ws: v [bucket, n, rw] f32, zero before and after.
+// (units as Args::units(16) with chunked set: the most chunks of 16 a step can have, so taller
+// chunks use the first of them). ws: v [bucket, n, rw] f32, zero before and after.
 // RW: the pool's rank width (16; 64 for ranks 17-64; 128 for 65-128); stages sized for its rank
 // block RB (16, or 64: a rank-128 pool's adapters above rank 64 take two), loops bounded by each
 // slot's own rank, so a rank-128 pool's rank-16 adapters run as a rank-64 pool's do.

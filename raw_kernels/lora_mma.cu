@@ -1008,8 +1008,8 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
 
 // lora_chunk (chunk.cuh): a large step's whole delta in one launch, shrink and expand of each
 // chunk of BM positions of one slot in the same blocks; 16-bit types, rank widths 16, 64 and 128,
-// chunks of 32 or (rank widths 64 and 128) 64. Registers capped for the 4 blocks per
-// multiprocessor its shared memory allows.
+// chunks of 16 (decode buckets), 32 or (rank widths 64 and 128) 64; SLICED for a fused target
+// served whole. Registers capped for the 4 blocks per multiprocessor its shared memory allows.
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
 __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];

@@ -45,6 +45,8 @@ def configs():
         ("T1 r16 two", core(1, 16, 1), dict(fused=False)),
         ("T16 r16 s1", core(16, 16, 1), {}),
         ("T1024 r64 s1", core(1024, 64, 1), {}),
+        ("T256 r64 s1", core(256, 64, 1), {}),
+        ("T64 r64 s32", core(64, 64, 32), {}),
         ("T1024 r16 s1", core(1024, 16, 1), {}),
         # the layer's gate_up (Llama-8B, 4096 -> 14336 / 14336) at 64 tokens over 32 adapters
         ("T64 gate_up r16 s32", Row("layer", 64, 4096, (14336, 14336), (16,) * 32, 16), {}),

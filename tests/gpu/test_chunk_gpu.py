@@ -11,10 +11,9 @@ import pytest
 
 from lora_cupy.backends import cupy as cb
 from lora_cupy.backends.base import member_weights
-from lora_cupy.planning import LaunchViews
 
-from test_kernels import (_gpu_count, backend_for, check_clean, cp, dev, dev_misaligned, dev_weights,
-                          graph_replays_new_addressing, host, run_cupy)
+from test_kernels import (_gpu_count, backend_for, check_clean, cp, dev, dev_weights, graph_replays_new_addressing,
+                          host, run_cupy, run_prepared)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
@@ -57,14 +56,7 @@ def test_chunk_instantiations_through_a_prepared_layer(make_case, check, dtype, 
     case = make_case(T=300, in_f=328, slices=(264,), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48), dtype=dtype,
                      mix="zipf", num_slots=17, active=9, pad_to=512)
     be = backend_for(case.spec, **CHUNK, **(dict(aligned=False) if route == "aligned_off" else {}))
-    w = dev_weights(case.w)
-    layer = be.prepare(w)
-    views = LaunchViews(512, 0, dev(case.token_order), dev(case.slot_indptr))
-    x = dev_misaligned(case.x) if route == "x_misaligned" else dev(case.x)
-    y = dev_misaligned(case.y0) if route == "y_misaligned" else dev(case.y0)
-    layer(y, x, views, case.x.shape[0])
-    cp().cuda.get_current_stream().synchronize()
-    packed = layer.packed(views)
+    y, packed, _, _ = run_prepared(be, case, route, 512)
     assert [c.name for c in packed.calls] == ["chunk"]
     assert packed.aligned == (route == "aligned")
     check_clean(be)

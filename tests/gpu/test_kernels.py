@@ -240,6 +240,20 @@ def _aligned_shape(dtype: str) -> dict:
 ROUTES = ("aligned", "x_misaligned", "y_misaligned", "aligned_off")
 
 
+def run_prepared(be, case, route: str, bucket: int):
+    """One call of ``case`` through a layer prepared on ``be`` (the engine's path), with x or y one
+    element off 16-byte alignment where ``route`` says so: ``(y, the layer's packed launch, the
+    layer, the device weights it holds)``."""
+    w = dev_weights(case.w)  # held here too: the launch reads these arrays through raw pointers
+    layer = be.prepare(w)
+    views = LaunchViews(bucket, 0, dev(case.token_order), dev(case.slot_indptr))
+    x = dev_misaligned(case.x) if route == "x_misaligned" else dev(case.x)
+    y = dev_misaligned(case.y0) if route == "y_misaligned" else dev(case.y0)
+    layer(y, x, views, case.x.shape[0])
+    cp().cuda.get_current_stream().synchronize()
+    return y, layer.packed(views), layer, w
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("tile,launch", [(t, v) for t in (16, 64) for v in LAUNCHES
                                          if v != "expand_ring" or t == RING_TILE])
@@ -252,15 +266,8 @@ def test_aligned_and_unaligned_instantiations(make_case, check, dtype, tile, lau
     case = make_case(T=45, dtype=dtype, mix="zipf", num_slots=17, active=9, pad_to=64, **_aligned_shape(dtype))
     kw = dict(aligned=False) if route == "aligned_off" else {}
     be = backend_for(case.spec, tile=tile, **LAUNCHES[launch], **kw)
-    w = dev_weights(case.w)  # held here too: the launch reads these arrays through raw pointers
-    layer = be.prepare(w)
+    y, packed, layer, w = run_prepared(be, case, route, 64)
     assert layer.held is w
-    views = LaunchViews(64, 0, dev(case.token_order), dev(case.slot_indptr))
-    x = dev_misaligned(case.x) if route == "x_misaligned" else dev(case.x)
-    y = dev_misaligned(case.y0) if route == "y_misaligned" else dev(case.y0)
-    layer(y, x, views, case.x.shape[0])
-    cp().cuda.get_current_stream().synchronize()
-    packed = layer.packed(views)
     want = {"aligned": 7, "x_misaligned": 6, "y_misaligned": 3, "aligned_off": 7}[route]
     assert packed.last[2] == want
     assert packed.aligned == (route == "aligned")
