@@ -91,7 +91,8 @@ def mma_name(ctype: str, kernel: str, bm: int, *, aligned: bool, bn: int | None 
 
 #: Rank widths ``lora_chunk`` (chunk.cuh) is built for: a pool of rank 16 or less runs the first, one
 #: of rank 17-64 the second, 65-128 the third; its element types (16-bit only) and positions a chunk
-#: (between ``backends.cupy.CHUNK_NARROW_TO`` and ``CHUNK_WIDE_FROM`` positions; ``chunk_bm``).
+#: (above ``backends.cupy.CHUNK_NARROW_TO`` positions: at rank width 16, and below ``CHUNK_WIDE_FROM``
+#: positions at the others; ``chunk_bm``).
 CHUNK_RW = (16, 64, 128)
 CHUNK_DTYPES = ("float16", "bfloat16")
 CHUNK_BM = 32

@@ -166,8 +166,8 @@ template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_task_b
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
-  lora::chunk_task<T, RW, BM, AL, SL>(g, dsm.data(), reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM),
-                                  tr, cs, cw);
+  lora::chunk_task<T, RW, BM, AL, SL>(g, dsm.data(),
+                                      reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM), tr, cs, cw);
 }
 template <typename T, int RW, int BM, bool AL, bool SL> static int run_chunk_rw(int blocks) {
   emu::run_block(chunk_count_block<T, RW, BM>, 0);
