@@ -299,11 +299,17 @@ CHUNK_WIDE_FROM = 1024
 CHUNK_NARROW_TO = 64
 
 
+def several_slices(n_slices: int, live_slices: int | None) -> bool:
+    """Whether a call serves several slices with columns (``live_slices`` unknown counts as several):
+    lora_chunk's ``SLICED`` instantiation, its own default and its own condition in ``chunk_fits``."""
+    return n_slices > 1 and live_slices != 1
+
+
 def default_chunk(bucket: int, max_rank: int, n_slices: int = 1, live_slices: int | None = None) -> bool:
     """Whether a call of ``bucket`` positions whose target ``chunk_fits`` runs ``lora_chunk`` by
     default: from ``CHUNK_FROM`` positions with one slice with columns, from ``CHUNK_SLICES_FROM``
     with several at rank width 16 (above it the fused kernel and the pair measured faster)."""
-    if n_slices > 1 and live_slices != 1:  # several slices with columns
+    if several_slices(n_slices, live_slices):
         return bucket >= CHUNK_SLICES_FROM and rank_width(max_rank) <= 16
     return bucket >= CHUNK_FROM
 
@@ -318,7 +324,7 @@ def chunk_fits(dtype: str, max_rank: int, n_slices: int, live_slices: int | None
     if rank_width(max_rank) > CHUNK_RW[-1]:
         return f"lora_chunk is built for ranks up to {CHUNK_RW[-1]}, not {max_rank}"
     bn = chunk_geometry(max_rank)[2]
-    if n_slices > 1 and live_slices != 1 and (slice_align <= 0 or slice_align % bn):
+    if several_slices(n_slices, live_slices) and (slice_align <= 0 or slice_align % bn):
         return (f"lora_chunk serves several slices whose columns start at multiples of {bn}, not of "
                 f"{slice_align or 'an unknown step'}")
     return None
@@ -468,7 +474,8 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     parts = max(1, min(most, blocks // _ceil(bucket, bm)))  # what the kernel picks for a full bucket
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=most, k_split=_ceil(nk, parts) * kc, fused=False,
                       tiles=tiles, rank_blocks=1, col_blocks=col_blocks, cpb=_ceil(col_blocks, parts),
-                      n_slices=n_slices, expand="chunk", blocks=blocks, sliced=n_slices > 1 and live_slices != 1)
+                      n_slices=n_slices, expand="chunk", blocks=blocks,
+                      sliced=several_slices(n_slices, live_slices))
 
 
 def packed_slices(n_slices: int, max_rank: int, fused: bool) -> bool:
