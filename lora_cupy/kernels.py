@@ -53,8 +53,9 @@ STREAM_BN = 32
 #: registers) and ``expand_ring`` (tiles of 64 positions, y and B through a ring of cp.async stages,
 #: v in registers), each after ``lora_shrink``; and ``chunk`` (``lora_chunk``, chunk.cuh: the shrink
 #: and the expand of each chunk of one slot in the same blocks, one launch). There is one fused
-#: kernel for decode sizes (``lora_fused``).
-EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring", "chunk")
+#: kernel for decode sizes (``lora_fused``); and ``one`` (``lora_one``, one.cuh: the whole delta of a
+#: step of one position in thread-block clusters, sm_90).
+EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring", "chunk", "one")
 #: Tile height and column block of ``lora_expand_ring`` (``Ring<T>`` in expand_ring.cuh).
 RING_BM = 64
 RING_BN = 64
@@ -139,12 +140,25 @@ def glu_name(ctype: str, ks: int) -> str:
     return f"lora_expand_glu<{ctype}, {ks}>"
 
 
+#: Rank widths ``lora_one`` (one.cuh: the capture bucket of one position, in thread-block clusters of
+#: ``ONE_CLUSTER`` blocks) is built for, as lora_chunk's (every element type).
+ONE_RW = (16, 64, 128)
+ONE_CLUSTER = 8
+
+
+def one_name(ctype: str, rw: int, *, aligned: bool) -> str:
+    """The name expression of ``lora_one`` (one.cuh, in the tensor-core family) for one element type
+    and rank width (``ONE_RW``)."""
+    return f"lora_one<{ctype}, {rw}, {_cbool(aligned)}>"
+
+
 def _mma_names(ctype: str) -> tuple[str, ...]:
     glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
     chunk = tuple(chunk_name(ctype, rw, bm, aligned=a, sliced=sl) for rw, bm in CHUNK_SHAPES
                   for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
+    one = tuple(one_name(ctype, rw, aligned=a) for rw in ONE_RW for a in (False, True))
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
-                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk
+                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + one
 
 
 #: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.

@@ -43,8 +43,10 @@
 //   lora_expand_glu (expand_glu.cuh): a gated MLP's activation with its gate / up expands folded
 //     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
 //     large steps on models with a silu gated MLP.
+//   lora_one<..., RW, ALIGNED> (one.cuh: clusters of 8 blocks, no workspace): the capture bucket of
+//     one position on sm_90, every target and type (default_one).
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
-//     that lora_chunk does not take (one position; fp32; several slices with columns below 64
+//     that lora_chunk and lora_one do not take (one position below sm_90; fp32; several slices with columns below 64
 //     positions or off its column blocks), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
 //     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink
@@ -915,6 +917,7 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 #include "expand_ring.cuh"
 #include "expand_glu.cuh"
 #include "chunk.cuh"
+#include "one.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -1021,4 +1024,33 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM;
   lora::require_smem(SMEM + 4 * (num_slots + 1));
   lora::chunk_task<T, RW, BM, ALIGNED, SLICED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
+}
+
+// lora_one (one.cuh): the delta of the capture bucket of one position in clusters of 8 blocks, the
+// partial sums of v met in distributed shared memory; every type, rank widths 16, 64 and 128. No
+// dynamic shared memory, no workspace, no counters. sm_90 only: below it the body traps (the plan
+// never launches it there) and the cluster attribute is left out so the source still builds.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define LORA_ONE_CLUSTER __cluster_dims__(lora::ONE_CLUSTER, 1, 1)
+#else
+#define LORA_ONE_CLUSTER
+#endif
+template <typename T, int RW, bool ALIGNED>
+__global__ void LORA_ONE_CLUSTER __launch_bounds__(128) lora_one(LORA_PARAMS) {
+#if __CUDA_ARCH__ >= 900
+  __shared__ lora::OneStep st;
+  __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
+  LORA_ARGS;
+  if (!lora::one_setup(g, st)) return;  // the same in every block: a cluster leaves whole
+  lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
+  lora::cluster_arrive();  // part written (release) ...
+  lora::cluster_wait();    // ... and every block's seen (acquire)
+  lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });
+  lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so
+  __syncthreads();
+  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x);
+  lora::cluster_wait();
+#else
+  __trap();
+#endif
 }

@@ -43,6 +43,8 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     if dtype in kernels.CHUNK_DTYPES:  # a large step's whole delta in one launch: 16-bit only
         wanted |= {f"lora_chunk<{ct}, {rw}, {bm}, {al}, {sl}>" for rw, bm in kernels.CHUNK_SHAPES
                    for al in ("false", "true") for sl in ("false", "true")}
+    # one position in thread-block clusters (sm_90): every dtype, each rank width
+    wanted |= {f"lora_one<{ct}, {rw}, {al}>" for rw in kernels.ONE_RW for al in ("false", "true")}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -128,6 +130,11 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         if prev is not None and prev.bucket == b:
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
+        if p.expand == "one":  # the bucket of one position: clusters, no workspace or counters
+            assert b == cb.ONE_BUCKET and cb.one_fits(b, R) is None
+            assert p.blocks % cb.ONE_CLUSTER == 0 and p.blocks * p.bn >= out
+            assert p.splits * p.k_split >= in_f and p.k_split % (16 // cb._ITEMSIZE[dtype]) == 0
+            continue
         if p.expand == "chunk":  # one launch, whose kernel cuts the step's chunks into parts itself
             assert cb.default_chunk(b, R) and cb.chunk_fits(dtype, R, n, None) is None
             assert p.tiles == cb.fused_units(b, kernels.CHUNK_NARROW_BM, spec.num_slots)
@@ -151,7 +158,7 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
 
 
 def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
-    small = cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
+    small = cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33, clusters=False)  # below sm_90
     assert small.splits > 16 and small.shrink_blocks >= cb.DEFAULT_SMS // 4
     assert small.cpb == 1  # every column block its own block while blocks are few
     big = cb.plan_launch(4096, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
@@ -291,6 +298,8 @@ def test_each_shipped_kernel_is_a_default_somewhere():
                     chosen.add("fused" if p.fused else p.expand)
                     fits = cb.chunk_fits(dt, r, n, live) is None
                     assert (p.expand == "chunk") == (not p.fused and fits and cb.default_chunk(b, r))
+                    if p.expand == "one":  # the bucket of one position (test_one_position_...)
+                        continue
                     if p.expand == "chunk":
                         widths.add(cb.chunk_geometry(r)[0])
                         assert p.blocks <= cb.CHUNK_BLOCKS_PER_SM * cb.DEFAULT_SMS
@@ -305,6 +314,9 @@ def test_each_shipped_kernel_is_a_default_somewhere():
         assert fused or (expand == "expand_ring") == (b >= cb.RING_EXPAND_FROM)
     assert chosen == {"fused", *kernels.EXPAND_KERNELS}
     assert widths == set(kernels.CHUNK_RW)
+    # lora_one at each of its rank widths where a block's share of A is small (in = 1024)
+    assert {cb.one_rank_width(r) for r in (16, 64, 128)
+            if cb.plan_launch(1, 1024, 4096, 1, r, "bfloat16", num_slots=33).expand == "one"} == set(kernels.ONE_RW)
 
 
 @pytest.mark.parametrize("R", [8, 16, 48, 64, 128])
@@ -413,6 +425,39 @@ def test_chunked_plans_fill_about_a_wave_whatever_the_bucket():
                 assert (p.col_blocks - 1) * p.bn < out <= p.col_blocks * p.bn
 
 
+def test_one_position_runs_lora_one_where_the_device_has_clusters():
+    """The bucket of one position: lora_one in clusters of ONE_CLUSTER blocks (at least ONE_COLS columns
+    a block, at most ONE_MAX_CLUSTERS clusters), every dtype and target, ranks up to 128; the fused
+    kernel below sm_90, above rank 128, wherever something else is forced, and at every other bucket."""
+    for dtype in ("bfloat16", "float16", "float32"):
+        for out, n, clusters in ((4096, 1, 8), (6144, 3, 12), (28672, 2, 16), (100, 1, 1)):
+            p = cb.plan_launch(1, 4096, out, n, 16, dtype, num_slots=33, expand="one")
+            assert (p.expand, p.fused, p.blocks) == ("one", False, clusters * cb.ONE_CLUSTER)
+            assert p.blocks * p.bn >= out and p.shrink_blocks == p.expand_blocks == p.blocks
+    # by default where a block's share of A is at most ONE_MAX_SHARE: the Llama-8B layer's four rank-16
+    # targets in bf16 (down: 14336 / 8 features x 16 ranks x 2 bytes = 56 KB), not rank 64
+    for in_f, out, n in ((4096, 6144, 3), (4096, 4096, 1), (4096, 28672, 2), (14336, 4096, 1)):
+        assert cb.one_share(in_f, n, 16, "bfloat16") <= cb.ONE_MAX_SHARE
+        assert cb.plan_launch(1, in_f, out, n, 16, "bfloat16", num_slots=33).expand == "one"
+        assert cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33).fused
+        assert cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33, expand="one").expand == "one"
+    assert cb.one_share(14336, 1, 16, "bfloat16") == 14336 // 8 * 16 * 2
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert cb.plan_launch(1, 4096, 4096, 1, 16, dtype, num_slots=33, clusters=False).fused
+        assert cb.plan_launch(1, 4096, 4096, 1, 256, dtype, num_slots=33).fused
+    for kw in (dict(fused=True), dict(tile=16), dict(expand="expand"), dict(fused=False), dict(whole=False)):
+        assert cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33, **kw).expand != "one"
+    for b in DEFAULT_CAPTURE_BUCKETS[1:]:
+        assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand != "one"
+        with pytest.raises(ValueError, match="bucket of 1 position"):
+            cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one")
+    for kw, why in ((dict(clusters=False), "clusters"), (dict(whole=False), "one launch"),
+                    (dict(tile=16), "no tile"), (dict(max_rank=256), "ranks up to 128")):
+        args = dict(max_rank=16) | kw
+        with pytest.raises(ValueError, match=why):
+            cb.plan_launch(1, 4096, 4096, 1, args.pop("max_rank"), "bfloat16", num_slots=33, expand="one", **args)
+
+
 def test_chunks_where_the_step_is_small_and_only_for_the_fused_kernel():
     assert [b for b in DEFAULT_CAPTURE_BUCKETS if cb.default_chunks(b)] == [2, 4, 8, 16, 32]
     for b in DEFAULT_CAPTURE_BUCKETS:
@@ -422,7 +467,7 @@ def test_chunks_where_the_step_is_small_and_only_for_the_fused_kernel():
         assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=True).chunks
         tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=False)
         assert not tiles.chunks and tiles.tiles == -(-b // tiles.bm)
-        for expand in set(kernels.EXPAND_KERNELS) - {"chunk"}:  # the pair's kernels run tiles, whatever is asked
+        for expand in set(kernels.EXPAND_KERNELS) - {"chunk", "one"}:  # the pair's kernels run tiles, whatever is asked
             assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
                                       expand=expand, chunks=True).chunks
 
@@ -596,7 +641,8 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         names = set(bench.kernel_variants(row, sweep=False))
         fused = (row.bucket or row.T) <= 64
         assert "default" in names
-        assert (set(bench.VERSIONS) - {"chunk"} <= names) == (not fused)
+        assert (set(bench.VERSIONS) - {"chunk", "one"} <= names) == (not fused)
+        assert ("one" in names) == ((row.bucket or row.T) == cb.ONE_BUCKET)  # lora_one: one position
         assert (set(bench.DECODE_VERSIONS) <= names) == fused
         # lora_chunk is timed wherever it serves the row: 16-bit, a pool of rank <= 128, one slice or
         # several on its column blocks
@@ -615,12 +661,12 @@ def test_versions_table_picks_the_fastest_correct_launch():
     lines = bench._versions_table([res]).splitlines()
     assert len(lines) == 3 and lines[2].startswith(row.label[:40])
     cells = lines[2][40:].split()
-    assert cells[2] == "ERR" and cells[8] == "default"  # over tolerance never wins
+    assert cells[2] == "ERR" and cells[9] == "default"  # over tolerance never wins
     assert cells[cells.index("|") - 1] == "no"  # 73 us: 36% of a 26 us floor
     assert lines[2].endswith("| 20.0 50.0 - -")  # shrink and expand alone; the other expands not timed alone
     res["kernels"]["expand_stream"] = k(36.0)
     cells = bench._versions_table([res]).splitlines()[2][40:].split()
-    assert cells[8] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
+    assert cells[9] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
     alone = {**res, "kernels": {"default": k(9.0)}}
     assert len(bench._versions_table([alone]).splitlines()) == 2  # a row timed alone is left out
 

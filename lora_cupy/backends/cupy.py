@@ -31,8 +31,8 @@ import numpy as np
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       STREAM_BN, chunk_name, expand_v_name, glu_name,
-                       load_module, mma_family, mma_kernels, mma_name)
+                       ONE_CLUSTER, ONE_RW, STREAM_BN, chunk_name, expand_v_name, glu_name,
+                       load_module, mma_family, mma_kernels, mma_name, one_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
 
@@ -188,20 +188,21 @@ class LaunchPlan:
     #: an unfused shrink whose slices share one rank block (``packed_slices``): one task per
     #: tile and split reads x once for every slice
     packed: bool = False
-    #: the grid of a launch whose blocks take their work by ticket (``lora_chunk``: one wave)
+    #: the grid of a launch whose blocks take their work by ticket (``lora_chunk``: one wave), or of
+    #: ``lora_one`` (clusters of ``ONE_CLUSTER`` blocks)
     blocks: int = 0
     #: ``lora_chunk`` over several slices with columns (its ``SLICED`` instantiation); else one
     sliced: bool = False
 
     @property
     def shrink_blocks(self) -> int:
-        if self.expand == "chunk":  # one launch: every block shrinks, then expands
+        if self.expand in ("chunk", "one"):  # one launch: every block shrinks, then expands
             return self.blocks
         return self.tiles * self.splits * (1 if self.packed else self.n_slices * self.rank_blocks)
 
     @property
     def expand_blocks(self) -> int:
-        if self.expand == "chunk":
+        if self.expand in ("chunk", "one"):
             return self.blocks
         return self.tiles * _ceil(self.col_blocks, self.cpb)
 
@@ -299,6 +300,54 @@ CHUNK_WIDE_FROM = 1024
 CHUNK_NARROW_TO = 64
 
 
+#: The capture bucket ``lora_one`` serves: one position (a decode step of one sequence).
+ONE_BUCKET = 1
+#: Columns a ``lora_one`` block writes at least (a thread a column), and the most clusters of
+#: ``ONE_CLUSTER`` blocks a launch takes: each cluster sums all of v again, so more clusters read A
+#: more often (from L2) for fewer columns a block.
+ONE_COLS = 64
+ONE_MAX_CLUSTERS = 16
+#: The most bytes of A a ``lora_one`` block sums by default (its eighth of ``in`` for every slice at
+#: the pool's rank width): a cluster's 8 blocks read all of the slot's A, where the fused kernel
+#: spreads it over every multiprocessor. On an H200 (raw_kernels/NOTES.md, "lora_one") 16-56 KB a
+#: block ran 6.1-10.3 us flushed against the fused kernel's 9.5-10.3 (the Llama-8B layer's four
+#: rank-16 targets), 64 KB and more 15.1-35.7 against 11.6-13.8 (rank 64).
+ONE_MAX_SHARE = 56 * 1024
+
+
+def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int:
+    """Bytes of A one ``lora_one`` block sums at most: an eighth of ``in`` (16-byte pieces), every
+    slice at the pool's rank width."""
+    kc = 16 // _ITEMSIZE[normalize_dtype(dtype)]
+    return n_slices * rank_width(max_rank) * _ceil(_ceil(in_features, kc), ONE_CLUSTER) * 16
+
+
+def default_one(bucket: int, clusters: bool, share: int = 0) -> bool:
+    """Whether a call of ``bucket`` positions runs ``lora_one`` by default: the bucket of one
+    position, on a device with thread-block clusters (compute capability 9.0 or above), where a
+    block's share of A (``one_share``) is at most ``ONE_MAX_SHARE``."""
+    return clusters and bucket == ONE_BUCKET and share <= ONE_MAX_SHARE
+
+
+def one_fits(bucket: int, max_rank: int) -> str | None:
+    """Why ``lora_one`` cannot serve a call (None: it can): one position, ranks up to 128."""
+    if bucket != ONE_BUCKET:
+        return f"lora_one serves the capture bucket of {ONE_BUCKET} position, not {bucket}"
+    if rank_width(max_rank) > ONE_RW[-1]:
+        return f"lora_one is built for ranks up to {ONE_RW[-1]}, not {max_rank}"
+    return None
+
+
+def one_rank_width(max_rank: int) -> int:
+    """The ``lora_one`` instantiation (``ONE_RW``) a pool of ``max_rank`` runs."""
+    return next(rw for rw in ONE_RW if max_rank <= rw)
+
+
+def one_clusters(out_features: int) -> int:
+    """Clusters of a ``lora_one`` launch: ``ONE_COLS`` columns a block or more, at most ``ONE_MAX_CLUSTERS``."""
+    return max(1, min(ONE_MAX_CLUSTERS, _ceil(out_features, ONE_CLUSTER * ONE_COLS)))
+
+
 def several_slices(n_slices: int, live_slices: int | None) -> bool:
     """Whether a call serves several slices with columns (``live_slices`` unknown counts as several):
     lora_chunk's ``SLICED`` instantiation, its own default and its own condition in ``chunk_fits``."""
@@ -349,16 +398,21 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
                 chunks: bool | None = None, live_slices: int | None = None, whole: bool = True,
-                slice_align: int = 0) -> LaunchPlan:
+                slice_align: int = 0, clusters: bool = True) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it). ``slice_align``: what every
     column offset of the target's slices is a multiple of (:func:`slice_alignment`; 0: unknown).
+    ``clusters``: the device has thread-block clusters (compute capability 9.0 or above), which
+    ``lora_one`` needs.
 
     ``live_slices``: how many of the ``n_slices`` have columns (one slice of a fused target served
     into its own output: the others have none, and their shrink tasks stop at once); an unfused
     launch splits ``in`` for those alone, so the member's shrink fills the device as a one-slice
     target's does. None: every slice.
 
+    The bucket of one position runs ``lora_one`` (``default_one``: one launch of clusters, see
+    one.cuh) where a block's share of A is small enough, unless a tile, fusing, chunks or another
+    expand are forced, or ``whole`` is False; ``expand="one"`` forces it at any share.
     A call whose target ``chunk_fits`` runs ``lora_chunk`` (shrink and expand in one launch,
     ``expand="chunk"``) where ``default_chunk`` says so, unless a tile, fusing or chunks are
     forced or ``whole`` is False (a plan for the delta in two launches of its own). Any other call
@@ -383,8 +437,21 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     waves measured 11-21% slower on uniform steps of 1024-4096 tokens.
     """
     dtype = normalize_dtype(dtype)
-    if (fused is None and expand is None and chunks is None and whole and tile is None
-            and default_chunk(bucket, max_rank, n_slices, live_slices)
+    unforced = fused is None and expand is None and chunks is None and whole and tile is None
+    share = one_share(in_features, n_slices, max_rank, dtype)
+    if expand == "one" or (unforced and default_one(bucket, clusters, share) and one_fits(bucket, max_rank) is None):
+        why = (one_fits(bucket, max_rank) or (None if clusters else "lora_one needs thread-block clusters (sm_90)")
+               or (None if whole else "lora_one runs the whole delta in one launch, not in halves")
+               or (None if not (fused or chunks or tile) else "lora_one takes no tile, fusing or chunks"))
+        if why:
+            raise ValueError(why)
+        kc = 16 // _ITEMSIZE[dtype]  # elements of a 16-byte piece
+        clus = one_clusters(out_features)
+        return LaunchPlan(bucket=bucket, bm=1, bn=_ceil(out_features, clus * ONE_CLUSTER), splits=ONE_CLUSTER,
+                          k_split=_ceil(_ceil(in_features, kc), ONE_CLUSTER) * kc, fused=False, tiles=1,
+                          rank_blocks=1, col_blocks=clus * ONE_CLUSTER, cpb=1, n_slices=n_slices, expand="one",
+                          blocks=clus * ONE_CLUSTER)
+    if (unforced and default_chunk(bucket, max_rank, n_slices, live_slices)
             and chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) is None):
         fused, expand = False, "chunk"
     fused = default_fused(bucket) if fused is None else bool(fused)
@@ -649,6 +716,7 @@ class CallLimits:
     fused: bool | None = None
     expand: str | None = None
     chunks: bool | None = None
+    clusters: bool = True  # thread-block clusters (compute capability 9.0 or above): lora_one
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str, num_slots: int, live_slices: int | None = None, halves: bool = False,
@@ -657,7 +725,8 @@ class CallLimits:
         return plan_launch(self.spec.bucket_for(num_tokens), in_features, out_features, n_slices,
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
                            fused=False if halves else self.fused, expand=self.expand, chunks=self.chunks,
-                           live_slices=live_slices, whole=not halves, slice_align=slice_align)
+                           live_slices=live_slices, whole=not halves, slice_align=slice_align,
+                           clusters=self.clusters)
 
 
 @dataclass(frozen=True)
@@ -978,7 +1047,9 @@ class CupyBackend:
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
-            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks)
+            clusters = int(self._device.compute_capability) >= 90
+            self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks,
+                                     clusters)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
         from .launch_ex import PdlLauncher, pdl_supported
@@ -1036,6 +1107,9 @@ class CupyBackend:
                         fn = mod.get_function(chunk_name(ct, rw, bm, aligned=aligned, sliced=sliced))
                         fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw, bm) + extra
                         self._fns[(dtype, "chunk", rw, bm, sliced, aligned)] = fn
+        for rw in ONE_RW:  # static shared memory only
+            for aligned in (False, True):
+                self._fns[(dtype, "one", rw, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
         if dtype in GLU_DTYPES:
             for ks in GLU_KS:
                 fn = mod.get_function(glu_name(ct, ks))
@@ -1157,9 +1231,14 @@ class CupyBackend:
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
+        if plan.expand in ("chunk", "one") and set(parts) != {"shrink", "expand"}:
+            raise ValueError(f"lora_{plan.expand} runs the shrink and the expand in one launch: neither runs alone")
+        if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute); no dynamic shared memory
+            key = ("one", one_rank_width(R))
+            return [KernelCall("one", self._kernel_fn(dtype, (*key, False)), (plan.blocks, 1, 1), (THREADS, 1, 1), 0,
+                               args, 0, 1, len(args) - 2,
+                               None if self.aligned is False else self._kernel_fn(dtype, (*key, True)))]
         if plan.expand == "chunk":  # shrink and expand in one launch
-            if set(parts) != {"shrink", "expand"}:
-                raise ValueError("lora_chunk runs the shrink and the expand in one launch: neither runs alone")
             rw = chunk_geometry(R)[0]
             return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, R, plan.bm))]
         out_calls = []

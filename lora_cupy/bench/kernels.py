@@ -491,6 +491,8 @@ def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, bac
 def _plan_label(plan) -> str:
     """A launch plan in a few characters: tile, fused, chunks, splits and (unfused) the expand."""
     label = f"{plan.bm}{'f' if plan.fused else ''}{'c' if plan.chunks else ''}/s{plan.splits}"
+    if plan.expand == "one":  # clusters of ONE_CLUSTER blocks
+        return label + f" one x{plan.blocks // plan.splits}"
     return label if plan.fused else label + f" {plan.expand}"
 
 
@@ -515,9 +517,10 @@ VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
 #: Launches timed side by side with the default, by the names of what they run: on rows whose
 #: bucket launches shrink and expand apart, each expand kernel after lora_shrink; on decode rows (a
 #: fused launch by default), the fused kernel on chunks and on tiles, and the unfused pair; and on
-#: both, lora_chunk (shrink and expand in one launch) wherever it serves the row.
+#: both, lora_chunk (shrink and expand in one launch) wherever it serves the row; on rows of one
+#: position, lora_one (its default on an H200).
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
-            "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk")}
+            "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk"), "one": dict(expand="one")}
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
                    "unfused": dict(fused=False)}
 
@@ -525,19 +528,22 @@ DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles":
 def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
     """The backend options timed on one row: the default, then each expand kernel (unfused
     buckets) or the unfused launches (fused buckets)."""
-    from ..backends.cupy import chunk_fits, default_fused, slice_alignment
+    from ..backends.cupy import ONE_BUCKET, chunk_fits, default_fused, one_fits, slice_alignment
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
     spec = LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=row.slots + 1, max_rank=row.pool_rank)
     fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None,
                       slice_alignment(np.cumsum((0,) + tuple(row.slices)))) is None
-    if default_fused(spec.bucket_for(row.bucket or row.T)):
+    bucket = spec.bucket_for(row.bucket or row.T)
+    if default_fused(bucket):
         out.update(DECODE_VERSIONS)
         if fits:  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)
             out["chunk"] = dict(VERSIONS["chunk"], fused=False)
+        if bucket == ONE_BUCKET and one_fits(bucket, row.pool_rank) is None:
+            out["one"] = VERSIONS["one"]
     else:
-        out.update({k: v for k, v in VERSIONS.items() if k != "chunk" or fits})
+        out.update({k: v for k, v in VERSIONS.items() if k not in ("chunk", "one") or (k == "chunk" and fits)})
     return out
 
 
@@ -625,9 +631,9 @@ def _versions_table(results: list[dict]) -> str:
     kernels alone where timed, the best launch, the best baseline, and whether the best meets the
     issue's bars."""
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
-    alone_keys = ["shrink", *(v for v in VERSIONS if v != "chunk")]
+    alone_keys = ["shrink", *(v for v in VERSIONS if v not in ("chunk", "one"))]
     short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring",
-             "chunk": "chunk", "fused_chunks": "chunks", "fused_tiles": "tiles", "unfused": "unfused"}
+             "chunk": "chunk", "one": "one", "fused_chunks": "chunks", "fused_tiles": "tiles", "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))
     lines = ["launches side by side (us; ERR = over tolerance, '-' = not run)", head]

@@ -88,6 +88,17 @@ CASES = {**GPU_CASES,
                               num_slots=17, active=9),
          "dec-r128": dict(T=33, in_f=72, slices=(200,), max_rank=128, ranks=(0, 16, 80, 128), mix="skewed",
                           num_slots=9, active=4, pad_to=64),
+         # lora_one (one position): odd `in` and ranks, three slices with a rank-0 one, 513 slots (the
+         # slot search past one pass of the block), a rank-128 pool, columns over several clusters,
+         "one-odd": dict(T=1, in_f=77, slices=(61,), max_rank=13, ranks=(1, 8, 13), mix="distinct"),
+         "one-qkv": dict(T=1, in_f=1032, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64), mix="uniform"),
+         "one-many": dict(T=1, in_f=264, slices=(136, 40), max_rank=32, ranks=(1, 8, 16, 32), mix="distinct",
+                          num_slots=513, active=500),
+         "one-r128": dict(T=1, in_f=1000, slices=(64, 72), max_rank=128, ranks=(1, 80, 128), mix="identical"),
+         "one-wide": dict(T=1, in_f=520, slices=(3000, 1000), max_rank=16, ranks=(5, 16), mix="uniform"),
+         # lora_one's warps split a block's pieces 2 and 4 ways (64 and 128 pieces or more a block)
+         "one-long2": dict(T=1, in_f=4104, slices=(40, 24, 24), max_rank=16, ranks=(0, 13, 16), mix="distinct"),
+         "one-long4": dict(T=1, in_f=8200, slices=(40, 24), max_rank=64, ranks=(3, 13, 64), mix="distinct"),
          "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
                             num_slots=513, active=61),
          # fp32: every 16-byte path allowed, out ending half-way into expand_stream's last 8-column
@@ -235,7 +246,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
     code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4, "expand_ring": 5,
-                                                 "chunk": 6}[plan.expand]
+                                                 "chunk": 6, "one": 7}[plan.expand]
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, 0 if part == "expand" else plan.shrink_blocks,
                        0 if part == "shrink" else plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(b), ptr(scaling),
                        ptr(ranks), ptr(offs), ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters),
@@ -541,7 +552,7 @@ def main(argv=None) -> int:
             return 1 if fails else 0
         for name in args.cases.split(","):
             for dt in args.dtypes.split(","):
-                tiles = ([cb.RING_BM] if args.expand == "expand_ring" else [0] if args.expand == "chunk"
+                tiles = ([cb.RING_BM] if args.expand == "expand_ring" else [0] if args.expand in ("chunk", "one")
                          else args.tiles.split(",")) if not args.fused else args.tiles.split(",")
                 for tile in (int(t) for t in tiles):
                     case = build_case(rng, dtype=dt, **CASES[name])
@@ -556,10 +567,10 @@ def main(argv=None) -> int:
                         plans = [plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
                                           chunks=False if args.tiles_only else True if args.chunks else None,
                                           out=None if j is None else offs[j + 1] - offs[j]) for j in members]
-                    except ValueError as e:  # lora_chunk: a case it does not serve
-                        if args.expand != "chunk":
+                    except ValueError as e:  # lora_chunk, lora_one: a case it does not serve
+                        if args.expand not in ("chunk", "one"):
                             raise
-                        print(f"{name:10s} {dt:9s} chunk: not served ({e})", flush=True)
+                        print(f"{name:10s} {dt:9s} {args.expand}: not served ({e})", flush=True)
                         continue
                     plan = plans[0]
                     t0 = time.time()

@@ -210,6 +210,46 @@ template <typename T, bool AL> static int run_chunk(int bm, int blocks) {
   return L.sliced ? run_chunk_sl<T, AL, true>(bm, blocks) : run_chunk_sl<T, AL, false>(bm, blocks);
 }
 
+// lora_one (one.cuh): each cluster's blocks run their shrink one after another, each into its own
+// part (the kernel's shared memory, NaN before each cluster so a read of a row no block wrote
+// shows), then each block its sum over the cluster's parts (distributed shared memory on the
+// device) and its share of the columns.
+static std::vector<float> g_one_parts;
+static int g_one_blocks = 0;
+template <typename T, int RW, bool AL> static void one_shrink_block(int b) {
+  static lora::OneStep st;
+  auto g = args<T>();
+  if (!lora::one_setup(g, st)) return;
+  const int k = b % lora::ONE_CLUSTER;
+  lora::one_shrink<T, RW, AL>(g, st, g_one_parts.data() + k * lora::ONE_SLICES * RW, k);
+}
+template <typename T, int RW, bool AL> static void one_expand_block(int b) {
+  static lora::OneStep st;
+  static float vs[lora::ONE_SLICES * RW];
+  auto g = args<T>();
+  if (!lora::one_setup(g, st)) return;
+  lora::one_sum<RW>(g.n_slices, st, vs,
+                    [](int peer, int e) { return g_one_parts[peer * lora::ONE_SLICES * RW + e]; });
+  __syncthreads();
+  lora::one_expand<T, RW, AL>(g, st, vs, b, g_one_blocks);
+}
+template <typename T, int RW, bool AL> static int run_one_rw(int blocks) {
+  if (blocks % lora::ONE_CLUSTER) return 2;
+  g_one_blocks = blocks;
+  for (int c = 0; c < blocks; c += lora::ONE_CLUSTER) {
+    g_one_parts.assign(lora::ONE_CLUSTER * lora::ONE_SLICES * RW, NAN);
+    for (int b = c; b < c + lora::ONE_CLUSTER; ++b) emu::run_block(one_shrink_block<T, RW, AL>, b);
+    for (int b = c; b < c + lora::ONE_CLUSTER; ++b) emu::run_block(one_expand_block<T, RW, AL>, b);
+  }
+  return 0;
+}
+template <typename T, bool AL> static int run_one(int blocks) {
+  if (L.bucket != 1) return 2;
+  return L.max_rank <= 16 ? run_one_rw<T, 16, AL>(blocks)
+         : L.max_rank <= 64 ? run_one_rw<T, 64, AL>(blocks)
+         : L.max_rank <= 128 ? run_one_rw<T, 128, AL>(blocks) : 2;
+}
+
 static int g_blocks = 0;
 template <typename T, int BM, int BN, bool CHUNKED, bool AL> static void fused_block(int u) {
   static lora::TileRows<BM> tr;
@@ -246,12 +286,13 @@ template <typename T, bool AL> static int run_a(int bm, int expand, int sb, int 
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (L.aligned && L.flags != 7) return 3;  // the ALIGNED instantiation serves flags == 7 alone
   if (expand == 6) return L.aligned ? run_chunk<T, true>(bm, sb) : run_chunk<T, false>(bm, sb);
+  if (expand == 7) return L.aligned ? run_one<T, true>(sb) : run_one<T, false>(sb);
   return L.aligned ? run_a<T, true>(bm, expand, sb, eb) : run_a<T, false>(bm, expand, sb, eb);
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 5 (lora_expand_ring),
-// 6 (lora_chunk: shrink_blocks its blocks), 0 / 1 (the fused launch on tiles / chunks);
+// 6 (lora_chunk: shrink_blocks its blocks), 7 (lora_one: shrink_blocks its blocks), 0 / 1 (the fused launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
 // sliced (lora_chunk's instantiation for several slices)
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }

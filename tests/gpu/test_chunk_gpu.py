@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from lora_cupy.backends import cupy as cb
-from lora_cupy.backends.base import member_weights
 
-from test_kernels import (_gpu_count, backend_for, check_clean, cp, dev, dev_weights, graph_replays_new_addressing,
-                          host, run_cupy, run_prepared)
+from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
+                          host, run_cupy, run_members, run_prepared)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
@@ -70,20 +69,7 @@ def test_chunk_serves_one_member_of_a_fused_target(make_case, check, dtype, T):
     member served as a whole call; the attachment's prefill serves q/k/v members in halves)."""
     case = make_case(T=T, in_f=328, slices=(200, 56, 24), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48), dtype=dtype,
                      mix="zipf", num_slots=17, active=9)
-    be = backend_for(case.spec, **CHUNK)
-    w = dev_weights(case.w)
-    offs = case.w.out_offsets
-    x, to, ip = dev(case.x), dev(case.token_order), dev(case.slot_indptr)
-    got = np.empty_like(case.y0)
-    for j in range(len(offs) - 1):
-        mw = member_weights(w, j)
-        assert be.plan(T, mw, dtype).expand == "chunk"
-        y = dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]))
-        be.delta(y, x, mw, to, ip)
-        cp().cuda.get_current_stream().synchronize()
-        check_clean(be)
-        got[:, offs[j]:offs[j + 1]] = host(y, dtype)
-    check(case, got, dtype)
+    check(case, run_members(backend_for(case.spec, **CHUNK), case, dtype, expand="chunk"), dtype)
 
 
 #: fused targets lora_chunk serves whole: every slice's columns start on a column block (128 at

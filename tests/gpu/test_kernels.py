@@ -434,27 +434,36 @@ def test_one_slice_of_a_fused_target_into_its_own_output(make_case, check, dtype
     separate q/k/v linear's), reading its rows of the fused B in place (a view whose slots are the
     fused B's apart) and computing nothing for the other slices: the slices' outputs side by side
     match the oracle; slices ending inside a column block, odd ranks, rank 0, NaN past each rank."""
-    from lora_cupy.backends.base import member_weights
-
     case = make_case(T=T, dtype=dtype, mix="zipf", num_slots=17, active=9, **_aligned_shape(dtype))
     be = backend_for(case.spec, **LAUNCHES[launch])
+    check(case, run_members(be, case, dtype, prepared={1}), dtype)  # slice 1: the engine's path
+
+
+def run_members(be, case, dtype: str, expand: str | None = None, prepared=frozenset()) -> np.ndarray:
+    """Each slice of ``case``'s fused target served alone into an output of its width, its rows of
+    the fused B read as a view (``member_weights``); slice j through a prepared layer where j is in
+    ``prepared``, else ``be.delta``; v and the counters clean after each. ``expand``: the kernel each
+    member's plan must take. Returns the slices' outputs side by side."""
+    from lora_cupy.backends.base import member_weights
+
     w = dev_weights(case.w)
     offs = case.w.out_offsets
+    T = case.token_order.shape[0]
     x, to, ip = dev(case.x), dev(case.token_order), dev(case.slot_indptr)
     got = np.empty_like(case.y0)
     for j in range(len(offs) - 1):
         mw = member_weights(w, j)
         assert mw.b.shape[1] == offs[j + 1] - offs[j] and not mw.b.flags.c_contiguous
+        assert expand is None or be.plan(T, mw, dtype).expand == expand
         y = dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]))
-        if j == 1:  # the engine's path: a prepared layer
-            layer = be.prepare(mw)
-            layer(y, x, LaunchViews(case.token_order.shape[0], 0, to, ip), case.x.shape[0])
+        if j in prepared:
+            be.prepare(mw)(y, x, LaunchViews(T, 0, to, ip), case.x.shape[0])
         else:
             be.delta(y, x, mw, to, ip)
         cp().cuda.get_current_stream().synchronize()
         check_clean(be)
         got[:, offs[j]:offs[j + 1]] = host(y, dtype)
-    check(case, got, dtype)
+    return got
 
 
 @pytest.mark.parametrize("max_rank,ranks", [(13, (0, 1, 8, 13)), (16, (0, 5, 16))])

@@ -1,0 +1,221 @@
+// lora_one: the delta of a step of one position (the capture bucket of 1: a decode step of one
+// sequence), every slice of the target, in one launch of thread-block clusters, with no workspace,
+// no counters and no round trip through global memory between blocks. Included by lora_mma.cu
+// (it uses Args from there).
+//
+// Why: at one position the delta moves little (A and B of one slot: 0.1-0.5 MB at rank 16) and
+// its time is the chain of dependent rounds a call runs through. lora_fused splits `in` over
+// blocks that add into v in L2 and count themselves ready, and expand blocks poll the count, then
+// read v: about 8 us a call in a warm layer (NOTES.md). Here the split of `in` is over the 8 blocks
+// of a cluster, whose partial sums meet in distributed shared memory behind a cluster barrier.
+//
+// Algebra (slot s of the one position p, t = token_order[p]; slice j with columns
+// [c_lo_j, c_hi_j) = [out_offsets[j], out_offsets[j + 1]) and rank r_j = ranks[s, j], 0 where the
+// slice has no columns):
+//   v[j, r]  = scaling[s, j] * sum over the cluster's blocks b of x[t, K_b] . A[s, j, r, K_b]  (fp32)
+//   y[t, c] += v[j, :r_j] . B[s, c, :r_j]                           (c in [c_lo_j, c_hi_j), fp32)
+// y keeps its bits where the delta is exactly zero; nothing is written for slot 0 (no adapter) or
+// a slot whose ranks are all zero. Ranks and scalings are read in full precision: v is not rounded
+// to T before the expand (the tensor-core kernels round it to feed the MMA).
+// Grid (1-D, 128 threads, clusters of ONE_CLUSTER blocks): every cluster computes the whole v (block
+// b of a cluster sums its 1/8 share of `in` in 16-byte pieces, a warp ONE_ROWS rows at a time, one
+// shuffle butterfly a row; see one_shrink), so no cluster waits on another; block g of the grid then writes its 1/grid
+// share of the columns, a thread a column (its B row, r_j ranks, 16-byte pieces). The plan sizes
+// the grid by the columns (ONE_COLS a block at least, at most ONE_MAX_CLUSTERS clusters).
+// Shapes: any `in`, out, rank up to RW (16, 64 or 128: the pool's rank width), up to 8 slices,
+// every 16-bit and 32-bit type; ALIGNED (flags == 7) drops the element-wise loads of x, A and B.
+// sm_90 only (clusters); the plan never asks for it on an older device.
+#pragma once
+
+namespace lora {
+
+constexpr int ONE_CLUSTER = 8;  // blocks a cluster: each sums an eighth of `in`
+constexpr int ONE_SLICES = 8;   // slices a target (the backend's MAX_SLICES)
+constexpr int ONE_ROWS = 4;     // rows (slice, rank) a warp sums at once
+
+// The step's one position as every block of the launch reads it.
+struct OneStep {
+  int slot, row;                          // its slot (0: none), its row of x and y
+  int rank[ONE_SLICES];                   // r_j: 0 past n and where a slice has no columns
+  float scale[ONE_SLICES];
+  int off[ONE_SLICES + 1];                // column offsets of the slices
+};
+
+// Distributed shared memory and the cluster barrier (sm_90). The host check supplies its own.
+#ifndef LORA_HOST_EMULATION
+__device__ __forceinline__ int cluster_rank() {
+  unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return int(r);
+}
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+// part[e] of the cluster's block `peer` (part: the address of the same array in this block)
+__device__ __forceinline__ float cluster_load(const float* part, int peer, int e) {
+  float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(part + e)), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+#endif
+
+// The 16 bytes of T at p as floats, elements from `valid` on zero (never multiplied: a weight
+// past a rank or `in` may be NaN). `vec`: p is 16-byte aligned and the piece may be read whole.
+template <typename T, bool VEC>
+__device__ __forceinline__ void one_piece(const T* p, int valid, bool vec, float (&f)[16 / sizeof(T)]) {
+  constexpr int CH = 16 / sizeof(T);
+  if (VEC || vec) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < CH; ++i) f[i] = i < valid ? to_float(e[i]) : 0.f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < CH; ++i) f[i] = i < valid ? to_float(p[i]) : 0.f;
+  }
+}
+
+// The position's slot and row, its slices' ranks, scalings and offsets (two rounds of loads and
+// three barriers). False where there is nothing to add (no adapter, or every rank zero): the same
+// answer in every block, so a cluster leaves whole.
+template <typename T>
+__device__ bool one_setup(const Args<T>& g, OneStep& st) {
+  const int tid = threadIdx.x, S = g.num_slots, n = g.n_slices;
+  int found = 0;
+  for (int s = 1 + tid; s < S; s += blockDim.x)  // slot 0 is no adapter
+    if (g.slot_indptr[s + 1] > g.slot_indptr[s]) found = s;
+  const int off = tid <= n ? (n > 1 ? g.out_offsets[tid] : (tid == 0 ? 0 : g.out_features)) : 0;
+  const int row = tid == 0 ? g.token_order[0] : 0;
+  if (tid == 0) st.slot = 0;
+  __syncthreads();
+  if (found) st.slot = found;  // one slot holds the step's one position
+  if (tid <= n) st.off[tid] = off;
+  if (tid == 0) st.row = row;
+  __syncthreads();
+  const int s = st.slot;
+  if (s == 0) return false;
+  if (tid < ONE_SLICES) {
+    int r = 0;
+    float sc = 0.f;
+    if (tid < n && st.off[tid + 1] > st.off[tid]) {
+      r = min(max(g.ranks[s * n + tid], 0), g.max_rank);
+      sc = g.scaling[s * n + tid];
+    }
+    st.rank[tid] = r;
+    st.scale[tid] = sc;
+  }
+  __syncthreads();
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  return rows > 0;
+}
+
+// part[j * RW + r] = x[t, K_b] . A[s, j, r, K_b] for every row (j, r < r_j), K_b the share of `in`
+// of the cluster's block b (16-byte pieces split in eighths): warp w takes the rows w * ONE_ROWS,
+// (w + 4) * ONE_ROWS, ... ONE_ROWS at a time, lane l the pieces l, l + 32, ... of the share, two
+// pieces' loads of every row in flight at once; one shuffle butterfly a row.
+template <typename T, int RW, bool ALIGNED>
+__device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int b) {
+  constexpr int CH = 16 / sizeof(T);
+  const int in = g.in_features, n = g.n_slices, R = g.max_rank;
+  const int pieces = (in + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
+  const int p0 = b * per, p1 = min(pieces, p0 + per);
+  const bool vec = ALIGNED || (g.flags & 1);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  const T* xr = g.x + (size_t)st.row * in;
+  const T* as = g.A + (size_t)st.slot * n * R * in;
+  for (int q0 = warp * ONE_ROWS; q0 < rows; q0 += warps * ONE_ROWS) {
+    const T* ar[ONE_ROWS];
+    int at[ONE_ROWS];  // part's index of each row, -1 past the rows
+#pragma unroll
+    for (int u = 0; u < ONE_ROWS; ++u) {
+      int q = q0 + u, j = 0;
+      while (j < n && q >= st.rank[j]) q -= st.rank[j++];
+      const bool on = j < n;
+      ar[u] = on ? as + ((size_t)j * R + q) * in : as;
+      at[u] = on ? j * RW + q : -1;
+    }
+    float acc[ONE_ROWS] = {};
+#pragma unroll 2
+    for (int p = p0 + lane; p < p1; p += 32) {
+      const int k = p * CH, valid = ALIGNED ? CH : min(CH, in - k);
+      float xf[CH];
+      one_piece<T, ALIGNED>(xr + k, valid, vec, xf);
+#pragma unroll
+      for (int u = 0; u < ONE_ROWS; ++u) {
+        if (at[u] < 0) continue;
+        float af[CH];
+        one_piece<T, ALIGNED>(ar[u] + k, valid, vec, af);
+#pragma unroll
+        for (int i = 0; i < CH; ++i) acc[u] = fmaf(xf[i], af[i], acc[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < ONE_ROWS; ++u) {
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], m);
+      if (lane == 0 && at[u] >= 0) part[at[u]] = acc[u];
+    }
+  }
+}
+
+// vs[j * RW + r] = scaling * the cluster's sum of part (peer(b, e): block b's part[e]), 0 past r_j.
+template <int RW, typename Peer>
+__device__ __forceinline__ void one_sum(int n, const OneStep& st, float* vs, Peer peer) {
+  for (int e = threadIdx.x; e < n * RW; e += blockDim.x) {
+    const int j = e / RW, r = e % RW;
+    float s = 0.f;
+    if (r < st.rank[j]) {
+#pragma unroll
+      for (int b = 0; b < ONE_CLUSTER; ++b) s += peer(b, e);
+      s *= st.scale[j];
+    }
+    vs[e] = s;
+  }
+}
+
+// y[t, c] += vs[j, :r_j] . B[s, c, :r_j] for the columns of block `blk` of `blocks` (a thread a column).
+template <typename T, int RW, bool ALIGNED>
+__device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs, int blk, int blocks) {
+  constexpr int CH = 16 / sizeof(T);
+  const int out = g.out_features, n = g.n_slices, R = g.max_rank;
+  const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
+  const bool vec = ALIGNED || (g.flags & 2);
+  const T* bs = g.B + (size_t)st.slot * g.b_slot;
+  T* yr = g.y + (size_t)st.row * out;
+  for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+    int j = 0;
+    while (j + 1 < n && c >= st.off[j + 1]) ++j;
+    const int rj = st.rank[j];
+    if (rj == 0) continue;
+    const T* br = bs + (size_t)c * R;
+    const float* vj = vs + j * RW;
+    float d = 0.f;
+#pragma unroll
+    for (int p = 0; p < RW / CH; ++p) {
+      if (p * CH >= rj) break;
+      float bf[CH];
+      one_piece<T, ALIGNED>(br + p * CH, min(CH, rj - p * CH), vec, bf);
+#pragma unroll
+      for (int i = 0; i < CH; ++i) d = fmaf(bf[i], vj[p * CH + i], d);
+    }
+    if (d != 0.f) yr[c] = from_float<T>(to_float(yr[c]) + d);
+  }
+}
+
+}  // namespace lora

@@ -1,0 +1,100 @@
+"""``lora_one`` (raw_kernels/one.cuh: the delta of the capture bucket of one position in clusters of 8
+blocks, v's partial sums met in distributed shared memory) against the float64 oracle on fresh
+random data: every dtype and rank width, odd `in` and ranks with NaN past them, three slices with
+rank-0 ones, 513 slots, columns over several clusters, both instantiations through a prepared
+layer, each member of a fused target alone, a position on no adapter (y bit-exact), and a CUDA
+graph replayed under new addressing. It uses no workspace and no counters: both stay at zero."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lora_cupy.backends import cupy as cb
+
+from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
+                          host, run_cupy, run_members, run_prepared)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
+
+DTYPES = ("bfloat16", "float16", "float32")
+ONE = dict(expand="one")  # forced: by default only where a block's share of A is small (ONE_MAX_SHARE)
+#: one position: odd `in` (element-wise x and A) and ranks, three slices with rank-0 ones, a pool
+#: of 513 slots (the slot search runs past one pass of the block), rank widths 64 and 128 with odd
+#: ranks, `in` long enough that every block of a cluster has a share, columns over several clusters
+CASES = {
+    "odd": dict(in_f=77, slices=(61,), max_rank=13, ranks=(1, 8, 13), mix="distinct"),
+    "qkv-r64": dict(in_f=1032, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64), mix="distinct",
+                    active=8),
+    "many-slots": dict(in_f=264, slices=(136, 40), max_rank=32, ranks=(1, 8, 16, 32), mix="distinct",
+                       num_slots=513, active=500),
+    "r128": dict(in_f=1000, slices=(64, 72), max_rank=128, ranks=(1, 80, 128), mix="identical"),
+    "wide": dict(in_f=4104, slices=(3000, 1000), max_rank=16, ranks=(5, 16), mix="distinct", active=8),
+    "down": dict(in_f=14336, slices=(520,), max_rank=64, ranks=(17, 64), mix="distinct", active=8),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_matches_oracle(make_case, check, name, dtype):
+    case = make_case(T=1, dtype=dtype, **CASES[name])
+    be = backend_for(case.spec, **ONE)
+    plan = be.plan(1, dev_weights(case.w), dtype)
+    assert plan.expand == "one" and plan.blocks % cb.ONE_CLUSTER == 0
+    S, n, R, in_f = case.w.a.shape
+    by_default = cb.one_share(in_f, n, R, dtype) <= cb.ONE_MAX_SHARE
+    assert (backend_for(case.spec).plan(1, dev_weights(case.w), dtype).expand == "one") == by_default
+    check(case, run_cupy(be, case), dtype)  # run_cupy: v and the counters untouched (zero)
+    case2 = make_case(T=1, dtype=dtype, **CASES[name])
+    check(case2, run_cupy(be, case2), dtype)
+
+
+@pytest.mark.parametrize("route", ("aligned", "x_misaligned", "y_misaligned", "aligned_off"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+def test_one_instantiations_through_a_prepared_layer(make_case, check, dtype, route):
+    """The engine's path: every 16-byte path allowed runs the ALIGNED instantiation; x or y off
+    alignment, or ``aligned=False``, the one reading the flags (element-wise loads)."""
+    case = make_case(T=1, in_f=328, slices=(264,), max_rank=48, ranks=(1, 5, 13, 40, 48), dtype=dtype,
+                     mix="distinct", num_slots=17, active=9)
+    be = backend_for(case.spec, **ONE, **(dict(aligned=False) if route == "aligned_off" else {}))
+    y, packed, _, _ = run_prepared(be, case, route, 1)
+    assert [c.name for c in packed.calls] == ["one"]
+    assert packed.aligned == (route == "aligned")
+    check_clean(be)
+    check(case, host(y, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_one_serves_each_member_of_a_fused_target(make_case, check, dtype):
+    """Each slice alone into an output of its width, B read as a view: the others have no columns."""
+    case = make_case(T=1, in_f=328, slices=(200, 56, 24), max_rank=48, ranks=(1, 5, 13, 40, 48), dtype=dtype,
+                     mix="distinct", num_slots=17, active=9)
+    check(case, run_members(backend_for(case.spec, **ONE), case, dtype, expand="one"), dtype)
+
+
+@pytest.mark.parametrize("where", ("slot0", "zero-ranks"))
+def test_one_position_with_nothing_to_add_keeps_y(make_case, where):
+    """The position on slot 0 (no adapter), or on a slot whose every rank is zero: y bit-exact."""
+    case = make_case(T=1, in_f=264, slices=(136, 40), max_rank=16, ranks=(16,), dtype="bfloat16", mix="distinct",
+                     num_slots=9, active=4)
+    S = case.spec.num_slots
+    if where == "slot0":
+        ip = np.ones(S + 1, np.int32)
+        ip[0] = 0  # slot 0's range holds the position
+        case.slot_indptr = ip
+    else:
+        s = int(np.searchsorted(case.slot_indptr, 0, side="right") - 1)
+        case.w.ranks[s] = 0
+    y = run_cupy(backend_for(case.spec, **ONE), case)
+    assert np.array_equal(y.view(np.uint16), case.y0.view(np.uint16))
+
+
+@pytest.mark.parametrize("R", [16, 64])
+def test_one_graph_replays_new_addressing(make_case, check, R):
+    """The bucket of one position captured once, replayed with the position on other slots."""
+    first = dict(T=1, in_f=1032, slices=(392, 136), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="distinct",
+                 num_slots=65, active=64)
+    case = make_case(**first)
+    assert backend_for(case.spec, **ONE).plan(1, dev_weights(case.w), "bfloat16").expand == "one"
+    graph_replays_new_addressing(make_case, check, ONE, first,
+                                 ((1, "distinct"), (1, "identical"), (1, "zipf"), (1, "distinct")))
