@@ -44,7 +44,8 @@
 //     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
 //     large steps on models with a silu gated MLP.
 //   lora_one<..., RW, ALIGNED> (one.cuh: clusters of 8 blocks, no workspace): the capture bucket of
-//     one position on sm_90, every target and type (default_one).
+//     one position on sm_90, every type, where a block's share of A is at most ONE_MAX_SHARE
+//     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets; rank 64 keeps lora_fused).
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
 //     that lora_chunk and lora_one do not take (one position below sm_90; fp32; several slices with columns below 64
 //     positions or off its column blocks), on

@@ -50,6 +50,11 @@ def configs():
         ("T1024 r16 s1", core(1024, 16, 1), {}),
         # the layer's gate_up (Llama-8B, 4096 -> 14336 / 14336) at 64 tokens over 32 adapters
         ("T64 gate_up r16 s32", Row("layer", 64, 4096, (14336, 14336), (16,) * 32, 16), {}),
+        # lora_one (one position): the layer's o, down and q/k/v at rank 16, o at rank 64 (forced)
+        ("T1 o r16 one", core(1, 16, 1), {}),
+        ("T1 down r16 one", Row("shapes", 1, 14336, (4096,), (16,), 16), {}),
+        ("T1 qkv r16 one", Row("shapes", 1, 4096, (4096, 1024, 1024), (16,), 16), {}),
+        ("T1 o r64 one", core(1, 64, 1), dict(expand="one")),
     ]
 
 

@@ -29,11 +29,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, kw, (clusters, cols) in variants:
             cb.ONE_MAX_CLUSTERS, cb.ONE_COLS = clusters, cols
+            cb.plan_launch.cache_clear()  # plans are memoized: the new constants apply from here
             r = run_layer(1, 1, warm, flushed, 1000, kw)
             calls = " ".join(f"{v:5.1f}" for v in r["calls_warm_us"].values())
             plans = " ".join(f"{p}" for p in r["plans"].values())
             print(f"{name:8s} {r['warm_us']:6.1f} {r['flushed_us']:7.1f}  {calls}  {plans}  {r['ok']}", flush=True)
     cb.ONE_MAX_CLUSTERS, cb.ONE_COLS = default
+    cb.plan_launch.cache_clear()
 
 
 if __name__ == "__main__":
