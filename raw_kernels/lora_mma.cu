@@ -47,7 +47,8 @@
 //     one position on sm_90, every type, where a block's share of A is at most ONE_MAX_SHARE
 //     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets; rank 64 keeps lora_fused).
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
-//     that lora_chunk and lora_one do not take (one position below sm_90; fp32; several slices with columns below 64
+//     that lora_chunk and lora_one do not take (one position below sm_90 or above ONE_MAX_SHARE; fp32;
+//     several slices with columns below 64
 //     positions or off its column blocks), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
 //     run tiles only (the chunk code would only make them larger). Each block takes a ticket when it starts, shrink

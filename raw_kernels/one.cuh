@@ -3,10 +3,11 @@
 // no counters and no round trip through global memory between blocks. Included by lora_mma.cu
 // (it uses Args from there).
 //
-// Why: at one position the delta moves little (A and B of one slot: 0.1-0.5 MB at rank 16) and
+// Why: at one position the delta moves little (A and B of one slot: 0.3-1.2 MB for the Llama-8B
+// layer's targets at rank 16) and
 // its time is the chain of dependent rounds a call runs through. lora_fused splits `in` over
 // blocks that add into v in L2 and count themselves ready, and expand blocks poll the count, then
-// read v: about 8 us a call in a warm layer (NOTES.md). Here the split of `in` is over the 8 blocks
+// read v: 8.3-10.1 us a call in a warm layer (NOTES.md). Here the split of `in` is over the 8 blocks
 // of a cluster, whose partial sums meet in distributed shared memory behind a cluster barrier.
 //
 // Algebra (slot s of the one position p, t = token_order[p]; slice j with columns
@@ -21,7 +22,7 @@
 // b of a cluster sums its 1/8 share of `in` in 16-byte pieces, a warp ONE_ROWS rows at a time, one
 // shuffle butterfly a row; see one_shrink), so no cluster waits on another; block g of the grid then writes its 1/grid
 // share of the columns, a thread a column (its B row, r_j ranks, 16-byte pieces). The plan sizes
-// the grid by the columns (ONE_COLS a block at least, at most ONE_MAX_CLUSTERS clusters).
+// the grid by the columns (about ONE_COLS a block, at most ONE_MAX_CLUSTERS clusters).
 // Shapes: any `in`, out, rank up to RW (16, 64 or 128: the pool's rank width), up to 8 slices,
 // every 16-bit and 32-bit type; ALIGNED (flags == 7) drops the element-wise loads of x, A and B.
 // sm_90 only (clusters); the plan never asks for it on an older device. The plan's default

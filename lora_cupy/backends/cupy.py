@@ -302,7 +302,7 @@ CHUNK_NARROW_TO = 64
 
 #: The capture bucket ``lora_one`` serves: one position (a decode step of one sequence).
 ONE_BUCKET = 1
-#: Columns a ``lora_one`` block writes at least (a thread a column), and the most clusters of
+#: Columns a ``lora_one`` block writes, about (a thread a column), and the most clusters of
 #: ``ONE_CLUSTER`` blocks a launch takes: each cluster sums all of v again, so more clusters read A
 #: more often (from L2) for fewer columns a block.
 ONE_COLS = 64
@@ -311,7 +311,7 @@ ONE_MAX_CLUSTERS = 16
 #: the pool's rank width): a cluster's 8 blocks read all of the slot's A, where the fused kernel
 #: spreads it over every multiprocessor. On an H200 (raw_kernels/NOTES.md, "lora_one") 16-56 KB a
 #: block ran 6.1-10.3 us flushed against the fused kernel's 9.5-10.3 (the Llama-8B layer's four
-#: rank-16 targets), 64 KB and more 15.1-35.7 against 11.6-13.8 (rank 64).
+#: rank-16 targets), 64 KB and more 15.1-35.7 against 11.6-13.6 (rank 64).
 ONE_MAX_SHARE = 56 * 1024
 
 
@@ -344,7 +344,8 @@ def one_rank_width(max_rank: int) -> int:
 
 
 def one_clusters(out_features: int) -> int:
-    """Clusters of a ``lora_one`` launch: ``ONE_COLS`` columns a block or more, at most ``ONE_MAX_CLUSTERS``."""
+    """Clusters of a ``lora_one`` launch: about ``ONE_COLS`` columns a block (the clusters rounded up),
+    at most ``ONE_MAX_CLUSTERS``."""
     return max(1, min(ONE_MAX_CLUSTERS, _ceil(out_features, ONE_CLUSTER * ONE_COLS)))
 
 

@@ -96,7 +96,7 @@ CASES = {**GPU_CASES,
                           num_slots=513, active=500),
          "one-r128": dict(T=1, in_f=1000, slices=(64, 72), max_rank=128, ranks=(1, 80, 128), mix="identical"),
          "one-wide": dict(T=1, in_f=520, slices=(3000, 1000), max_rank=16, ranks=(5, 16), mix="uniform"),
-         # lora_one's warps split a block's pieces 2 and 4 ways (64 and 128 pieces or more a block)
+         # lora_one at `in` of 4104 and 8200: a block's eighth holds 65 and 129 pieces, several a lane
          "one-long2": dict(T=1, in_f=4104, slices=(40, 24, 24), max_rank=16, ranks=(0, 13, 16), mix="distinct"),
          "one-long4": dict(T=1, in_f=8200, slices=(40, 24), max_rank=64, ranks=(3, 13, 64), mix="distinct"),
          "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
