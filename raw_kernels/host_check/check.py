@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 
-from conftest import build_case, check_result, with_inf  # noqa: E402
+from conftest import build_case, check_result, with_inf, with_row_at  # noqa: E402
 
 from lora_cupy.backends import cupy as cb  # noqa: E402
 from lora_cupy.backends.base import member_offsets  # noqa: E402
@@ -99,12 +99,15 @@ CASES = {**GPU_CASES,
          # lora_one at `in` of 4104 and 8200: a block's eighth holds 65 and 129 pieces, several a lane
          "one-long2": dict(T=1, in_f=4104, slices=(40, 24, 24), max_rank=16, ranks=(0, 13, 16), mix="distinct"),
          "one-long4": dict(T=1, in_f=8200, slices=(40, 24), max_rank=64, ranks=(3, 13, 64), mix="distinct"),
+         "one-row": dict(T=1, in_f=264, slices=(136, 40), max_rank=16, ranks=(5, 16), mix="distinct"),
          "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
                             num_slots=513, active=61),
          # fp32: every 16-byte path allowed, out ending half-way into expand_stream's last 8-column
          # chunk, ranks no multiple of 4 (16-bit types: y's rows take the element-wise path)
          "half-chunk": dict(T=45, in_f=328, slices=(200, 56, 28), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48),
                             mix="zipf", num_slots=17, active=9, pad_to=64)}
+#: Cases of one position whose row is moved among more rows of x and y: (rows, the row).
+ROW_AT = {"one-row": (5, 3)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 
 #: lora_expand_glu's cases: a gate_up target of two slices of ``inter`` columns each (inter a
@@ -164,7 +167,7 @@ def _cut(text: str, name: str, repl: str) -> str:
     raise SystemExit(f"host_check: unbalanced braces after {name!r}")
 
 
-def build(out_dir: Path, asan: bool) -> Path:
+def build(out_dir: Path, asan: bool, one_next: bool = False) -> Path:
     """The kernels with their PTX cut out, compiled with harness.cpp into a shared library."""
     src = out_dir / "src"
     src.mkdir()
@@ -176,12 +179,18 @@ def build(out_dir: Path, asan: bool) -> Path:
         common = _cut(common, name, "EMU_MMA_SPECIALIZATIONS\n" if name.startswith("void mma16816<__half>") else "")
     (src / "common.cuh").write_text(common)
     mma = (src / "lora_mma.cu").read_text()
-    (src / "lora_mma.cu").write_text(mma[: mma.index("#define LORA_PARAMS")])  # the task functions only
+    mma = mma[: mma.index("#define LORA_PARAMS")]  # the task functions only
+    if one_next:  # raw_kernels/dev/one_next.cuh after one.cuh, its functions run in lora_one's place
+        shutil.copy(ROOT / "raw_kernels" / "dev" / "one_next.cuh", src / "one_next.cuh")
+        mma += '\n#include "one_next.cuh"\n'
+    (src / "lora_mma.cu").write_text(mma)
     lib = out_dir / "libhost_check.so"
     flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if asan else ["-O2"]
     # the kernels read and write 2-byte elements through uint2 / uint4 (as CUDA code does): on the
     # host that is type punning, which strict aliasing at -O2 let g++ drop (lora_expand_v's stores)
     flags.append("-fno-strict-aliasing")
+    if one_next:
+        flags.append("-DLORA_ONE_NEXT")
     cmd = ["g++", "-std=c++20", *flags, "-fPIC", "-shared", "-include", str(HERE / "host_cuda.h"),
            f"-I{src}", *(f"-I{d}" for d in cuda_include_dirs()), str(HERE / "harness.cpp"), "-o", str(lib)]
     subprocess.run(cmd, check=True)
@@ -506,10 +515,12 @@ def main(argv=None) -> int:
                          "small-step cases of tests/gpu/test_expand_v_gpu.py")
     ap.add_argument("--glu", action="store_true",
                     help="lora_shrink, then lora_expand_glu (expand_glu.cuh) on GLU_CASES, bf16 and fp16")
+    ap.add_argument("--one-next", action="store_true",
+                    help="with --expand one: raw_kernels/dev/one_next.cuh's setup, prefetch and expand (not shipped)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        lib = ctypes.CDLL(str(build(Path(tmp), args.asan)))
+        lib = ctypes.CDLL(str(build(Path(tmp), args.asan, args.one_next)))
         lib.emu_set_cp_early(int(args.cp_async == "early"))
         rng = np.random.default_rng(args.seed)
         fails = 0
@@ -556,6 +567,8 @@ def main(argv=None) -> int:
                          else args.tiles.split(",")) if not args.fused else args.tiles.split(",")
                 for tile in (int(t) for t in tiles):
                     case = build_case(rng, dtype=dt, **CASES[name])
+                    if name in ROW_AT:
+                        case = with_row_at(rng, case, *ROW_AT[name])
                     inf_row = None
                     if args.inf:
                         case.x, inf_row = with_inf(case)

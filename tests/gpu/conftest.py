@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -106,6 +106,21 @@ def build_case(rng, *, T: int, in_f: int, slices, max_rank: int, ranks, dtype: s
     d = dense_delta64(x, _finite(w), row_slots)
     y0 = (rng.standard_normal((rows, out)) * max(float(np.abs(d).mean()), 1e-3)).astype(dt)
     return Case(spec, x, y0, w, token_order, indptr, row_slots, y0.astype(np.float64) + d)
+
+
+def with_row_at(rng, case: Case, rows: int, at: int) -> Case:
+    """``case`` (one position) with its row moved to ``at`` among ``rows`` rows of x and y, the others
+    random and addressed by nothing: a kernel that reads row 0 rather than token_order's shows."""
+    assert case.token_order.shape[0] == 1 and 0 <= at < rows
+    src = int(case.token_order[0])
+    x = rng.standard_normal((rows, case.x.shape[1])).astype(case.x.dtype)
+    y0 = rng.standard_normal((rows, case.y0.shape[1])).astype(case.y0.dtype)
+    x[at], y0[at] = case.x[src], case.y0[src]
+    ref = y0.astype(np.float64)
+    ref[at] = case.ref[src]
+    row_slots = np.zeros(rows, case.row_slots.dtype)
+    row_slots[at] = case.row_slots[src]
+    return replace(case, x=x, y0=y0, token_order=np.asarray([at], np.int32), row_slots=row_slots, ref=ref)
 
 
 def _finite(w: LayerWeights) -> LayerWeights:
