@@ -3,6 +3,8 @@ the CUDA source, launch plans per bucket, workspace sizing, and argument validat
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -425,6 +427,13 @@ def test_chunked_plans_fill_about_a_wave_whatever_the_bucket():
                 assert (p.col_blocks - 1) * p.bn < out <= p.col_blocks * p.bn
 
 
+def test_one_cuh_constants_match_the_planner():
+    """The cluster size and slice count one.cuh is built with are the ones the planner sizes for."""
+    text = (kernels.kernel_dir() / "one.cuh").read_text()
+    assert re.search(r"constexpr int ONE_CLUSTER = (\d+);", text).group(1) == str(kernels.ONE_CLUSTER)
+    assert re.search(r"constexpr int ONE_SLICES = (\d+);", text).group(1) == str(cb.MAX_SLICES)
+
+
 def test_one_position_runs_lora_one_where_the_device_has_clusters():
     """The bucket of one position: lora_one in clusters of ONE_CLUSTER blocks (at least ONE_COLS columns
     a block, at most ONE_MAX_CLUSTERS clusters), every dtype and target, ranks up to 128; the fused
@@ -643,6 +652,7 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         assert "default" in names
         assert (set(bench.VERSIONS) - {"chunk", "one"} <= names) == (not fused)
         assert ("one" in names) == ((row.bucket or row.T) == cb.ONE_BUCKET)  # lora_one: one position
+        assert "one" not in bench.kernel_variants(row, sweep=False, clusters=False)  # below sm_90
         assert (set(bench.DECODE_VERSIONS) <= names) == fused
         # lora_chunk is timed wherever it serves the row: 16-bit, a pool of rank <= 128, one slice or
         # several on its column blocks

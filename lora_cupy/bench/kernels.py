@@ -525,9 +525,10 @@ DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles":
                    "unfused": dict(fused=False)}
 
 
-def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
+def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, dict]:
     """The backend options timed on one row: the default, then each expand kernel (unfused
-    buckets) or the unfused launches (fused buckets)."""
+    buckets) or the unfused launches (fused buckets). ``clusters``: the device has thread-block
+    clusters (sm_90; lora_one needs them)."""
     from ..backends.cupy import ONE_BUCKET, chunk_fits, default_fused, one_fits, slice_alignment
     from ..spec import LoraSpec, LoraTarget
 
@@ -540,7 +541,7 @@ def kernel_variants(row: Row, sweep: bool) -> dict[str, dict]:
         out.update(DECODE_VERSIONS)
         if fits:  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)
             out["chunk"] = dict(VERSIONS["chunk"], fused=False)
-        if bucket == ONE_BUCKET and one_fits(bucket, row.pool_rank) is None:
+        if clusters and bucket == ONE_BUCKET and one_fits(bucket, row.pool_rank) is None:
             out["one"] = VERSIONS["one"]
     else:
         out.update({k: v for k, v in VERSIONS.items() if k not in ("chunk", "one") or (k == "chunk" and fits)})
@@ -560,7 +561,7 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
     result["floor_bytes"] = floor_bytes
     result["floor_us"] = floor_us = floor_bytes / bw * 1e6
     kernels, seen, parts = {}, {}, {}
-    for name, kw in kernel_variants(row, sweep).items():
+    for name, kw in kernel_variants(row, sweep, torch.cuda.get_device_capability()[0] >= 9).items():
         be = CupyBackend(d.spec, **kw)
         plan = be.plan(d.token_order.shape[0], w, row.dtype)
         if plan in seen:  # the same launch as a variant already timed
