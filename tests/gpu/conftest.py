@@ -170,6 +170,12 @@ def make_case(rng):
 
 
 @pytest.fixture
+def row_at(rng):
+    """``row_at(case, rows, at)``: :func:`with_row_at`, the one position moved to row ``at``."""
+    return lambda case, rows, at: with_row_at(rng, case, rows, at)
+
+
+@pytest.fixture
 def inf_in_x():
     """``inf_in_x(case)``: :func:`with_inf`, x with an inf in one adapter token's row."""
     return with_inf

@@ -12,7 +12,6 @@ import pytest
 
 from lora_cupy.backends import cupy as cb
 
-from conftest import with_row_at
 from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
                           host, run_cupy, run_members, run_prepared)
 
@@ -74,10 +73,10 @@ def test_one_serves_each_member_of_a_fused_target(make_case, check, dtype):
 
 
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
-def test_one_reads_its_row_from_token_order(make_case, check, rng, dtype):
+def test_one_reads_its_row_from_token_order(make_case, check, row_at, dtype):
     """x and y of several rows, the one position on row 3: only that row moves (y's others bit-exact)."""
-    case = with_row_at(rng, make_case(T=1, in_f=264, slices=(136, 40), max_rank=16, ranks=(5, 16), dtype=dtype,
-                                      mix="distinct"), 5, 3)
+    case = row_at(make_case(T=1, in_f=264, slices=(136, 40), max_rank=16, ranks=(5, 16), dtype=dtype,
+                            mix="distinct"), 5, 3)
     check(case, run_cupy(backend_for(case.spec, **ONE), case), dtype)
 
 
