@@ -7,14 +7,20 @@ from the shipped kernel's (tests/gpu/test_one_gpu.py checks the shipped kernel a
     PYTHONPATH=. python raw_kernels/dev/one_variants.py [--variants one:128x4,next:128x4,next:256x2]
 
 A variant is SOURCE:THREADSxROWS: one.cuh or dev/one_next.cuh (fewer dependent rounds: the first
-slot's ranks beside slot_indptr, each thread's first B row and y before the shrink), threads a
-block, rows (slice, rank) a warp sums at once.
+slot's ranks beside slot_indptr, each thread's first B row and y before the shrink), `one16` and
+`next16` for either in clusters of 16 blocks (a non-portable size: the function's attribute is set,
+the grid rounded up to whole clusters; each block sums a sixteenth of `in`), threads a block, rows
+(slice, rank) a warp sums at once.
 """
+
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+
+#: CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (CUfunction_attribute)
+NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 
 KERNEL = r"""
 template <typename T, int RW, bool ALIGNED, int THREADS>
@@ -44,7 +50,7 @@ PARTS = {"one": dict(SETUP="one_setup", PREFETCH="",
 
 def kernel(source: str) -> str:
     text = KERNEL
-    for key, val in PARTS[source].items():
+    for key, val in PARTS[source.removesuffix("16")].items():
         text = text.replace(key, val)
     return text
 
@@ -59,7 +65,11 @@ def variant_source(source: str, rows: int) -> str:
     want = "constexpr int ONE_ROWS = 4;"
     assert want in one, "one.cuh's ONE_ROWS changed: update the variant source"
     one = one.replace(want, f"constexpr int ONE_ROWS = {rows};")
-    if source == "next":
+    if source.endswith("16"):
+        cl = "constexpr int ONE_CLUSTER = 8;"
+        assert cl in one, "one.cuh's ONE_CLUSTER changed: update the variant source"
+        one = one.replace(cl, "constexpr int ONE_CLUSTER = 16;")
+    if source.removesuffix("16") == "next":
         one += "\n" + (kd / "dev" / "one_next.cuh").read_text()
     return (kd / "lora_mma.cu").read_text().replace('#include "one.cuh"', one) + kernel(source)
 
@@ -76,6 +86,7 @@ def module(source: str, rows: int, threads: list[int]):
 
 
 def main() -> None:
+    import cupy
     import torch
 
     from lora_cupy.backends.base import LayerWeights
@@ -112,7 +123,11 @@ def main() -> None:
         launches = [PackedLaunch([kc])]
         for src, t, r in variants:
             fn = mods[(src, r)].get_function(f"lora_one_v<__nv_bfloat16, {rw}, true, {t}>")
-            launches.append(PackedLaunch([dataclasses.replace(kc, fn=fn, fn_aligned=fn, block=(t, 1, 1))]))
+            grid = kc.grid
+            if src.endswith("16"):  # clusters of 16: the attribute, and whole clusters
+                cupy.cuda.driver.funcSetAttribute(fn.kernel.ptr, NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                grid = (-(-grid[0] // 16) * 16, 1, 1)
+            launches.append(PackedLaunch([dataclasses.replace(kc, fn=fn, fn_aligned=fn, block=(t, 1, 1), grid=grid)]))
         ys, cells = [], []
         for pl in launches:
             d.y.copy_(d.y0)
