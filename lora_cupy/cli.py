@@ -15,7 +15,15 @@ def _check_kernels(argv: list[str]) -> int:
     p.add_argument("--arch", action="append", help="e.g. sm_90 (default: %s)" % ", ".join(kernels.CHECK_ARCHS))
     p.add_argument("--sizes", action="store_true",
                    help="also print each kernel's SASS instruction count (from the CUBIN NVRTC builds)")
+    p.add_argument("--prebuild", metavar="DIR",
+                   help=f"write every family's CUBIN for each --arch (default sm_90) into DIR, for {kernels.PREBUILT_ENV}=DIR "
+                        "on a GPU machine (no compile on first use)")
     args = p.parse_args(argv)
+    if args.prebuild:
+        for arch in args.arch or ["sm_90"]:
+            for path in kernels.prebuild(args.prebuild, arch):
+                print(f"wrote   {path}")
+        return 0
     failed = 0
     for arch in args.arch or kernels.CHECK_ARCHS:
         for family in sorted(kernels.FAMILIES):

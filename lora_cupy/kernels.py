@@ -310,13 +310,90 @@ def code_sizes(family: str, arch: str = "sm_90") -> dict[str, int]:
     return {expr: sections[f".text.{low}"] // 16 for expr, low in lowered.items()}
 
 
+#: A directory of CUBINs built ahead (``lora-cupy check-kernels --prebuild DIR``, no GPU needed): where
+#: set, a family whose source (headers included), architecture and kernels match a file there loads
+#: it rather than compiling with NVRTC on first use (about 90 s a 16-bit dtype's tensor-core family);
+#: a family with no match, or one the driver refuses, compiles as without it.
+PREBUILT_ENV = "LORA_CUPY_PREBUILT"
+
+
+def prebuilt_stem(family: str, arch: str, source: str) -> str:
+    """The file name (less ``.cubin`` / ``.json``) of one family's prebuilt CUBIN: its source text
+    (``read_source``, whose first line digests the headers), ``arch``, the compile options and its
+    name expressions, hashed; a source or kernel list changed since the build matches no file."""
+    fam = FAMILIES[family]
+    key = "\0".join((source, arch, *NVRTC_OPTIONS, *fam.name_expressions))
+    return f"{family}.{arch}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def prebuild(out_dir, arch: str = "sm_90", families=None) -> list[Path]:
+    """Compile ``families`` (default: all) with NVRTC for ``arch`` into ``out_dir``: for each, the
+    CUBIN and a JSON of its name expressions' lowered names. Returns the CUBINs written."""
+    import json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for family in families or FAMILIES:
+        fam = FAMILIES[family]
+        source = read_source(fam.file)
+        cubin, lowered = _nvrtc(source, fam.file, arch, fam.name_expressions, cubin=True)
+        stem = out / prebuilt_stem(family, arch, source)
+        Path(f"{stem}.cubin").write_bytes(cubin)
+        Path(f"{stem}.json").write_text(json.dumps(lowered, indent=0))
+        written.append(Path(f"{stem}.cubin"))
+    return written
+
+
+class PrebuiltModule:
+    """A prebuilt CUBIN loaded as a ``cupy.RawModule``, its kernels asked for by name expression."""
+
+    def __init__(self, cubin: Path, lowered: Mapping[str, str]):
+        import cupy
+
+        self.path = cubin
+        self._module = cupy.RawModule(path=str(cubin))
+        self._lowered = dict(lowered)
+
+    def get_function(self, name_expression: str):
+        return self._module.get_function(self._lowered[name_expression])
+
+
+def _prebuilt(family: str, source: str):
+    """The family's prebuilt module from ``PREBUILT_ENV``'s directory for this device, or None."""
+    import json
+    import warnings
+
+    import cupy
+
+    where = os.environ.get(PREBUILT_ENV, "").strip()
+    if not where:
+        return None
+    arch = f"sm_{cupy.cuda.Device().compute_capability}"
+    stem = Path(where) / prebuilt_stem(family, arch, source)
+    cubin, names = Path(f"{stem}.cubin"), Path(f"{stem}.json")
+    if not (cubin.is_file() and names.is_file()):
+        return None
+    try:
+        mod = PrebuiltModule(cubin, json.loads(names.read_text()))
+        mod.get_function(FAMILIES[family].name_expressions[0])  # loads the module: a refusal shows here
+        return mod
+    except Exception as e:  # noqa: BLE001 - any refusal falls back to compiling, with a warning
+        warnings.warn(f"{PREBUILT_ENV}: {cubin.name} not loaded ({e}); compiling {family} instead", stacklevel=2)
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def _load(family: str, defines: tuple[tuple[str, object], ...]):
     import cupy
 
     fam = FAMILIES[family]
-    return cupy.RawModule(code=read_source(fam.file, dict(defines)), options=run_options(),
-                          name_expressions=fam.name_expressions)
+    source = read_source(fam.file, dict(defines))
+    if not defines:  # a tuning variant always compiles
+        mod = _prebuilt(family, source)
+        if mod is not None:
+            return mod
+    return cupy.RawModule(code=source, options=run_options(), name_expressions=fam.name_expressions)
 
 
 def env_defines() -> dict[str, str]:

@@ -105,3 +105,31 @@ def test_code_sizes_count_every_kernel_of_a_family():
 def test_elf_section_reader_refuses_what_is_not_a_cubin():
     with pytest.raises(ValueError, match="ELF"):
         kernels._elf_sections(b"//\n.version 9.0\n.target sm_90\n")
+
+
+def test_prebuild_writes_each_family_keyed_by_its_source(tmp_path):
+    """``check-kernels --prebuild``: a CUBIN and its lowered names a family, named by a hash of the
+    source (headers included), the architecture and the kernels, so an edited source matches no file."""
+    import json
+
+    written = kernels.prebuild(tmp_path, "sm_90", ["lora_delta"])
+    assert len(written) == 1 and written[0].read_bytes()[:4] == b"\x7fELF"
+    lowered = json.loads((tmp_path / (written[0].name[:-len(".cubin")] + ".json")).read_text())
+    assert set(lowered) == set(kernels.FAMILIES["lora_delta"].name_expressions)
+    assert all(low.startswith("_Z") for low in lowered.values())  # mangled: what the module exports
+    src = kernels.read_source("lora_delta.cu")
+    stem = kernels.prebuilt_stem("lora_delta", "sm_90", src)
+    assert written[0].name == stem + ".cubin"
+    assert kernels.prebuilt_stem("lora_delta", "sm_90", src + "\n") != stem
+    assert kernels.prebuilt_stem("lora_delta", "sm_80", src) != stem
+
+
+def test_check_kernels_prebuild_command(tmp_path, capsys, monkeypatch):
+    from lora_cupy.cli import main
+
+    # one small family stands for all of them (the tensor-core ones take minutes on two cores)
+    monkeypatch.setattr(kernels, "FAMILIES", {"lora_delta": kernels.FAMILIES["lora_delta"]})
+    assert main(["check-kernels", "--prebuild", str(tmp_path), "--arch", "sm_90", "--arch", "sm_80"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("*.cubin"))
+    assert [n.split(".")[:2] for n in names] == [["lora_delta", "sm_80"], ["lora_delta", "sm_90"]]
+    assert capsys.readouterr().out.count("wrote") == 2
