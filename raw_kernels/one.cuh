@@ -4,11 +4,11 @@
 // (it uses Args from there).
 //
 // Why: at one position the delta moves little (A and B of one slot: 0.3-1.2 MB for the Llama-8B
-// layer's targets at rank 16) and
-// its time is the chain of dependent rounds a call runs through. lora_fused splits `in` over
-// blocks that add into v in L2 and count themselves ready, and expand blocks poll the count, then
-// read v: 8.3-10.1 us a call in a warm layer (NOTES.md). Here the split of `in` is over the 8 blocks
-// of a cluster, whose partial sums meet in distributed shared memory behind a cluster barrier.
+// layer's targets at rank 16) and its time is the chain of dependent rounds a call runs through.
+// lora_fused splits `in` over blocks that add into v in L2 and count themselves ready, and expand
+// blocks poll the count, then read v: 8.3-10.1 us a call in a warm layer (NOTES.md). Here the split
+// of `in` is over the 8 blocks of a cluster, whose partial sums meet in distributed shared memory
+// behind a cluster barrier.
 //
 // Algebra (slot s of the one position p, t = token_order[p]; slice j with columns
 // [c_lo_j, c_hi_j) = [out_offsets[j], out_offsets[j + 1]) and rank r_j = ranks[s, j], 0 where the
@@ -16,13 +16,14 @@
 //   v[j, r]  = scaling[s, j] * sum over the cluster's blocks b of x[t, K_b] . A[s, j, r, K_b]  (fp32)
 //   y[t, c] += v[j, :r_j] . B[s, c, :r_j]                           (c in [c_lo_j, c_hi_j), fp32)
 // y keeps its bits where the delta is exactly zero; nothing is written for slot 0 (no adapter) or
-// a slot whose ranks are all zero. Ranks and scalings are read in full precision: v is not rounded
-// to T before the expand (the tensor-core kernels round it to feed the MMA).
+// a slot whose ranks are all zero. v and its scaling stay in fp32: v is not rounded to T before the
+// expand (the tensor-core kernels round it to feed the MMA).
 // Grid (1-D, 128 threads, clusters of ONE_CLUSTER blocks): every cluster computes the whole v (block
 // b of a cluster sums its 1/8 share of `in` in 16-byte pieces, a warp ONE_ROWS rows at a time, one
-// shuffle butterfly a row; see one_shrink), so no cluster waits on another; block g of the grid then writes its 1/grid
-// share of the columns, a thread a column (its B row, r_j ranks, 16-byte pieces). The plan sizes
-// the grid by the columns (about ONE_COLS a block, at most ONE_MAX_CLUSTERS clusters).
+// shuffle butterfly a row; see one_shrink), so no cluster waits on another; block g of the grid
+// then writes its 1/grid share of the columns, a thread a column (its B row, r_j ranks, 16-byte
+// pieces). The plan sizes the grid by the columns (about ONE_COLS a block, at most
+// ONE_MAX_CLUSTERS clusters).
 // Shapes: any `in`, out, rank up to RW (16, 64 or 128: the pool's rank width), up to 8 slices,
 // every 16-bit and 32-bit type; ALIGNED (flags == 7) drops the element-wise loads of x, A and B.
 // sm_90 only (clusters); the plan never asks for it on an older device. The plan's default
