@@ -7,7 +7,7 @@ the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poiso
 and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
-    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring|chunk]
+    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring|chunk|one]
         [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
     python raw_kernels/host_check/check.py --expand-v    # lora_expand_v (expand_v.cu)
     python raw_kernels/host_check/check.py --expand-v --compact    # lora_gather_a, then compact
@@ -28,6 +28,10 @@ target's shrink once and then each slice's expand alone so, as a prefill's q/k/v
 ``--members``): where the step's chunks take one part each (``--sms 1``: a grid of 4 blocks) the
 kernel's own block body (tickets, the loop over items, the done count), else each item as a block
 of its own, every shrink part before any expand part (a part waits for its chunk's others).
+``--expand one`` runs ``lora_one`` (one.cuh; cases of one position): each cluster's blocks run their
+shrinks into partial arrays of their own (NaN before each cluster), then each block its sum over
+them and its columns; ``--one-next`` runs raw_kernels/dev/one_next.cuh's setup, prefetch and expand
+in place of the shipped ones.
 ``--glu`` runs a gate_up target's shrink (tiles of 64, unfused) and then ``lora_expand_glu`` on
 ``GLU_CASES``, bf16 and fp16, each at one and four multiprocessors (long column groups) and at
 ``--sms``: h against silu(g + dg) * (u + du) in float64, every element it must not write bit-exact
