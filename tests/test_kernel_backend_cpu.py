@@ -317,7 +317,7 @@ def test_each_shipped_kernel_is_a_default_somewhere():
     assert chosen == {"fused", *kernels.EXPAND_KERNELS}
     assert widths == set(kernels.CHUNK_RW)
     # lora_one at each of its rank widths where a block's share of A is small (in = 1024)
-    assert {cb.one_rank_width(r) for r in (16, 64, 128)
+    assert {cb.built_width(kernels.ONE_RW, r) for r in (16, 64, 128)
             if cb.plan_launch(1, 1024, 4096, 1, r, "bfloat16", num_slots=33).expand == "one"} == set(kernels.ONE_RW)
 
 

@@ -90,11 +90,16 @@ def ring_smem(dtype: str) -> int:
     return 3 * (RING_BM * (RING_BN + 8) + RING_BN * (rk + 16)) * size
 
 
+def built_width(widths, max_rank: int) -> int | None:
+    """The smallest of a kernel's built rank ``widths`` that holds a pool of ``max_rank`` (None: none)."""
+    return next((w for w in widths if rank_width(max_rank) <= w), None)
+
+
 def chunk_geometry(max_rank: int) -> tuple[int, int, int, int]:
     """``(RW, KC, BN, RB)`` of ``Chunk<T, RW>`` (chunk.cuh) for a pool's maximum rank: the rank
     width it is built for, features a shrink stage, columns an expand stage, ranks an A or B tile
     (a rank block: a rank-128 pool's adapters above rank 64 take two)."""
-    rw = next((w for w in CHUNK_RW if rank_width(max_rank) <= w), None)
+    rw = built_width(CHUNK_RW, max_rank)
     if rw is None:
         raise ValueError(f"lora_chunk is built for ranks up to {CHUNK_RW[-1]}, not {max_rank}")
     return (rw, 128, 128, 16) if rw <= 16 else (rw, 64, 64, 64)
@@ -315,11 +320,15 @@ ONE_MAX_CLUSTERS = 16
 ONE_MAX_SHARE = 56 * 1024
 
 
+def one_pieces(in_features: int, dtype: str) -> int:
+    """16-byte pieces of ``in`` one ``lora_one`` block of a cluster sums (one.cuh, one_shrink)."""
+    return _ceil(_ceil(in_features, 16 // _ITEMSIZE[normalize_dtype(dtype)]), ONE_CLUSTER)
+
+
 def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int:
-    """Bytes of A one ``lora_one`` block sums at most: an eighth of ``in`` (16-byte pieces), every
-    slice at the pool's rank width."""
-    kc = 16 // _ITEMSIZE[normalize_dtype(dtype)]
-    return n_slices * rank_width(max_rank) * _ceil(_ceil(in_features, kc), ONE_CLUSTER) * 16
+    """Bytes of A one ``lora_one`` block sums at most: its pieces of ``in``, every slice at the
+    pool's rank width."""
+    return n_slices * rank_width(max_rank) * one_pieces(in_features, dtype) * 16
 
 
 def default_one(bucket: int, clusters: bool, share: int = 0) -> bool:
@@ -333,14 +342,9 @@ def one_fits(bucket: int, max_rank: int) -> str | None:
     """Why ``lora_one`` cannot serve a call (None: it can): one position, ranks up to 128."""
     if bucket != ONE_BUCKET:
         return f"lora_one serves the capture bucket of {ONE_BUCKET} position, not {bucket}"
-    if rank_width(max_rank) > ONE_RW[-1]:
+    if built_width(ONE_RW, max_rank) is None:
         return f"lora_one is built for ranks up to {ONE_RW[-1]}, not {max_rank}"
     return None
-
-
-def one_rank_width(max_rank: int) -> int:
-    """The ``lora_one`` instantiation (``ONE_RW``) a pool of ``max_rank`` runs."""
-    return next(rw for rw in ONE_RW if max_rank <= rw)
 
 
 def one_clusters(out_features: int) -> int:
@@ -446,10 +450,9 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                or (None if not (fused or chunks or tile) else "lora_one takes no tile, fusing or chunks"))
         if why:
             raise ValueError(why)
-        kc = 16 // _ITEMSIZE[dtype]  # elements of a 16-byte piece
         clus = one_clusters(out_features)
         return LaunchPlan(bucket=bucket, bm=1, bn=_ceil(out_features, clus * ONE_CLUSTER), splits=ONE_CLUSTER,
-                          k_split=_ceil(_ceil(in_features, kc), ONE_CLUSTER) * kc, fused=False, tiles=1,
+                          k_split=one_pieces(in_features, dtype) * (16 // _ITEMSIZE[dtype]), fused=False, tiles=1,
                           rank_blocks=1, col_blocks=clus * ONE_CLUSTER, cpb=1, n_slices=n_slices, expand="one",
                           blocks=clus * ONE_CLUSTER)
     if (unforced and default_chunk(bucket, max_rank, n_slices, live_slices)
@@ -1226,7 +1229,7 @@ class CupyBackend:
                 i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
                 i32(plan.col_blocks), i32(plan.cpb), i32(call.flags), b_slot)
         extra = 4 * (S + 1)  # slot_indptr, after the stages
-        mma = lambda name, key, blocks, smem: KernelCall(  # noqa: E731
+        mma = lambda name, key, blocks, smem, extra=extra: KernelCall(  # noqa: E731
             name, self._kernel_fn(dtype, (*key, False)), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
             len(args) - 2, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)))
         if plan.fused:
@@ -1235,10 +1238,7 @@ class CupyBackend:
         if plan.expand in ("chunk", "one") and set(parts) != {"shrink", "expand"}:
             raise ValueError(f"lora_{plan.expand} runs the shrink and the expand in one launch: neither runs alone")
         if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute); no dynamic shared memory
-            key = ("one", one_rank_width(R))
-            return [KernelCall("one", self._kernel_fn(dtype, (*key, False)), (plan.blocks, 1, 1), (THREADS, 1, 1), 0,
-                               args, 0, 1, len(args) - 2,
-                               None if self.aligned is False else self._kernel_fn(dtype, (*key, True)))]
+            return [mma("one", ("one", built_width(ONE_RW, R)), plan.blocks, 0, extra=0)]
         if plan.expand == "chunk":  # shrink and expand in one launch
             rw = chunk_geometry(R)[0]
             return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, R, plan.bm))]
