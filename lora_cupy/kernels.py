@@ -115,6 +115,12 @@ def chunk_name(ctype: str, rw: int, bm: int, *, aligned: bool, sliced: bool) -> 
     return f"lora_chunk<{ctype}, {rw}, {bm}, {_cbool(aligned)}, {_cbool(sliced)}>"
 
 
+def chunk_cl_name(ctype: str, rw: int, *, aligned: bool, sliced: bool) -> str:
+    """The name expression of ``lora_chunk_cl`` (lora_chunk in clusters for chunks of 16
+    positions, lora_mma.cu; sm_90) for one element type, rank width and instantiation."""
+    return f"lora_chunk_cl<{ctype}, {rw}, {_cbool(aligned)}, {_cbool(sliced)}>"
+
+
 def mma_kernels():
     """``(kernel, bm, bn, chunks)`` of every tensor-core kernel a dtype's module holds, each in
     two instantiations (``aligned`` False and True): what the module is built with and the
@@ -156,9 +162,11 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
     glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
     chunk = tuple(chunk_name(ctype, rw, bm, aligned=a, sliced=sl) for rw, bm in CHUNK_SHAPES
                   for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
+    chunk_cl = tuple(chunk_cl_name(ctype, rw, aligned=a, sliced=sl) for rw in CHUNK_RW
+                     for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
     one = tuple(one_name(ctype, rw, aligned=a) for rw in ONE_RW for a in (False, True))
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
-                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + one
+                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + chunk_cl + one
 
 
 #: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.

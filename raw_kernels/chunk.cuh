@@ -91,6 +91,12 @@ struct Chunk {
 // have); a step cut into taller chunks uses the first of them.
 constexpr int CHUNK_UNIT_BM = 16;
 
+// The cluster launch (lora_chunk_cl in lora_mma.cu, CL in chunk_shrink and chunk_expand): blocks a
+// cluster. Its blocks cut a chunk's `in` in CHUNK_CLUSTER shares; their partial sums of v meet in
+// distributed shared memory instead of L2, with no ready counts, tickets or zeroing of v.
+constexpr int CHUNK_CLUSTER = 8;
+
+
 // A block's chunk's token rows (either height).
 struct ChunkRows {
   int tok[64];
@@ -212,9 +218,9 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr
 // Part q of `parts`: its shrink into v, then its count into the chunk's ready count. Its stages
 // run through the passes (slice, rank block) in one ring: pass p's share of `in`, then p + 1's, a
 // pass's sums added into v as its last stage is done.
-template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
+template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED, bool CL = false>
 __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
-                             int parts) {
+                             int parts, float* part = nullptr) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8;
@@ -302,7 +308,8 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     if ((ONE_PASS ? f : f % nkp) != nkp - 1) continue;
     // the pass's last stage: this warp's partial sums into v (rows of its m-tile inside the
     // chunk, ranks below r: 0 * inf stays out of v), then the sums start again
-    float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
+    // (CL: into the block's own part in shared memory, rows n * RW apart; the cluster sums the parts)
+    float* vb = CL ? part + j * RW + rb0 : g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
 #pragma unroll
     for (int nt = 0; nt < NTS; ++nt) {
       const int col = nt * 8 + 2 * tq;
@@ -310,23 +317,71 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = mt * 16 + gq + 8 * h;
-          if (row < m) red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
+          if (row >= m) continue;
+          if constexpr (CL) {
+            float* pv = vb + row * (g.n_slices * RW) + col;
+            atomicAdd(pv, acc[nt][2 * h]);
+            if (col + 1 < r) atomicAdd(pv + 1, acc[nt][2 * h + 1]);
+          } else {
+            red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
+          }
         }
       }
       acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     }
   }
   cp_async_wait<0>();
+  if constexpr (CL) {
+    __syncthreads();  // part complete; the stages are free for the expand (the caller's cluster barrier publishes part)
+    return;
+  }
   __threadfence();
   __syncthreads();  // every thread's sums issued and fenced; the stages are free for the expand
   if (tid == 0) atomicAdd(g.counters + 2 + c, 1);
 }
 
+// CL (the cluster launch): vs[row, e] = the sum over the cluster's blocks b of their part[row, e]
+// (peer(b, i): block b's part as float4 i), rows [0, m), every slice at the rank width; the same
+// order of additions in every block, so the cluster's blocks hold the same v.
+template <int RW, typename Peer>
+__device__ __forceinline__ void chunk_vsum(int n, int m, float* vs, Peer peer) {
+  const int quads = m * n * RW / 4;
+  for (int i = threadIdx.x; i < quads; i += blockDim.x) {
+    float4 t[CHUNK_CLUSTER];  // every block's loads in flight before the first addition
+#pragma unroll
+    for (int b = 0; b < CHUNK_CLUSTER; ++b) t[b] = peer(b, i);
+    float4 s = t[0];
+#pragma unroll
+    for (int b = 1; b < CHUNK_CLUSTER; ++b) {
+      s.x += t[b].x;
+      s.y += t[b].y;
+      s.z += t[b].z;
+      s.w += t[b].w;
+    }
+    reinterpret_cast<float4*>(vs)[i] = s;
+  }
+}
+
+// The cluster launch: clusters that take one chunk (each sums the chunk's whole v, then writes its
+// share of the column blocks): as many as the grid's clusters fill, at most `splits` (the plan's:
+// about a column block a block).
+template <typename T>
+__device__ __forceinline__ int chunk_groups(const Args<T>& g, int chunks, int clusters) {
+  return max(1, min(g.splits, clusters / max(chunks, 1)));
+}
+
+// CL: the block's part zeroed where its shrink adds (rows [0, m), every slice at the rank width).
+template <int RW>
+__device__ __forceinline__ void chunk_zero_part(int n, int m, float* part) {
+  for (int i = threadIdx.x; i < m * n * RW / 4; i += blockDim.x)
+    reinterpret_cast<float4*>(part)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
 // Part q's expand of its column blocks, after all `parts` parts of chunk c have added into v;
 // then the chunk's v released (the last part to finish zeroes it and resets the chunk's counts).
-template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
+template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED, bool CL = false, typename WaitV = int>
 __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
-                             int parts) {
+                             int parts, const float* vs = nullptr, WaitV wait_v = {}) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, CH = C::CH, NT = C::NT, RB = C::RB;
@@ -396,20 +451,24 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   // y and B of the first steps do not depend on v: issue them before waiting for it
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) load(st, st);
-  if (tid == 0) {
-    const int* ready = g.counters + 2 + c;
-    while (load_acquire(ready) < parts) __nanosleep(32);
+  if constexpr (CL) {
+    wait_v();  // the cluster's parts summed into vs, seen by every thread
+  } else {
+    if (tid == 0) {
+      const int* ready = g.counters + 2 + c;
+      while (load_acquire(ready) < parts) __nanosleep(32);
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   // this warp's rows of v * scaling as MMA fragments, one per k-step below the slice's rank
   // rounded up to 16: the first slice's now, another's at its first column block
   const int mt = warp % C::MT, half = warp / C::MT, row0 = mt * 16 + gq, row1 = row0 + 8;
-  const size_t stride = (size_t)n * g.rw;
+  const size_t stride = CL ? (size_t)n * RW : (size_t)n * g.rw;
   Frags<M, false, float> vreg[KS];
   auto load_v = [&](int j) {
     const int kss = ((cw.r[j] + 15) & ~15) / 16;
-    const float* base = g.ws + ((size_t)cw.p0 * n + j) * g.rw + 4 * tq;
+    const float* base = (CL ? vs + j * RW : g.ws + ((size_t)cw.p0 * n + j) * g.rw) + 4 * tq;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
@@ -480,6 +539,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     }
   }
   cp_async_wait<0>();
+  if constexpr (CL) return;  // the caller's cluster barrier keeps the parts until every block has summed them
 
   // release v: the last part of the chunk to finish reading it zeroes it (each slice's ranks below
   // its rank rounded up to 16) and resets the counts

@@ -1056,3 +1056,55 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128) lora_one(LORA_PARAMS) {
   __trap();
 #endif
 }
+
+// lora_chunk_cl (chunk.cuh with CL): lora_chunk for the decode buckets (chunks of CHUNK_NARROW_BM =
+// 16 positions) in clusters of CHUNK_CLUSTER blocks. A cluster takes a chunk: block q sums its
+// eighth of `in` into a part of v in its own shared memory, one cluster barrier, each block sums
+// the 8 parts (distributed shared memory) into its v, then writes its share of the chunk's column
+// blocks; no ticket, no ready counts, no v in global memory. Where the grid has more clusters than
+// the step chunks, `groups` clusters take each chunk (each sums the whole v again, each writes a
+// share of the columns). A cluster walks chunks u, u + clusters, ... (every block of it the same).
+// Dynamic shared memory: the stages, slot_indptr (rounded up to 16 bytes), part and v
+// ([16][n * RW] floats each). sm_90 only, as lora_one.
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+#define LORA_CHUNK_CLUSTER __cluster_dims__(lora::CHUNK_CLUSTER, 1, 1)
+#else
+#define LORA_CHUNK_CLUSTER
+#endif
+template <typename T, int RW, bool ALIGNED, bool SLICED>
+__global__ void LORA_CHUNK_CLUSTER __launch_bounds__(128, 4) lora_chunk_cl(LORA_PARAMS) {
+#if __CUDA_ARCH__ >= 900
+  constexpr int BM = 16, CL = lora::CHUNK_CLUSTER;
+  extern __shared__ __align__(16) char dsmem[];
+  __shared__ lora::ChunkRows tr;
+  __shared__ lora::ChunkScan cs;
+  __shared__ lora::ChunkWork cw;
+  LORA_ARGS;
+  g.chunked = 1;
+  constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM;
+  const int off = SMEM + ((4 * (num_slots + 1) + 15) & ~15), vf = BM * n_slices * RW;
+  lora::require_smem(off + 8 * vf);
+  int* s_indptr = reinterpret_cast<int*>(dsmem + SMEM);
+  float* part = reinterpret_cast<float*>(dsmem + off);
+  float* vs = part + vf;
+  lora::count_chunks<BM>(cs, s_indptr, slot_indptr, num_slots, positions);
+  const int clusters = gridDim.x / CL, u = blockIdx.x / CL, q = lora::cluster_rank();
+  const int groups = lora::chunk_groups(g, cs.chunks, clusters), items = cs.chunks * groups;
+  for (int it = u; it < items; it += clusters) {  // the same items in every block of the cluster
+    const int c = it / groups, e = (it % groups) * CL + q;
+    lora::chunk_setup<T, RW, BM, SLICED>(g, s_indptr, tr, cs, cw, c);
+    lora::chunk_zero_part<RW>(n_slices, cw.m, part);
+    lora::chunk_shrink<T, RW, BM, ALIGNED, SLICED, true>(g, dsmem, tr, cw, c, q, CL, part);
+    lora::cluster_arrive();  // part complete (release); the expand's first y and B tiles go out before the wait
+    lora::chunk_expand<T, RW, BM, ALIGNED, SLICED, true>(g, dsmem, tr, cw, c, e, groups * CL, vs, [&] {
+      lora::cluster_wait();  // every block's part seen (acquire)
+      lora::chunk_vsum<RW>(n_slices, cw.m, vs, [&](int b, int i) { return lora::cluster_load4(part, b, i); });
+      __syncthreads();
+    });
+    lora::cluster_arrive();  // done reading the others' parts ...
+    lora::cluster_wait();    // ... and they ours: the next chunk may zero it, or the block leave
+  }
+#else
+  __trap();
+#endif
+}

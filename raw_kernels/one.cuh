@@ -75,6 +75,19 @@ __device__ __forceinline__ float cluster_load(const float* part, int peer, int e
 #endif
   return v;
 }
+// float4 i of `part` of the cluster's block `peer` (part 16-byte aligned)
+__device__ __forceinline__ float4 cluster_load4(const float* part, int peer, int i) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(part + 4 * i)), remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(peer));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(remote)
+               : "memory");
+#endif
+  return v;
+}
 #endif
 
 // The 16 bytes of T at p as floats, elements from `valid` on zero (never multiplied: a weight

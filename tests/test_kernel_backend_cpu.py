@@ -45,6 +45,9 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     if dtype in kernels.CHUNK_DTYPES:  # a large step's whole delta in one launch: 16-bit only
         wanted |= {f"lora_chunk<{ct}, {rw}, {bm}, {al}, {sl}>" for rw, bm in kernels.CHUNK_SHAPES
                    for al in ("false", "true") for sl in ("false", "true")}
+        # its decode buckets in thread-block clusters (sm_90)
+        wanted |= {f"lora_chunk_cl<{ct}, {rw}, {al}, {sl}>" for rw in kernels.CHUNK_RW
+                   for al in ("false", "true") for sl in ("false", "true")}
     # one position in thread-block clusters (sm_90): every dtype, each rank width
     wanted |= {f"lora_one<{ct}, {rw}, {al}>" for rw in kernels.ONE_RW for al in ("false", "true")}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
@@ -173,13 +176,15 @@ def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """The pair: only the rank blocks differ, the extra ones stop at once past a rank-16 adapter.
     lora_chunk: the same chunks (16 up to CHUNK_NARROW_TO positions, 32 above) below CHUNK_WIDE_FROM
     positions and the same grid there (its loops bounded by each adapter's own rank), chunks of 64
-    from there at rank 128."""
+    from there at rank 128. In clusters (the decode buckets), both; the grid follows the column
+    blocks, which are narrower at rank widths above 16."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         c16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         c128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
         if c16.expand == c128.expand == "chunk":
             assert (c16.bm, c128.bm) == (16 if b <= 64 else 32, cb.chunk_bm(b, 128)) and c16.tiles == c128.tiles
-            if b < cb.CHUNK_WIDE_FROM:
+            assert c16.cluster == c128.cluster == (b <= cb.CHUNK_NARROW_TO)
+            if b < cb.CHUNK_WIDE_FROM and not c16.cluster:
                 assert c16.blocks == c128.blocks
         pair = None if c16.fused else cb.default_expand(b)
         p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand=pair)
@@ -434,6 +439,49 @@ def test_one_cuh_constants_match_the_planner():
     assert re.search(r"constexpr int ONE_SLICES = (\d+);", text).group(1) == str(cb.MAX_SLICES)
 
 
+def test_chunk_cluster_constant_matches_the_planner():
+    """The cluster size lora_chunk_cl is built with is the one the planner sizes its grid in."""
+    text = (kernels.kernel_dir() / "chunk.cuh").read_text()
+    assert re.search(r"constexpr int CHUNK_CLUSTER = (\d+);", text).group(1) == str(cb.CHUNK_CLUSTER)
+
+
+def test_decode_buckets_run_lora_chunk_in_clusters_where_the_device_has_them():
+    """Up to CHUNK_NARROW_TO positions lora_chunk runs in clusters (lora_chunk_cl): a grid of whole
+    clusters, at most one wave and no more than the most chunks times the clusters one chunk takes
+    (about a column block a block); the ticket kernel below sm_90, with cluster=False, where the part
+    and sum of v leave fewer than 2 blocks a multiprocessor, and above CHUNK_NARROW_TO positions,
+    where asking for clusters is an error."""
+    for b in (2, 16, 64):
+        for R in (16, 64, 128):
+            for n, out in ((1, 4096), (3, 6144), (2, 28672)):
+                p = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, fused=False, expand="chunk", slice_align=128)
+                cols = -(-out // cb.chunk_geometry(R)[2])
+                most = -(-cols // cb.CHUNK_CLUSTER)
+                wave = cb.chunk_cl_blocks_per_sm("bfloat16", R, 33, n) * cb.DEFAULT_SMS // cb.CHUNK_CLUSTER
+                assert (p.cluster, p.bm, p.splits, p.col_blocks) == (True, 16, most, cols)
+                assert p.blocks == cb.CHUNK_CLUSTER * min(wave, p.tiles * most)
+                assert p.blocks * 4 <= cb.CHUNK_BLOCKS_PER_SM * cb.DEFAULT_SMS * 4  # one wave at most
+                ticket = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, fused=False, expand="chunk",
+                                        slice_align=128, cluster=False)
+                assert (ticket.cluster, ticket.expand, ticket.bm) == (False, "chunk", 16)
+                assert cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, fused=False, expand="chunk",
+                                      slice_align=128, clusters=False) == ticket
+    # the most slices at rank 128 in the largest pool: one block a multiprocessor
+    assert cb.chunk_cl_blocks_per_sm("bfloat16", 128, cb.MAX_SLOTS, cb.MAX_SLICES) < 2
+    assert not cb.plan_launch(64, 4096, 8192, 8, 128, "bfloat16", num_slots=cb.MAX_SLOTS, fused=False, expand="chunk",
+                              slice_align=128).cluster
+    with pytest.raises(ValueError, match="fewer than 2 blocks"):
+        cb.plan_launch(64, 4096, 8192, 8, 128, "bfloat16", num_slots=cb.MAX_SLOTS, fused=False, expand="chunk",
+                       slice_align=128, cluster=True)
+    with pytest.raises(ValueError, match="chunks of 16"):
+        cb.plan_launch(256, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False, expand="chunk", cluster=True)
+    with pytest.raises(ValueError, match="clusters"):
+        cb.plan_launch(64, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False, expand="chunk", cluster=True, clusters=False)
+    with pytest.raises(ValueError, match="lora_chunk_cl"):  # not a lora_chunk call at all
+        cb.plan_launch(64, 4096, 4096, 1, 16, "float32", num_slots=33, cluster=True)
+    assert not cb.plan_launch(256, 4096, 4096, 1, 16, "bfloat16", num_slots=33).cluster
+
+
 def test_one_position_runs_lora_one_where_the_device_has_clusters():
     """The bucket of one position: lora_one in clusters of ONE_CLUSTER blocks (at least ONE_COLS columns
     a block, at most ONE_MAX_CLUSTERS clusters), every dtype and target, ranks up to 128; the fused
@@ -650,7 +698,7 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         names = set(bench.kernel_variants(row, sweep=False))
         fused = (row.bucket or row.T) <= 64
         assert "default" in names
-        assert (set(bench.VERSIONS) - {"chunk", "one"} <= names) == (not fused)
+        assert (set(bench.VERSIONS) - set(bench.ONE_LAUNCH) <= names) == (not fused)
         assert ("one" in names) == ((row.bucket or row.T) == cb.ONE_BUCKET)  # lora_one: one position
         assert "one" not in bench.kernel_variants(row, sweep=False, clusters=False)  # below sm_90
         assert (set(bench.DECODE_VERSIONS) <= names) == fused
@@ -659,7 +707,16 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         fits = cb.chunk_fits(row.dtype, row.pool_rank, len(row.slices), None,
                              cb.slice_alignment(np.cumsum((0,) + tuple(row.slices)))) is None
         assert ("chunk" in names) == fits
-    assert set(bench.VERSIONS) == set(kernels.EXPAND_KERNELS)
+        # and in clusters where lora_chunk_cl serves it too (the decode buckets, sm_90)
+        bucket = row.bucket or row.T
+        cl = fits and cb.chunk_cl_fits(LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=2,
+                                                   max_rank=row.pool_rank).bucket_for(bucket), row.dtype,
+                                       row.pool_rank, row.slots + 1, len(row.slices), True) is None
+        assert ("chunk_cl" in names) == cl
+        assert "chunk_cl" not in bench.kernel_variants(row, sweep=False, clusters=False)
+        if fits and row.dtype == "bfloat16" and len(row.slices) == 1:
+            assert cl == (bucket <= cb.CHUNK_NARROW_TO)
+    assert set(bench.VERSIONS) - {"chunk_cl"} == set(kernels.EXPAND_KERNELS)  # chunk_cl: lora_chunk, clusters
 
 
 def test_versions_table_picks_the_fastest_correct_launch():
@@ -671,12 +728,13 @@ def test_versions_table_picks_the_fastest_correct_launch():
     lines = bench._versions_table([res]).splitlines()
     assert len(lines) == 3 and lines[2].startswith(row.label[:40])
     cells = lines[2][40:].split()
-    assert cells[2] == "ERR" and cells[9] == "default"  # over tolerance never wins
+    best = len(bench.VERSIONS) + len(bench.DECODE_VERSIONS) + 1  # after the default and every version
+    assert cells[2] == "ERR" and cells[best] == "default"  # over tolerance never wins
     assert cells[cells.index("|") - 1] == "no"  # 73 us: 36% of a 26 us floor
     assert lines[2].endswith("| 20.0 50.0 - -")  # shrink and expand alone; the other expands not timed alone
     res["kernels"]["expand_stream"] = k(36.0)
     cells = bench._versions_table([res]).splitlines()[2][40:].split()
-    assert cells[9] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
+    assert cells[best] == "stream" and cells[cells.index("|") - 1] == "yes"  # 72% of the floor, under 44
     alone = {**res, "kernels": {"default": k(9.0)}}
     assert len(bench._versions_table([alone]).splitlines()) == 2  # a row timed alone is left out
 

@@ -31,7 +31,7 @@ import numpy as np
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       ONE_CLUSTER, ONE_RW, STREAM_BN, chunk_name, expand_v_name, glu_name,
+                       ONE_CLUSTER, ONE_RW, STREAM_BN, chunk_cl_name, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name, one_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
@@ -198,6 +198,9 @@ class LaunchPlan:
     blocks: int = 0
     #: ``lora_chunk`` over several slices with columns (its ``SLICED`` instantiation); else one
     sliced: bool = False
+    #: ``lora_chunk`` in clusters (``lora_chunk_cl``: chunks of ``CHUNK_NARROW_BM``, sm_90): ``blocks``
+    #: is clusters of ``CHUNK_CLUSTER``, ``splits`` the most clusters one chunk takes
+    cluster: bool = False
 
     @property
     def shrink_blocks(self) -> int:
@@ -353,6 +356,38 @@ def one_clusters(out_features: int) -> int:
     return max(1, min(ONE_MAX_CLUSTERS, _ceil(out_features, ONE_CLUSTER * ONE_COLS)))
 
 
+#: Blocks of a ``lora_chunk_cl`` cluster (chunk.cuh, CHUNK_CLUSTER): each sums an eighth of ``in``.
+CHUNK_CLUSTER = 8
+
+
+def chunk_cl_extra(num_slots: int, n_slices: int, max_rank: int) -> int:
+    """Dynamic shared memory of ``lora_chunk_cl`` beside its stages: ``slot_indptr`` rounded up to
+    16 bytes, then a block's part of v and the cluster's sum, each ``[16][n * RW]`` floats."""
+    rw = chunk_geometry(max_rank)[0]
+    return _ceil(4 * (num_slots + 1), 16) * 16 + 2 * 4 * CHUNK_NARROW_BM * n_slices * rw
+
+
+def chunk_cl_blocks_per_sm(dtype: str, max_rank: int, num_slots: int, n_slices: int) -> int:
+    """Blocks of ``lora_chunk_cl`` one multiprocessor holds (at most ``CHUNK_BLOCKS_PER_SM``)."""
+    per_block = (chunk_smem(dtype, max_rank, CHUNK_NARROW_BM) + chunk_cl_extra(num_slots, n_slices, max_rank)
+                 + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM)
+    return max(0, min(CHUNK_BLOCKS_PER_SM, SM_SMEM // per_block))
+
+
+def chunk_cl_fits(bucket: int, dtype: str, max_rank: int, num_slots: int, n_slices: int,
+                  clusters: bool) -> str | None:
+    """Why ``lora_chunk_cl`` cannot serve a call that ``lora_chunk`` serves (None: it can): chunks
+    of ``CHUNK_NARROW_BM`` positions (buckets up to ``CHUNK_NARROW_TO``), thread-block clusters, and
+    two blocks a multiprocessor."""
+    if not clusters:
+        return "lora_chunk_cl needs thread-block clusters (sm_90)"
+    if chunk_bm(bucket, max_rank) != CHUNK_NARROW_BM:
+        return f"lora_chunk_cl takes chunks of {CHUNK_NARROW_BM} positions (buckets up to {CHUNK_NARROW_TO})"
+    if chunk_cl_blocks_per_sm(dtype, max_rank, num_slots, n_slices) < 2:
+        return "lora_chunk_cl's part and sum of v leave fewer than 2 blocks a multiprocessor here"
+    return None
+
+
 def several_slices(n_slices: int, live_slices: int | None) -> bool:
     """Whether a call serves several slices with columns (``live_slices`` unknown counts as several):
     lora_chunk's ``SLICED`` instantiation, its own default and its own condition in ``chunk_fits``."""
@@ -403,7 +438,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
                 chunks: bool | None = None, live_slices: int | None = None, whole: bool = True,
-                slice_align: int = 0, clusters: bool = True) -> LaunchPlan:
+                slice_align: int = 0, clusters: bool = True, cluster: bool | None = None) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it). ``slice_align``: what every
     column offset of the target's slices is a multiple of (:func:`slice_alignment`; 0: unknown).
@@ -474,7 +509,10 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
             raise ValueError(f"lora_chunk takes chunks of {bm} positions of one slot here: no tile {tile} or "
                              f"fused chunks")
         return _plan_chunk(bucket, in_features, out_features, n_slices, max_rank, dtype, num_slots=num_slots,
-                           num_sms=num_sms, live_slices=live_slices, whole=whole, slice_align=slice_align)
+                           num_sms=num_sms, live_slices=live_slices, whole=whole, slice_align=slice_align,
+                           clusters=clusters, cluster=cluster)
+    if cluster:
+        raise ValueError("cluster=True asks for lora_chunk_cl: it runs lora_chunk's calls only")
     bm = (RING_BM if expand == "expand_ring" else default_tile(bucket)) if tile is None else int(tile)
     bn = dict(MMA_TILES).get(bm)
     if bn is None:
@@ -521,7 +559,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 
 
 def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
-                num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int) -> LaunchPlan:
+                num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int,
+                clusters: bool = True, cluster: bool | None = None) -> LaunchPlan:
     """``lora_chunk``'s plan: ``bm`` is the height its kernel cuts a step's slots into
     (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_NARROW_BM`` positions of one slot a step
     can have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
@@ -539,6 +578,14 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     rw, kc, bn, _ = chunk_geometry(max_rank)
     bm, tiles = chunk_bm(bucket, max_rank), fused_units(bucket, CHUNK_NARROW_BM, num_slots)
     nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
+    if cluster is not False:
+        why = chunk_cl_fits(bucket, dtype, max_rank, num_slots, n_slices, clusters)
+        if why is None:
+            return _plan_chunk_cl(bucket, in_features, n_slices, max_rank, dtype, num_slots=num_slots,
+                                  num_sms=num_sms, col_blocks=col_blocks, bn=bn, kc=kc, tiles=tiles,
+                                  sliced=several_slices(n_slices, live_slices))
+        if cluster:
+            raise ValueError(why)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
     blocks = min(chunk_blocks_per_sm(dtype, max_rank, bm, num_slots) * num_sms,
                  fused_units(bucket, bm, num_slots) * most)
@@ -547,6 +594,23 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
                       tiles=tiles, rank_blocks=1, col_blocks=col_blocks, cpb=_ceil(col_blocks, parts),
                       n_slices=n_slices, expand="chunk", blocks=blocks,
                       sliced=several_slices(n_slices, live_slices))
+
+
+def _plan_chunk_cl(bucket: int, in_features: int, n_slices: int, max_rank: int, dtype: str, *, num_slots: int,
+                   num_sms: int, col_blocks: int, bn: int, kc: int, tiles: int, sliced: bool) -> LaunchPlan:
+    """``lora_chunk_cl``'s plan: clusters of ``CHUNK_CLUSTER`` blocks, one wave of them (fewer where
+    the most chunks a step can have, ``tiles``, each taking ``splits`` clusters, are fewer); the
+    kernel gives each of the step's chunks as many clusters as fill the grid, at most ``splits``
+    (about a column block a block: each cluster sums the chunk's whole v again)."""
+    most = max(1, _ceil(col_blocks, CHUNK_CLUSTER))
+    wave = max(1, chunk_cl_blocks_per_sm(dtype, max_rank, num_slots, n_slices) * num_sms // CHUNK_CLUSTER)
+    clusters = max(1, min(wave, tiles * most))
+    groups = max(1, min(most, clusters // _ceil(bucket, CHUNK_NARROW_BM)))  # what a full bucket gets
+    nk = max(1, _ceil(in_features, kc))
+    return LaunchPlan(bucket=bucket, bm=CHUNK_NARROW_BM, bn=bn, splits=most,
+                      k_split=_ceil(nk, CHUNK_CLUSTER) * kc, fused=False, tiles=tiles, rank_blocks=1,
+                      col_blocks=col_blocks, cpb=_ceil(col_blocks, groups * CHUNK_CLUSTER), n_slices=n_slices,
+                      expand="chunk", blocks=clusters * CHUNK_CLUSTER, sliced=sliced, cluster=True)
 
 
 def packed_slices(n_slices: int, max_rank: int, fused: bool) -> bool:
@@ -721,6 +785,7 @@ class CallLimits:
     expand: str | None = None
     chunks: bool | None = None
     clusters: bool = True  # thread-block clusters (compute capability 9.0 or above): lora_one
+    cluster: bool | None = None  # lora_chunk in clusters (lora_chunk_cl): None where it serves
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str, num_slots: int, live_slices: int | None = None, halves: bool = False,
@@ -730,7 +795,7 @@ class CallLimits:
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
                            fused=False if halves else self.fused, expand=self.expand, chunks=self.chunks,
                            live_slices=live_slices, whole=not halves, slice_align=slice_align,
-                           clusters=self.clusters)
+                           clusters=self.clusters, cluster=self.cluster)
 
 
 @dataclass(frozen=True)
@@ -1015,7 +1080,8 @@ class CupyBackend:
 
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
                  fused: bool | None = None, expand: str | None = None, chunks: bool | None = None,
-                 num_sms: int | None = None, aligned: bool | None = None, pdl: bool | None = None):
+                 num_sms: int | None = None, aligned: bool | None = None, pdl: bool | None = None,
+                 cluster: bool | None = None):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -1053,7 +1119,7 @@ class CupyBackend:
             self._offsets, offset_ptrs = self._offset_table(cupy)
             clusters = int(self._device.compute_capability) >= 90
             self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks,
-                                     clusters)
+                                     clusters, cluster)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
         from .launch_ex import PdlLauncher, pdl_supported
@@ -1111,6 +1177,13 @@ class CupyBackend:
                         fn = mod.get_function(chunk_name(ct, rw, bm, aligned=aligned, sliced=sliced))
                         fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw, bm) + extra
                         self._fns[(dtype, "chunk", rw, bm, sliced, aligned)] = fn
+            for rw in CHUNK_RW:  # lora_chunk_cl: the most slices and slots
+                for sliced in (False, True):
+                    for aligned in (False, True):
+                        fn = mod.get_function(chunk_cl_name(ct, rw, aligned=aligned, sliced=sliced))
+                        fn.max_dynamic_shared_size_bytes = (chunk_smem(dtype, rw, CHUNK_NARROW_BM)
+                                                            + chunk_cl_extra(MAX_SLOTS, MAX_SLICES, rw))
+                        self._fns[(dtype, "chunk_cl", rw, sliced, aligned)] = fn
         for rw in ONE_RW:  # static shared memory only
             for aligned in (False, True):
                 self._fns[(dtype, "one", rw, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
@@ -1239,6 +1312,10 @@ class CupyBackend:
             raise ValueError(f"lora_{plan.expand} runs the shrink and the expand in one launch: neither runs alone")
         if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute); no dynamic shared memory
             return [mma("one", ("one", built_width(ONE_RW, R)), plan.blocks, 0, extra=0)]
+        if plan.expand == "chunk" and plan.cluster:  # clusters of CHUNK_CLUSTER blocks (the kernel's attribute)
+            rw = chunk_geometry(R)[0]
+            return [mma("chunk_cl", ("chunk_cl", rw, plan.sliced), plan.blocks,
+                        chunk_smem(dtype, R, plan.bm) + chunk_cl_extra(S, n, R), extra=0)]
         if plan.expand == "chunk":  # shrink and expand in one launch
             rw = chunk_geometry(R)[0]
             return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, R, plan.bm))]

@@ -493,6 +493,10 @@ def _plan_label(plan) -> str:
     label = f"{plan.bm}{'f' if plan.fused else ''}{'c' if plan.chunks else ''}/s{plan.splits}"
     if plan.expand == "one":  # clusters of ONE_CLUSTER blocks
         return label + f" one x{plan.blocks // plan.splits}"
+    if plan.cluster:  # lora_chunk_cl: clusters of CHUNK_CLUSTER blocks, at most `splits` a chunk
+        from ..backends.cupy import CHUNK_CLUSTER
+
+        return label + f" chunk_cl x{plan.blocks // CHUNK_CLUSTER}"
     return label if plan.fused else label + f" {plan.expand}"
 
 
@@ -517,10 +521,14 @@ VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
 #: Launches timed side by side with the default, by the names of what they run: on rows whose
 #: bucket launches shrink and expand apart, each expand kernel after lora_shrink; on decode rows (a
 #: fused launch by default), the fused kernel on chunks and on tiles, and the unfused pair; and on
-#: both, lora_chunk (shrink and expand in one launch) wherever it serves the row; on rows of one
+#: both, lora_chunk (shrink and expand in one launch) wherever it serves the row, by ticket
+#: ("chunk") and in clusters ("chunk_cl", lora_chunk_cl: the decode buckets, sm_90); on rows of one
 #: position, lora_one (its default on an H200).
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
-            "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk"), "one": dict(expand="one")}
+            "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk", cluster=False),
+            "chunk_cl": dict(expand="chunk", cluster=True), "one": dict(expand="one")}
+#: The versions that run shrink and expand in one launch (no kernel timed alone).
+ONE_LAUNCH = ("chunk", "chunk_cl", "one")
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
                    "unfused": dict(fused=False)}
 
@@ -529,7 +537,7 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
     """The backend options timed on one row: the default, then each expand kernel (unfused
     buckets) or the unfused launches (fused buckets). ``clusters``: the device has thread-block
     clusters (sm_90; lora_one needs them)."""
-    from ..backends.cupy import ONE_BUCKET, chunk_fits, default_fused, one_fits, slice_alignment
+    from ..backends.cupy import ONE_BUCKET, chunk_cl_fits, chunk_fits, default_fused, one_fits, slice_alignment
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
@@ -537,14 +545,16 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
     fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None,
                       slice_alignment(np.cumsum((0,) + tuple(row.slices)))) is None
     bucket = spec.bucket_for(row.bucket or row.T)
+    cl = fits and chunk_cl_fits(bucket, row.dtype, row.pool_rank, row.slots + 1, len(row.slices), clusters) is None
+    chunk = {k: dict(VERSIONS[k], fused=False) for k, ok in (("chunk", fits), ("chunk_cl", cl)) if ok}
     if default_fused(bucket):
         out.update(DECODE_VERSIONS)
-        if fits:  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)
-            out["chunk"] = dict(VERSIONS["chunk"], fused=False)
+        out.update(chunk)  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)
         if clusters and bucket == ONE_BUCKET and one_fits(bucket, row.pool_rank) is None:
             out["one"] = VERSIONS["one"]
     else:
-        out.update({k: v for k, v in VERSIONS.items() if k not in ("chunk", "one") or (k == "chunk" and fits)})
+        out.update({k: v for k, v in VERSIONS.items() if k not in ONE_LAUNCH})
+        out.update(chunk)
     return out
 
 
@@ -575,7 +585,7 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
         us = timer(lambda: be.delta(d.y, d.x, w, d.token_order, d.slot_indptr))
         kernels[name] = {"us": us, "err": err, "ok": err < TOLERANCE[row.dtype],
                          "plan": {k: getattr(plan, k) for k in ("bm", "bn", "splits", "k_split", "fused", "cpb",
-                                                                  "expand", "chunks", "tiles")}}
+                                                                  "expand", "chunks", "tiles", "cluster", "blocks")}}
         call = check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr)
         kernels[name]["occupancy"] = be.occupancy(call)
         if (row.group in ("core", "poolrank") and row.T >= 1024 and plan.bm == default_tile(plan.bucket)
@@ -607,7 +617,7 @@ def _plan_and_occupancy(k: dict) -> tuple[str, str]:
     p = k["plan"]
     plan = f"{p['bm']}{'f' if p['fused'] else ''}{'c' if p.get('chunks') else ''}/s{p['splits']}"
     if not p["fused"]:
-        plan += f" {p['expand']}"
+        plan += f" {p['expand']}" + ("_cl" if p.get("cluster") else "")
     occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
     return plan, occ
 
@@ -632,9 +642,10 @@ def _versions_table(results: list[dict]) -> str:
     kernels alone where timed, the best launch, the best baseline, and whether the best meets the
     issue's bars."""
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
-    alone_keys = ["shrink", *(v for v in VERSIONS if v not in ("chunk", "one"))]
+    alone_keys = ["shrink", *(v for v in VERSIONS if v not in ONE_LAUNCH)]
     short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring",
-             "chunk": "chunk", "one": "one", "fused_chunks": "chunks", "fused_tiles": "tiles", "unfused": "unfused"}
+             "chunk": "chunk", "chunk_cl": "chunk_cl", "one": "one", "fused_chunks": "chunks", "fused_tiles": "tiles",
+             "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))
     lines = ["launches side by side (us; ERR = over tolerance, '-' = not run)", head]

@@ -210,6 +210,68 @@ template <typename T, bool AL> static int run_chunk(int bm, int blocks) {
   return L.sliced ? run_chunk_sl<T, AL, true>(bm, blocks) : run_chunk_sl<T, AL, false>(bm, blocks);
 }
 
+// lora_chunk_cl (lora_mma.cu; chunk.cuh with CL): each item (chunk, group of clusters) as its
+// cluster runs it: the cluster's blocks run their setup and shrink one after another, each into its
+// own part (NaN before each item, so a read of a row no block zeroed shows), then each block its sum
+// of the cluster's parts (distributed shared memory on the device) and its share of the column
+// blocks. Items are independent (each writes its own rows and columns), so their order is free.
+static std::vector<float> g_cl_parts;
+static int g_cl_item = 0, g_cl_groups = 1;
+template <typename T, int RW, bool AL, bool SL> static void chunk_cl_block(int q, bool expand) {
+  constexpr int BM = 16, CL = lora::CHUNK_CLUSTER;
+  static lora::ChunkRows tr;
+  static lora::ChunkScan cs;
+  static lora::ChunkWork cw;
+  static float vs[BM * lora::MAX_SLICES * RW];
+  auto g = args<T>();
+  g.chunked = 1;
+  const int vf = BM * g.n_slices * RW;
+  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM);
+  float* part = g_cl_parts.data() + q * vf;
+  lora::count_chunks<BM>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
+  const int c = g_cl_item / g_cl_groups, e = (g_cl_item % g_cl_groups) * CL + q;
+  lora::chunk_setup<T, RW, BM, SL>(g, s_ip, tr, cs, cw, c);
+  if (!expand) {
+    lora::chunk_zero_part<RW>(g.n_slices, cw.m, part);
+    lora::chunk_shrink<T, RW, BM, AL, SL, true>(g, dsm.data(), tr, cw, c, q, CL, part);
+    return;
+  }
+  lora::chunk_expand<T, RW, BM, AL, SL, true>(g, dsm.data(), tr, cw, c, e, g_cl_groups * CL, vs, [&] {
+    lora::chunk_vsum<RW>(g.n_slices, cw.m, vs, [&](int b, int i) {
+      const float* p = g_cl_parts.data() + b * vf + 4 * i;
+      return make_float4(p[0], p[1], p[2], p[3]);
+    });
+    __syncthreads();
+  });
+}
+template <typename T, int RW, bool AL, bool SL> static void chunk_cl_shrink(int q) { chunk_cl_block<T, RW, AL, SL>(q, false); }
+template <typename T, int RW, bool AL, bool SL> static void chunk_cl_expand(int q) { chunk_cl_block<T, RW, AL, SL>(q, true); }
+template <typename T, int RW, bool AL, bool SL> static int run_chunk_cl_rw(int blocks) {
+  constexpr int CL = lora::CHUNK_CLUSTER;
+  if (blocks % CL) return 2;
+  emu::run_block(chunk_count_block<T, RW, 16>, 0);
+  g_cl_groups = lora::chunk_groups(args<T>(), g_step_chunks, blocks / CL);
+  for (g_cl_item = 0; g_cl_item < g_step_chunks * g_cl_groups; ++g_cl_item) {
+    g_cl_parts.assign(CL * 16 * L.n_slices * RW, NAN);
+    for (int q = 0; q < CL; ++q) emu::run_block(chunk_cl_shrink<T, RW, AL, SL>, q);
+    for (int q = 0; q < CL; ++q) emu::run_block(chunk_cl_expand<T, RW, AL, SL>, q);
+  }
+  return 0;
+}
+template <typename T, bool AL, bool SL> static int run_chunk_cl_sl(int blocks) {
+  if constexpr (sizeof(T) != 2) {
+    return 2;
+  } else {
+    L.chunked = 1;
+    return L.rw <= 16 ? run_chunk_cl_rw<T, 16, AL, SL>(blocks)
+           : L.rw <= 64 ? run_chunk_cl_rw<T, 64, AL, SL>(blocks)
+           : L.rw <= 128 ? run_chunk_cl_rw<T, 128, AL, SL>(blocks) : 2;
+  }
+}
+template <typename T, bool AL> static int run_chunk_cl(int blocks) {
+  return L.sliced ? run_chunk_cl_sl<T, AL, true>(blocks) : run_chunk_cl_sl<T, AL, false>(blocks);
+}
+
 // lora_one (one.cuh): each cluster's blocks run their shrink one after another, each into its own
 // part (the kernel's shared memory, NaN before each cluster so a read of a row no block wrote
 // shows), then each block its sum over the cluster's parts (distributed shared memory on the
@@ -301,12 +363,14 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (L.aligned && L.flags != 7) return 3;  // the ALIGNED instantiation serves flags == 7 alone
   if (expand == 6) return L.aligned ? run_chunk<T, true>(bm, sb) : run_chunk<T, false>(bm, sb);
   if (expand == 7) return L.aligned ? run_one<T, true>(sb) : run_one<T, false>(sb);
+  if (expand == 8) return L.aligned ? run_chunk_cl<T, true>(sb) : run_chunk_cl<T, false>(sb);
   return L.aligned ? run_a<T, true>(bm, expand, sb, eb) : run_a<T, false>(bm, expand, sb, eb);
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 5 (lora_expand_ring),
-// 6 (lora_chunk: shrink_blocks its blocks), 7 (lora_one: shrink_blocks its blocks), 0 / 1 (the fused launch on tiles / chunks);
+// 6 (lora_chunk: shrink_blocks its blocks), 7 (lora_one: shrink_blocks its blocks), 8 (lora_chunk_cl: shrink_blocks
+// its blocks), 0 / 1 (the fused launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
 // sliced (lora_chunk's instantiation for several slices)
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }

@@ -132,13 +132,49 @@ def test_chunk_graph_replays_new_addressing(make_case, check, R):
         ((1000, "identical"), (900, "zipf"), (300, "skewed"), (1, "identical"), (1000, "distinct")))
 
 
+@pytest.mark.parametrize("cluster", [True, False])
 @pytest.mark.parametrize("R", [16, 64])
-def test_chunk_graph_replays_new_addressing_at_decode(make_case, check, R):
+def test_chunk_graph_replays_new_addressing_at_decode(make_case, check, R, cluster):
     """The bucket of 64 positions: chunks of 16, from one slot a position to one position, each
-    replay's step with its own count of items (and so of blocks that take tickets)."""
+    replay's step with its own count of items (and so of blocks that take tickets, or of clusters a
+    chunk takes), in clusters (lora_chunk_cl) and by ticket."""
     first = dict(T=64, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="distinct",
                  num_slots=65, active=64)
     case = make_case(**first)
-    assert backend_for(case.spec, **CHUNK).plan(64, dev_weights(case.w), "bfloat16").bm == 16
-    graph_replays_new_addressing(make_case, check, CHUNK, first,
+    plan = backend_for(case.spec, **CHUNK, cluster=cluster).plan(64, dev_weights(case.w), "bfloat16")
+    assert (plan.bm, plan.cluster) == (16, cluster)
+    graph_replays_new_addressing(make_case, check, dict(CHUNK, cluster=cluster), first,
                                  ((64, "distinct"), (37, "zipf"), (1, "identical"), (64, "skewed"), (64, "identical")))
+
+
+#: decode buckets (chunks of 16), each in clusters (lora_chunk_cl) and by ticket: odd `in` and
+#: ranks; 513 slots; `in` of 1000-2040, so each of a cluster's 8 blocks sums a share of it (two
+#: stages or more); several slices (q/k/v, a rank-128 pool whose adapters above 64 take two rank
+#: blocks); 1032 columns at rank 64 (17 column blocks: a chunk takes 3 clusters)
+CLUSTER_CASES = {
+    "T3-odd": CASES["T3-odd"],
+    "T61-many-slots": CASES["T61-many-slots"],
+    "T64-qkv-long-in": dict(T=64, in_f=2040, slices=(256, 128, 128), max_rank=16, ranks=(0, 5, 16), mix="distinct",
+                            num_slots=17, active=9),
+    "T16-r64-wide": dict(T=16, in_f=1000, slices=(1032,), max_rank=64, ranks=(3, 33, 64), mix="zipf", num_slots=9,
+                         active=4),
+    "T40-r128-sliced": dict(T=40, in_f=1000, slices=(192, 128), max_rank=128, ranks=(0, 16, 80, 128),
+                            mix="skewed", num_slots=9, active=4, pad_to=64),
+}
+
+
+@pytest.mark.parametrize("cluster", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CLUSTER_CASES))
+def test_chunk_decode_buckets_in_clusters_and_by_ticket(make_case, check, name, dtype, cluster):
+    """lora_chunk_cl (a cluster's blocks split `in`, their sums of v met in distributed shared
+    memory) is the default at the decode buckets on sm_90; cluster=False runs the ticket kernel."""
+    case = make_case(dtype=dtype, **CLUSTER_CASES[name])
+    T = case.token_order.shape[0]
+    assert backend_for(case.spec).plan(T, dev_weights(case.w), dtype).cluster == (
+        cb.default_chunk(case.spec.bucket_for(T), case.spec.max_rank, len(CLUSTER_CASES[name]["slices"])))
+    be = backend_for(case.spec, **CHUNK, cluster=cluster)
+    assert be.plan(T, dev_weights(case.w), dtype).cluster == cluster
+    check(case, run_cupy(be, case), dtype)
+    case2 = make_case(dtype=dtype, **CLUSTER_CASES[name])  # the same backend again
+    check(case2, run_cupy(be, case2), dtype)
