@@ -64,13 +64,13 @@
 
 namespace lora {
 
-template <typename T, int RW, int BM_>
+template <typename T, int RW, int BM_, int STAGES_ = 3>
 struct Chunk {
   static_assert(sizeof(T) == 2, "lora_chunk serves 16-bit types");
   static_assert(RW == 16 || RW == 64 || RW == 128, "lora_chunk is built for rank widths 16, 64 and 128");
   static_assert(BM_ == 16 || BM_ == 32 || (BM_ == 64 && RW > 16),
                 "chunks of 16 or 32 positions, or 64 at rank widths above 16");
-  static constexpr int STAGES = 3, CH = 8;           // 16-byte pieces of 8
+  static constexpr int STAGES = STAGES_, CH = 8;     // 16-byte pieces of 8
   static constexpr int BM = BM_;                     // positions a chunk (A and B read once a chunk)
   static constexpr int MT = BM / 16, WK = 4 / MT;    // m-tiles; warps sharing one
   static constexpr int KC = RW <= 16 ? 128 : 64;     // features a shrink stage
@@ -95,6 +95,12 @@ constexpr int CHUNK_UNIT_BM = 16;
 // cluster. Its blocks cut a chunk's `in` in CHUNK_CLUSTER shares; their partial sums of v meet in
 // distributed shared memory instead of L2, with no ready counts, tickets or zeroing of v.
 constexpr int CHUNK_CLUSTER = 8;
+// Its stages (one ring, shrink and expand): a block sums an eighth of `in` (4 stages of 128 at
+// 4096), so more of them are in flight at once than the ticket kernel's 3.
+constexpr int CHUNK_CL_STAGES = 5;
+// Its part and sum of v: [BM][n * RW + CHUNK_CL_PAD] floats (a row of n * RW floats, a multiple of
+// 32 banks at rank widths 64 and 128, would put a warp's 8 rows of atomics in one bank; padded, 2).
+constexpr int CHUNK_CL_PAD = 8;
 
 
 // A block's chunk's token rows (either height).
@@ -221,7 +227,7 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED, bool CL = false>
 __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
                              int parts, float* part = nullptr) {
-  using C = Chunk<T, RW, BM_>;
+  using C = Chunk<T, RW, BM_, CL ? CHUNK_CL_STAGES : 3>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8;
   constexpr int XPR = KC / CH, XPT = BM * XPR / THREADS, XROWS = THREADS / XPR;  // x pieces
@@ -308,7 +314,8 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     if ((ONE_PASS ? f : f % nkp) != nkp - 1) continue;
     // the pass's last stage: this warp's partial sums into v (rows of its m-tile inside the
     // chunk, ranks below r: 0 * inf stays out of v), then the sums start again
-    // (CL: into the block's own part in shared memory, rows n * RW apart; the cluster sums the parts)
+    // (CL: into the block's own part in shared memory, rows n * RW + CHUNK_CL_PAD apart; the
+    // cluster sums the parts)
     float* vb = CL ? part + j * RW + rb0 : g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
 #pragma unroll
     for (int nt = 0; nt < NTS; ++nt) {
@@ -319,7 +326,7 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
           const int row = mt * 16 + gq + 8 * h;
           if (row >= m) continue;
           if constexpr (CL) {
-            float* pv = vb + row * (g.n_slices * RW) + col;
+            float* pv = vb + row * (g.n_slices * RW + CHUNK_CL_PAD) + col;
             atomicAdd(pv, acc[nt][2 * h]);
             if (col + 1 < r) atomicAdd(pv + 1, acc[nt][2 * h + 1]);
           } else {
@@ -341,11 +348,11 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 }
 
 // CL (the cluster launch): vs[row, e] = the sum over the cluster's blocks b of their part[row, e]
-// (peer(b, i): block b's part as float4 i), rows [0, m), every slice at the rank width; the same
+// (peer(b, i): block b's part as float4 i), rows [0, m) of n * RW + CHUNK_CL_PAD floats; the same
 // order of additions in every block, so the cluster's blocks hold the same v.
 template <int RW, typename Peer>
 __device__ __forceinline__ void chunk_vsum(int n, int m, float* vs, Peer peer) {
-  const int quads = m * n * RW / 4;
+  const int quads = m * (n * RW + CHUNK_CL_PAD) / 4;
   for (int i = threadIdx.x; i < quads; i += blockDim.x) {
     float4 t[CHUNK_CLUSTER];  // every block's loads in flight before the first addition
 #pragma unroll
@@ -370,10 +377,10 @@ __device__ __forceinline__ int chunk_groups(const Args<T>& g, int chunks, int cl
   return max(1, min(g.splits, clusters / max(chunks, 1)));
 }
 
-// CL: the block's part zeroed where its shrink adds (rows [0, m), every slice at the rank width).
+// CL: the block's part zeroed where its shrink adds (rows [0, m), padding included).
 template <int RW>
 __device__ __forceinline__ void chunk_zero_part(int n, int m, float* part) {
-  for (int i = threadIdx.x; i < m * n * RW / 4; i += blockDim.x)
+  for (int i = threadIdx.x; i < m * (n * RW + CHUNK_CL_PAD) / 4; i += blockDim.x)
     reinterpret_cast<float4*>(part)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
@@ -382,7 +389,7 @@ __device__ __forceinline__ void chunk_zero_part(int n, int m, float* part) {
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED, bool CL = false, typename WaitV = int>
 __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
                              int parts, const float* vs = nullptr, WaitV wait_v = {}) {
-  using C = Chunk<T, RW, BM_>;
+  using C = Chunk<T, RW, BM_, CL ? CHUNK_CL_STAGES : 3>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, CH = C::CH, NT = C::NT, RB = C::RB;
   constexpr int KS = RW / 16, KPB = RB / 16;                                     // k-steps of v; of a rank block
@@ -464,7 +471,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   // this warp's rows of v * scaling as MMA fragments, one per k-step below the slice's rank
   // rounded up to 16: the first slice's now, another's at its first column block
   const int mt = warp % C::MT, half = warp / C::MT, row0 = mt * 16 + gq, row1 = row0 + 8;
-  const size_t stride = CL ? (size_t)n * RW : (size_t)n * g.rw;
+  const size_t stride = CL ? (size_t)n * RW + CHUNK_CL_PAD : (size_t)n * g.rw;
   Frags<M, false, float> vreg[KS];
   auto load_v = [&](int j) {
     const int kss = ((cw.r[j] + 15) & ~15) / 16;

@@ -1064,8 +1064,8 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128) lora_one(LORA_PARAMS) {
 // blocks; no ticket, no ready counts, no v in global memory. Where the grid has more clusters than
 // the step chunks, `groups` clusters take each chunk (each sums the whole v again, each writes a
 // share of the columns). A cluster walks chunks u, u + clusters, ... (every block of it the same).
-// Dynamic shared memory: the stages, slot_indptr (rounded up to 16 bytes), part and v
-// ([16][n * RW] floats each). sm_90 only, as lora_one.
+// Dynamic shared memory: CHUNK_CL_STAGES stages, slot_indptr (rounded up to 16 bytes), part and v
+// ([16][n * RW + CHUNK_CL_PAD] floats each). sm_90 only, as lora_one.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define LORA_CHUNK_CLUSTER __cluster_dims__(lora::CHUNK_CLUSTER, 1, 1)
 #else
@@ -1081,8 +1081,8 @@ __global__ void LORA_CHUNK_CLUSTER __launch_bounds__(128, 4) lora_chunk_cl(LORA_
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;
   g.chunked = 1;
-  constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM;
-  const int off = SMEM + ((4 * (num_slots + 1) + 15) & ~15), vf = BM * n_slices * RW;
+  constexpr int SMEM = lora::Chunk<T, RW, BM, lora::CHUNK_CL_STAGES>::SMEM;
+  const int off = SMEM + ((4 * (num_slots + 1) + 15) & ~15), vf = BM * (n_slices * RW + lora::CHUNK_CL_PAD);
   lora::require_smem(off + 8 * vf);
   int* s_indptr = reinterpret_cast<int*>(dsmem + SMEM);
   float* part = reinterpret_cast<float*>(dsmem + off);

@@ -176,14 +176,14 @@ def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """The pair: only the rank blocks differ, the extra ones stop at once past a rank-16 adapter.
     lora_chunk: the same chunks (16 up to CHUNK_NARROW_TO positions, 32 above) below CHUNK_WIDE_FROM
     positions and the same grid there (its loops bounded by each adapter's own rank), chunks of 64
-    from there at rank 128. In clusters (the decode buckets), both; the grid follows the column
-    blocks, which are narrower at rank widths above 16."""
+    from there at rank 128. At the decode buckets the rank-16 pool runs them in clusters
+    (lora_chunk_cl, rank width 16 only by default), the rank-128 pool by ticket."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         c16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         c128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
         if c16.expand == c128.expand == "chunk":
             assert (c16.bm, c128.bm) == (16 if b <= 64 else 32, cb.chunk_bm(b, 128)) and c16.tiles == c128.tiles
-            assert c16.cluster == c128.cluster == (b <= cb.CHUNK_NARROW_TO)
+            assert (c16.cluster, c128.cluster) == (b <= cb.CHUNK_NARROW_TO, False)  # clusters: rank width 16
             if b < cb.CHUNK_WIDE_FROM and not c16.cluster:
                 assert c16.blocks == c128.blocks
         pair = None if c16.fused else cb.default_expand(b)
@@ -440,43 +440,47 @@ def test_one_cuh_constants_match_the_planner():
 
 
 def test_chunk_cluster_constant_matches_the_planner():
-    """The cluster size lora_chunk_cl is built with is the one the planner sizes its grid in."""
+    """The cluster size, stages and padding lora_chunk_cl is built with are the ones the planner
+    sizes its grid and shared memory for."""
     text = (kernels.kernel_dir() / "chunk.cuh").read_text()
-    assert re.search(r"constexpr int CHUNK_CLUSTER = (\d+);", text).group(1) == str(cb.CHUNK_CLUSTER)
+    for name in ("CHUNK_CLUSTER", "CHUNK_CL_STAGES", "CHUNK_CL_PAD"):
+        assert re.search(rf"constexpr int {name} = (\d+);", text).group(1) == str(getattr(cb, name))
 
 
 def test_decode_buckets_run_lora_chunk_in_clusters_where_the_device_has_them():
-    """Up to CHUNK_NARROW_TO positions lora_chunk runs in clusters (lora_chunk_cl): a grid of whole
-    clusters, at most one wave and no more than the most chunks times the clusters one chunk takes
-    (about a column block a block); the ticket kernel below sm_90, with cluster=False, where the part
-    and sum of v leave fewer than 2 blocks a multiprocessor, and above CHUNK_NARROW_TO positions,
-    where asking for clusters is an error."""
+    """Up to CHUNK_NARROW_TO positions lora_chunk runs in clusters (lora_chunk_cl) by default for one
+    slice at rank width 16 and `in` up to CHUNK_CL_MAX_IN, and wherever asked (cluster=True): a grid of
+    whole clusters, at most one wave (the device's count where known) and no more than the most
+    chunks times the clusters one chunk takes (about a column block a block). The ticket kernel
+    elsewhere, below sm_90, with cluster=False, where the part and sum of v leave fewer than 2
+    blocks a multiprocessor, and above CHUNK_NARROW_TO positions, where asking for clusters is an error."""
+    chunk = dict(num_slots=33, fused=False, expand="chunk", slice_align=128)
     for b in (2, 16, 64):
         for R in (16, 64, 128):
-            for n, out in ((1, 4096), (3, 6144), (2, 28672)):
-                p = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, fused=False, expand="chunk", slice_align=128)
+            for n, out, in_f in ((1, 4096, 4096), (3, 6144, 4096), (2, 28672, 4096), (1, 4096, 14336)):
+                p = cb.plan_launch(b, in_f, out, n, R, "bfloat16", **chunk)
+                assert p.cluster == (R == 16 and n == 1 and in_f <= cb.CHUNK_CL_MAX_IN)
+                assert p.cluster == cb.default_chunk_cluster(in_f, R, n > 1)
+                p = cb.plan_launch(b, in_f, out, n, R, "bfloat16", cluster=True, **chunk)
                 cols = -(-out // cb.chunk_geometry(R)[2])
                 most = -(-cols // cb.CHUNK_CLUSTER)
                 wave = cb.chunk_cl_blocks_per_sm("bfloat16", R, 33, n) * cb.DEFAULT_SMS // cb.CHUNK_CLUSTER
                 assert (p.cluster, p.bm, p.splits, p.col_blocks) == (True, 16, most, cols)
                 assert p.blocks == cb.CHUNK_CLUSTER * min(wave, p.tiles * most)
-                assert p.blocks * 4 <= cb.CHUNK_BLOCKS_PER_SM * cb.DEFAULT_SMS * 4  # one wave at most
-                ticket = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, fused=False, expand="chunk",
-                                        slice_align=128, cluster=False)
+                capped = cb.plan_launch(b, in_f, out, n, R, "bfloat16", cluster=True, max_clusters=5, **chunk)
+                assert capped.blocks == cb.CHUNK_CLUSTER * min(5, p.tiles * most)  # the device's count
+                ticket = cb.plan_launch(b, in_f, out, n, R, "bfloat16", cluster=False, **chunk)
                 assert (ticket.cluster, ticket.expand, ticket.bm) == (False, "chunk", 16)
-                assert cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, fused=False, expand="chunk",
-                                      slice_align=128, clusters=False) == ticket
+                assert cb.plan_launch(b, in_f, out, n, R, "bfloat16", clusters=False, **chunk) == ticket
     # the most slices at rank 128 in the largest pool: one block a multiprocessor
     assert cb.chunk_cl_blocks_per_sm("bfloat16", 128, cb.MAX_SLOTS, cb.MAX_SLICES) < 2
-    assert not cb.plan_launch(64, 4096, 8192, 8, 128, "bfloat16", num_slots=cb.MAX_SLOTS, fused=False, expand="chunk",
-                              slice_align=128).cluster
+    big = dict(chunk, num_slots=cb.MAX_SLOTS)
     with pytest.raises(ValueError, match="fewer than 2 blocks"):
-        cb.plan_launch(64, 4096, 8192, 8, 128, "bfloat16", num_slots=cb.MAX_SLOTS, fused=False, expand="chunk",
-                       slice_align=128, cluster=True)
+        cb.plan_launch(64, 4096, 8192, 8, 128, "bfloat16", cluster=True, **big)
     with pytest.raises(ValueError, match="chunks of 16"):
-        cb.plan_launch(256, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False, expand="chunk", cluster=True)
+        cb.plan_launch(256, 4096, 4096, 1, 16, "bfloat16", cluster=True, **chunk)
     with pytest.raises(ValueError, match="clusters"):
-        cb.plan_launch(64, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False, expand="chunk", cluster=True, clusters=False)
+        cb.plan_launch(64, 4096, 4096, 1, 16, "bfloat16", cluster=True, clusters=False, **chunk)
     with pytest.raises(ValueError, match="lora_chunk_cl"):  # not a lora_chunk call at all
         cb.plan_launch(64, 4096, 4096, 1, 16, "float32", num_slots=33, cluster=True)
     assert not cb.plan_launch(256, 4096, 4096, 1, 16, "bfloat16", num_slots=33).cluster

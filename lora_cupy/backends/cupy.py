@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -105,13 +105,14 @@ def chunk_geometry(max_rank: int) -> tuple[int, int, int, int]:
     return (rw, 128, 128, 16) if rw <= 16 else (rw, 64, 64, 64)
 
 
-def chunk_smem(dtype: str, max_rank: int, bm: int) -> int:
-    """``Chunk<T, RW, BM>::SMEM`` of chunk.cuh: 3 stages, each the larger of a shrink stage (x rows
-    of a chunk of ``bm`` positions and A rows of a rank block, KC features) and an expand stage (y
-    tile of the chunk x BN, B tile of BN columns x a rank block), rows padded by 8 elements."""
+def chunk_smem(dtype: str, max_rank: int, bm: int, stages: int = 3) -> int:
+    """``Chunk<T, RW, BM, STAGES>::SMEM`` of chunk.cuh: ``stages`` stages (3; lora_chunk_cl's
+    ``CHUNK_CL_STAGES``), each the larger of a shrink stage (x rows of a chunk of ``bm`` positions
+    and A rows of a rank block, KC features) and an expand stage (y tile of the chunk x BN, B tile
+    of BN columns x a rank block), rows padded by 8 elements."""
     _, kc, bn, rb = chunk_geometry(max_rank)
     size = _ITEMSIZE[dtype]
-    return 3 * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size)
+    return stages * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size)
 
 
 def chunk_bm(bucket: int, max_rank: int) -> int:
@@ -356,21 +357,35 @@ def one_clusters(out_features: int) -> int:
     return max(1, min(ONE_MAX_CLUSTERS, _ceil(out_features, ONE_CLUSTER * ONE_COLS)))
 
 
-#: Blocks of a ``lora_chunk_cl`` cluster (chunk.cuh, CHUNK_CLUSTER): each sums an eighth of ``in``.
+#: Blocks of a ``lora_chunk_cl`` cluster (chunk.cuh, CHUNK_CLUSTER): each sums an eighth of ``in``;
+#: its stages (CHUNK_CL_STAGES) and the padding of its rows of v (CHUNK_CL_PAD floats).
 CHUNK_CLUSTER = 8
+CHUNK_CL_STAGES = 5
+CHUNK_CL_PAD = 8
+#: The most clusters of a ``lora_chunk_cl`` launch (0: no cap of its own; dev sweeps set it).
+CHUNK_CL_MAX_CLUSTERS = 0
+#: Where ``lora_chunk_cl`` is the default: one slice with columns at rank width 16 and ``in`` up to
+#: this (a block's eighth of it 4 stages or fewer). On an H200 (raw_kernels/NOTES.md, "lora_chunk in
+#: clusters") it took 9.5 / 9.6 / 10.2 / 9.8 us on the 4096->4096 rank-16 rows of 16 and 64 positions
+#: with 1 and 8 adapters against the ticket kernel's 10.1 / 10.9 / 10.8 / 11.5, and the o_proj call
+#: of the layer 9.4 against 10.0 warm; with `in` of 14336 (8 stages more a block), several slices or
+#: rank 64 its blocks run more stages in series than the ticket kernel's parts and it lost (the down
+#: call 15-16 against 11 us).
+CHUNK_CL_MAX_IN = 4096
 
 
-def chunk_cl_extra(num_slots: int, n_slices: int, max_rank: int) -> int:
-    """Dynamic shared memory of ``lora_chunk_cl`` beside its stages: ``slot_indptr`` rounded up to
-    16 bytes, then a block's part of v and the cluster's sum, each ``[16][n * RW]`` floats."""
+def chunk_cl_smem(dtype: str, num_slots: int, n_slices: int, max_rank: int) -> int:
+    """Dynamic shared memory of ``lora_chunk_cl``: ``CHUNK_CL_STAGES`` stages, ``slot_indptr``
+    rounded up to 16 bytes, then a block's part of v and the cluster's sum, each ``[16][n * RW +
+    CHUNK_CL_PAD]`` floats."""
     rw = chunk_geometry(max_rank)[0]
-    return _ceil(4 * (num_slots + 1), 16) * 16 + 2 * 4 * CHUNK_NARROW_BM * n_slices * rw
+    stages = chunk_smem(dtype, max_rank, CHUNK_NARROW_BM, CHUNK_CL_STAGES)
+    return stages + _ceil(4 * (num_slots + 1), 16) * 16 + 2 * 4 * CHUNK_NARROW_BM * (n_slices * rw + CHUNK_CL_PAD)
 
 
 def chunk_cl_blocks_per_sm(dtype: str, max_rank: int, num_slots: int, n_slices: int) -> int:
     """Blocks of ``lora_chunk_cl`` one multiprocessor holds (at most ``CHUNK_BLOCKS_PER_SM``)."""
-    per_block = (chunk_smem(dtype, max_rank, CHUNK_NARROW_BM) + chunk_cl_extra(num_slots, n_slices, max_rank)
-                 + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM)
+    per_block = chunk_cl_smem(dtype, num_slots, n_slices, max_rank) + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM
     return max(0, min(CHUNK_BLOCKS_PER_SM, SM_SMEM // per_block))
 
 
@@ -386,6 +401,12 @@ def chunk_cl_fits(bucket: int, dtype: str, max_rank: int, num_slots: int, n_slic
     if chunk_cl_blocks_per_sm(dtype, max_rank, num_slots, n_slices) < 2:
         return "lora_chunk_cl's part and sum of v leave fewer than 2 blocks a multiprocessor here"
     return None
+
+
+def default_chunk_cluster(in_features: int, max_rank: int, sliced: bool) -> bool:
+    """Whether a ``lora_chunk`` call that ``chunk_cl_fits`` runs in clusters by default: one slice
+    with columns, rank width 16, ``in`` up to ``CHUNK_CL_MAX_IN``."""
+    return not sliced and rank_width(max_rank) <= 16 and in_features <= CHUNK_CL_MAX_IN
 
 
 def several_slices(n_slices: int, live_slices: int | None) -> bool:
@@ -438,7 +459,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
                 chunks: bool | None = None, live_slices: int | None = None, whole: bool = True,
-                slice_align: int = 0, clusters: bool = True, cluster: bool | None = None) -> LaunchPlan:
+                slice_align: int = 0, clusters: bool = True, cluster: bool | None = None,
+                max_clusters: int = 0) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it). ``slice_align``: what every
     column offset of the target's slices is a multiple of (:func:`slice_alignment`; 0: unknown).
@@ -510,7 +532,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                              f"fused chunks")
         return _plan_chunk(bucket, in_features, out_features, n_slices, max_rank, dtype, num_slots=num_slots,
                            num_sms=num_sms, live_slices=live_slices, whole=whole, slice_align=slice_align,
-                           clusters=clusters, cluster=cluster)
+                           clusters=clusters, cluster=cluster, max_clusters=max_clusters)
     if cluster:
         raise ValueError("cluster=True asks for lora_chunk_cl: it runs lora_chunk's calls only")
     bm = (RING_BM if expand == "expand_ring" else default_tile(bucket)) if tile is None else int(tile)
@@ -560,7 +582,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 
 def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
                 num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int,
-                clusters: bool = True, cluster: bool | None = None) -> LaunchPlan:
+                clusters: bool = True, cluster: bool | None = None, max_clusters: int = 0) -> LaunchPlan:
     """``lora_chunk``'s plan: ``bm`` is the height its kernel cuts a step's slots into
     (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_NARROW_BM`` positions of one slot a step
     can have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
@@ -578,12 +600,13 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     rw, kc, bn, _ = chunk_geometry(max_rank)
     bm, tiles = chunk_bm(bucket, max_rank), fused_units(bucket, CHUNK_NARROW_BM, num_slots)
     nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
-    if cluster is not False:
+    sliced = several_slices(n_slices, live_slices)
+    if cluster or (cluster is None and default_chunk_cluster(in_features, max_rank, sliced)):
         why = chunk_cl_fits(bucket, dtype, max_rank, num_slots, n_slices, clusters)
         if why is None:
             return _plan_chunk_cl(bucket, in_features, n_slices, max_rank, dtype, num_slots=num_slots,
                                   num_sms=num_sms, col_blocks=col_blocks, bn=bn, kc=kc, tiles=tiles,
-                                  sliced=several_slices(n_slices, live_slices))
+                                  sliced=sliced, max_clusters=max_clusters)
         if cluster:
             raise ValueError(why)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
@@ -597,13 +620,19 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
 
 
 def _plan_chunk_cl(bucket: int, in_features: int, n_slices: int, max_rank: int, dtype: str, *, num_slots: int,
-                   num_sms: int, col_blocks: int, bn: int, kc: int, tiles: int, sliced: bool) -> LaunchPlan:
+                   num_sms: int, col_blocks: int, bn: int, kc: int, tiles: int, sliced: bool,
+                   max_clusters: int = 0) -> LaunchPlan:
     """``lora_chunk_cl``'s plan: clusters of ``CHUNK_CLUSTER`` blocks, one wave of them (fewer where
     the most chunks a step can have, ``tiles``, each taking ``splits`` clusters, are fewer); the
     kernel gives each of the step's chunks as many clusters as fill the grid, at most ``splits``
-    (about a column block a block: each cluster sums the chunk's whole v again)."""
+    (about a column block a block: each cluster sums the chunk's whole v again). The wave:
+    ``max_clusters`` where the device says how many of its clusters it holds at once (the backend
+    asks the driver), else what shared memory allows on every multiprocessor, which counts more
+    than a device places (on an H200 66 against 62, and 49 against 45: a cluster's blocks share one
+    GPC), so the last clusters ran as a second wave."""
     most = max(1, _ceil(col_blocks, CHUNK_CLUSTER))
     wave = max(1, chunk_cl_blocks_per_sm(dtype, max_rank, num_slots, n_slices) * num_sms // CHUNK_CLUSTER)
+    wave = min(wave, max_clusters or wave, CHUNK_CL_MAX_CLUSTERS or wave)
     clusters = max(1, min(wave, tiles * most))
     groups = max(1, min(most, clusters // _ceil(bucket, CHUNK_NARROW_BM)))  # what a full bucket gets
     nk = max(1, _ceil(in_features, kc))
@@ -785,7 +814,8 @@ class CallLimits:
     expand: str | None = None
     chunks: bool | None = None
     clusters: bool = True  # thread-block clusters (compute capability 9.0 or above): lora_one
-    cluster: bool | None = None  # lora_chunk in clusters (lora_chunk_cl): None where it serves
+    cluster: bool | None = None  # lora_chunk in clusters (lora_chunk_cl): None where it is the default
+    max_clusters: int = 0  # lora_chunk_cl's clusters the device holds at once (0: not known)
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str, num_slots: int, live_slices: int | None = None, halves: bool = False,
@@ -795,7 +825,7 @@ class CallLimits:
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
                            fused=False if halves else self.fused, expand=self.expand, chunks=self.chunks,
                            live_slices=live_slices, whole=not halves, slice_align=slice_align,
-                           clusters=self.clusters, cluster=self.cluster)
+                           clusters=self.clusters, cluster=self.cluster, max_clusters=self.max_clusters)
 
 
 @dataclass(frozen=True)
@@ -1122,6 +1152,8 @@ class CupyBackend:
                                      clusters, cluster)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
+            if clusters and spec.dtype in CHUNK_DTYPES and self.kernel == "mma":
+                self.limits = replace(self.limits, max_clusters=self._chunk_cl_clusters(spec))
         from .launch_ex import PdlLauncher, pdl_supported
 
         #: Whether ``lora_expand_v`` launches with programmatic dependent launch where its caller
@@ -1181,8 +1213,7 @@ class CupyBackend:
                 for sliced in (False, True):
                     for aligned in (False, True):
                         fn = mod.get_function(chunk_cl_name(ct, rw, aligned=aligned, sliced=sliced))
-                        fn.max_dynamic_shared_size_bytes = (chunk_smem(dtype, rw, CHUNK_NARROW_BM)
-                                                            + chunk_cl_extra(MAX_SLOTS, MAX_SLICES, rw))
+                        fn.max_dynamic_shared_size_bytes = chunk_cl_smem(dtype, MAX_SLOTS, MAX_SLICES, rw)
                         self._fns[(dtype, "chunk_cl", rw, sliced, aligned)] = fn
         for rw in ONE_RW:  # static shared memory only
             for aligned in (False, True):
@@ -1198,6 +1229,15 @@ class CupyBackend:
                 fn = mod.get_function(mma_name(ct, kind, bm, bn=bn, chunks=chunks, aligned=aligned))
                 fn.max_dynamic_shared_size_bytes = smem[kind](bm, bn) + extra
                 self._fns[(dtype, *key, aligned)] = fn
+
+    def _chunk_cl_clusters(self, spec: LoraSpec) -> int:
+        """How many clusters of ``lora_chunk_cl`` (rank width 16, one slice: where it is the
+        default) this device holds at once for this pool's slot table (the driver's
+        ``cuOccupancyMaxActiveClusters``); 0 where the driver does not say."""
+        from .launch_ex import max_active_clusters
+
+        fn = self._kernel_fn(spec.dtype, ("chunk_cl", CHUNK_RW[0], False, True))
+        return max_active_clusters(int(fn.kernel.ptr), THREADS, chunk_cl_smem(spec.dtype, spec.num_slots, 1, 16))
 
     def expand_v_fn(self, dtype: str, rank_width: int):
         """``lora_expand_v`` (expand_v.cu) for one dtype and rank width, loaded on first use."""
@@ -1314,8 +1354,7 @@ class CupyBackend:
             return [mma("one", ("one", built_width(ONE_RW, R)), plan.blocks, 0, extra=0)]
         if plan.expand == "chunk" and plan.cluster:  # clusters of CHUNK_CLUSTER blocks (the kernel's attribute)
             rw = chunk_geometry(R)[0]
-            return [mma("chunk_cl", ("chunk_cl", rw, plan.sliced), plan.blocks,
-                        chunk_smem(dtype, R, plan.bm) + chunk_cl_extra(S, n, R), extra=0)]
+            return [mma("chunk_cl", ("chunk_cl", rw, plan.sliced), plan.blocks, chunk_cl_smem(dtype, S, n, R), extra=0)]
         if plan.expand == "chunk":  # shrink and expand in one launch
             rw = chunk_geometry(R)[0]
             return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, R, plan.bm))]

@@ -28,9 +28,10 @@ target's shrink once and then each slice's expand alone so, as a prefill's q/k/v
 ``--members``): where the step's chunks take one part each (``--sms 1``: a grid of 4 blocks) the
 kernel's own block body (tickets, the loop over items, the done count), else each item as a block
 of its own, every shrink part before any expand part (a part waits for its chunk's others). At the
-decode buckets (chunks of 16) the plan takes ``lora_chunk_cl``, lora_chunk in clusters: each item's
-cluster runs its blocks' shrinks into parts of their own (NaN before each item), then each block its
-sum of them and its share of the columns; ``--cluster never`` runs the ticket kernel there instead.
+decode buckets (chunks of 16) the plan takes ``lora_chunk_cl``, lora_chunk in clusters, for one
+slice at rank width 16 (``--cluster always``: wherever it serves): each item's cluster runs its
+blocks' shrinks into parts of their own (NaN before each item), then each block its sum of them and
+its share of the columns; ``--cluster never`` runs the ticket kernel there instead.
 ``--expand one`` runs ``lora_one`` (one.cuh; cases of one position): each cluster's blocks run their
 shrinks into partial arrays of their own (NaN before each cluster), then each block its sum over
 them and its columns; ``--one-next`` runs raw_kernels/dev/one_next.cuh's setup, prefetch and expand
@@ -217,8 +218,8 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-#: lora_chunk in clusters (lora_chunk_cl) where it serves: None (the planner's default) or False
-#: (``--cluster never``: the ticket kernel everywhere).
+#: lora_chunk in clusters (lora_chunk_cl): None (the planner's default), True (``--cluster always``:
+#: wherever it serves) or False (``--cluster never``: the ticket kernel everywhere).
 CLUSTER: bool | None = None
 
 
@@ -531,14 +532,15 @@ def main(argv=None) -> int:
                          "small-step cases of tests/gpu/test_expand_v_gpu.py")
     ap.add_argument("--glu", action="store_true",
                     help="lora_shrink, then lora_expand_glu (expand_glu.cuh) on GLU_CASES, bf16 and fp16")
-    ap.add_argument("--cluster", choices=("auto", "never"), default="auto",
-                    help="with --expand chunk: lora_chunk_cl at the decode buckets (auto) or the ticket kernel (never)")
+    ap.add_argument("--cluster", choices=("auto", "never", "always"), default="auto",
+                    help="with --expand chunk: lora_chunk_cl where it is the default (auto), wherever it serves "
+                         "(always: the decode buckets), or never (the ticket kernel)")
     ap.add_argument("--one-next", action="store_true",
                     help="with --expand one: raw_kernels/dev/one_next.cuh's setup, prefetch and expand (not shipped)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     global CLUSTER
-    CLUSTER = False if args.cluster == "never" else None
+    CLUSTER = {"auto": None, "never": False, "always": True}[args.cluster]
     with tempfile.TemporaryDirectory() as tmp:
         lib = ctypes.CDLL(str(build(Path(tmp), args.asan, args.one_next)))
         lib.emu_set_cp_early(int(args.cp_async == "early"))

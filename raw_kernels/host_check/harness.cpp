@@ -222,11 +222,11 @@ template <typename T, int RW, bool AL, bool SL> static void chunk_cl_block(int q
   static lora::ChunkRows tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
-  static float vs[BM * lora::MAX_SLICES * RW];
+  static float vs[BM * (lora::MAX_SLICES * RW + lora::CHUNK_CL_PAD)];
   auto g = args<T>();
   g.chunked = 1;
-  const int vf = BM * g.n_slices * RW;
-  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM);
+  const int vf = BM * (g.n_slices * RW + lora::CHUNK_CL_PAD);
+  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM, lora::CHUNK_CL_STAGES>::SMEM);
   float* part = g_cl_parts.data() + q * vf;
   lora::count_chunks<BM>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
   const int c = g_cl_item / g_cl_groups, e = (g_cl_item % g_cl_groups) * CL + q;
@@ -252,7 +252,7 @@ template <typename T, int RW, bool AL, bool SL> static int run_chunk_cl_rw(int b
   emu::run_block(chunk_count_block<T, RW, 16>, 0);
   g_cl_groups = lora::chunk_groups(args<T>(), g_step_chunks, blocks / CL);
   for (g_cl_item = 0; g_cl_item < g_step_chunks * g_cl_groups; ++g_cl_item) {
-    g_cl_parts.assign(CL * 16 * L.n_slices * RW, NAN);
+    g_cl_parts.assign(CL * 16 * (L.n_slices * RW + lora::CHUNK_CL_PAD), NAN);
     for (int q = 0; q < CL; ++q) emu::run_block(chunk_cl_shrink<T, RW, AL, SL>, q);
     for (int q = 0; q < CL; ++q) emu::run_block(chunk_cl_expand<T, RW, AL, SL>, q);
   }

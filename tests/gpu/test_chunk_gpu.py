@@ -168,11 +168,15 @@ CLUSTER_CASES = {
 @pytest.mark.parametrize("name", list(CLUSTER_CASES))
 def test_chunk_decode_buckets_in_clusters_and_by_ticket(make_case, check, name, dtype, cluster):
     """lora_chunk_cl (a cluster's blocks split `in`, their sums of v met in distributed shared
-    memory) is the default at the decode buckets on sm_90; cluster=False runs the ticket kernel."""
-    case = make_case(dtype=dtype, **CLUSTER_CASES[name])
-    T = case.token_order.shape[0]
+    memory) is the default at the decode buckets on sm_90 for one slice at rank width 16 (`in` up
+    to CHUNK_CL_MAX_IN); cluster=True asks for it anywhere it serves, cluster=False runs the ticket
+    kernel."""
+    kw = CLUSTER_CASES[name]
+    case = make_case(dtype=dtype, **kw)
+    T, sliced = case.token_order.shape[0], len(kw["slices"]) > 1
     assert backend_for(case.spec).plan(T, dev_weights(case.w), dtype).cluster == (
-        cb.default_chunk(case.spec.bucket_for(T), case.spec.max_rank, len(CLUSTER_CASES[name]["slices"])))
+        cb.default_chunk(case.spec.bucket_for(T), kw["max_rank"], len(kw["slices"]))
+        and cb.default_chunk_cluster(kw["in_f"], kw["max_rank"], sliced))
     be = backend_for(case.spec, **CHUNK, cluster=cluster)
     assert be.plan(T, dev_weights(case.w), dtype).cluster == cluster
     check(case, run_cupy(be, case), dtype)
