@@ -1099,7 +1099,9 @@ class CupyBackend:
     ``aligned=False`` runs the latter for every call (tests and A/B timing). ``pdl``: whether
     ``lora_expand_v`` may launch with programmatic dependent launch where its caller allows
     (:mod:`~lora_cupy.backends.launch_ex`): None (the default) where the device (compute
-    capability 9.0 or above) and the driver support it, False never (A/B timing).
+    capability 9.0 or above) and the driver support it, False never (A/B timing). ``cluster``:
+    whether ``lora_chunk`` runs its decode buckets in thread-block clusters (``lora_chunk_cl``):
+    None where it is the default (``default_chunk_cluster``), True wherever it serves, False never.
 
     Two ways in: :meth:`delta` checks every argument on every call (tests, benchmarks, one-off
     calls); :meth:`prepare` checks one layer's weights once and returns a :class:`LayerLaunch`
@@ -1125,6 +1127,8 @@ class CupyBackend:
             raise ValueError(f"aligned must be None (per call) or False (never), got {aligned!r}")
         if pdl not in (None, False):
             raise ValueError(f"pdl must be None (where supported) or False (never), got {pdl!r}")
+        if cluster not in (None, False, True):
+            raise ValueError(f"cluster must be None (where it is the default), True or False, got {cluster!r}")
         self.aligned = aligned
         if device is None:
             dev_id = cupy.cuda.runtime.getDevice()

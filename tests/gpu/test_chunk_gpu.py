@@ -182,3 +182,15 @@ def test_chunk_decode_buckets_in_clusters_and_by_ticket(make_case, check, name, 
     check(case, run_cupy(be, case), dtype)
     case2 = make_case(dtype=dtype, **CLUSTER_CASES[name])  # the same backend again
     check(case2, run_cupy(be, case2), dtype)
+
+
+def test_chunk_cl_grid_is_at_most_the_clusters_the_device_holds(make_case, check):
+    """The backend asks the driver how many lora_chunk_cl clusters the device holds at once; the
+    default plan's grid is at most that (clusters past it ran as a second wave, NOTES.md)."""
+    case = make_case(T=64, in_f=1024, slices=(4096,), max_rank=16, ranks=(16,), dtype="bfloat16", mix="distinct",
+                     num_slots=33, active=32)
+    be = backend_for(case.spec)
+    plan = be.plan(64, dev_weights(case.w), "bfloat16")
+    assert plan.cluster and be.limits.max_clusters > 0
+    assert plan.blocks // cb.CHUNK_CLUSTER <= be.limits.max_clusters
+    check(case, run_cupy(be, case), "bfloat16")
