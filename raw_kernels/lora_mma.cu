@@ -1044,13 +1044,15 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128) lora_one(LORA_PARAMS) {
   __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
   LORA_ARGS;
   if (!lora::one_setup(g, st)) return;  // the same in every block: a cluster leaves whole
+  lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first column, in flight through the shrink
+  lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
   lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
   lora::cluster_arrive();  // part written (release) ...
   lora::cluster_wait();    // ... and every block's seen (acquire)
   lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });
   lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so
   __syncthreads();
-  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x);
+  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);
   lora::cluster_wait();
 #else
   __trap();

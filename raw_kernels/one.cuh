@@ -106,39 +106,88 @@ __device__ __forceinline__ void one_piece(const T* p, int valid, bool vec, float
   }
 }
 
-// The position's slot and row, its slices' ranks, scalings and offsets (two rounds of loads and
-// three barriers). False where there is nothing to add (no adapter, or every rank zero): the same
-// answer in every block, so a cluster leaves whole.
+// The position's slot and row, its slices' ranks, scalings and offsets, and three barriers: one
+// round of loads where the slot is below 1 + blockDim.x (each thread loads the ranks and scalings
+// of its first slot beside slot_indptr, so the thread that finds the slot has them), two above.
+// False where there is nothing to add (no adapter, or every rank zero): the same answer in every
+// block, so a cluster leaves whole.
 template <typename T>
 __device__ bool one_setup(const Args<T>& g, OneStep& st) {
   const int tid = threadIdx.x, S = g.num_slots, n = g.n_slices;
+  const int s1 = 1 + tid;  // this thread's first slot (slot 0 is no adapter)
+  int rk[ONE_SLICES];
+  float sc[ONE_SLICES];
+#pragma unroll
+  for (int j = 0; j < ONE_SLICES; ++j) {
+    const bool on = s1 < S && j < n;
+    rk[j] = on ? g.ranks[s1 * n + j] : 0;
+    sc[j] = on ? g.scaling[s1 * n + j] : 0.f;
+  }
   int found = 0;
-  for (int s = 1 + tid; s < S; s += blockDim.x)  // slot 0 is no adapter
+  for (int s = s1; s < S; s += blockDim.x)
     if (g.slot_indptr[s + 1] > g.slot_indptr[s]) found = s;
   const int off = tid <= n ? (n > 1 ? g.out_offsets[tid] : (tid == 0 ? 0 : g.out_features)) : 0;
   const int row = tid == 0 ? g.token_order[0] : 0;
   if (tid == 0) st.slot = 0;
   __syncthreads();
   if (found) st.slot = found;  // one slot holds the step's one position
+  if (found && found == s1) {  // its ranks and scalings as loaded (checked below)
+#pragma unroll
+    for (int j = 0; j < ONE_SLICES; ++j) {
+      st.rank[j] = rk[j];
+      st.scale[j] = sc[j];
+    }
+  }
   if (tid <= n) st.off[tid] = off;
   if (tid == 0) st.row = row;
   __syncthreads();
   const int s = st.slot;
   if (s == 0) return false;
+  const bool second = s >= 1 + int(blockDim.x);  // past every thread's first slot: a round of its own
+  int r = 0;
+  float scale = 0.f;
+  if (tid < n && st.off[tid + 1] > st.off[tid]) {
+    r = min(max(second ? g.ranks[s * n + tid] : st.rank[tid], 0), g.max_rank);
+    scale = second ? g.scaling[s * n + tid] : st.scale[tid];
+  }
+  __syncthreads();  // every thread has read st.rank and st.scale before they are rewritten
   if (tid < ONE_SLICES) {
-    int r = 0;
-    float sc = 0.f;
-    if (tid < n && st.off[tid + 1] > st.off[tid]) {
-      r = min(max(g.ranks[s * n + tid], 0), g.max_rank);
-      sc = g.scaling[s * n + tid];
-    }
-    st.rank[tid] = r;
-    st.scale[tid] = sc;
+    st.rank[tid] = r;  // 0 past n and where a slice has no columns
+    st.scale[tid] = scale;
   }
   __syncthreads();
   int rows = 0;
   for (int j = 0; j < n; ++j) rows += st.rank[j];
   return rows > 0;
+}
+
+// Each thread's first column of its block, loaded before the shrink so its round runs beside the
+// shrink's (rank width 16 and ALIGNED only: 2-4 registers of 16 bytes; at wider ranks the held
+// row cost more than it saved, NOTES.md "lora_one variants timed"): the B row's pieces below the
+// slice's rank and the column's y.
+template <typename T, int RW, bool ALIGNED>
+struct OneCol {
+  static constexpr bool ON = ALIGNED && RW <= 16;
+  uint4 b[ON ? RW * sizeof(T) / 16 : 1];
+  T y;
+};
+template <typename T, int RW, bool ALIGNED>
+__device__ __forceinline__ void one_prefetch(const Args<T>& g, const OneStep& st, int blk, int blocks,
+                                             OneCol<T, RW, ALIGNED>& pc) {
+  if constexpr (OneCol<T, RW, ALIGNED>::ON) {
+    constexpr int CH = 16 / sizeof(T);
+    const int out = g.out_features, n = g.n_slices, R = g.max_rank;
+    const int per = (out + blocks - 1) / blocks, c = blk * per + threadIdx.x, c1 = min(out, blk * per + per);
+    if (int(threadIdx.x) >= per || c >= c1) return;
+    int j = 0;
+    while (j + 1 < n && c >= st.off[j + 1]) ++j;
+    const int rj = st.rank[j];
+    const T* br = g.B + (size_t)st.slot * g.b_slot + (size_t)c * R;
+#pragma unroll
+    for (int p = 0; p < RW / CH; ++p)
+      pc.b[p] = p * CH < rj ? *reinterpret_cast<const uint4*>(br + p * CH) : make_uint4(0u, 0u, 0u, 0u);
+    pc.y = g.y[(size_t)st.row * out + c];
+  }
 }
 
 // part[j * RW + r] = x[t, K_b] . A[s, j, r, K_b] for every row (j, r < r_j), K_b the share of `in`
@@ -207,9 +256,11 @@ __device__ __forceinline__ void one_sum(int n, const OneStep& st, float* vs, Pee
   }
 }
 
-// y[t, c] += vs[j, :r_j] . B[s, c, :r_j] for the columns of block `blk` of `blocks` (a thread a column).
+// y[t, c] += vs[j, :r_j] . B[s, c, :r_j] for the columns of block `blk` of `blocks` (a thread a
+// column; its first column's B row and y from one_prefetch where it loaded them).
 template <typename T, int RW, bool ALIGNED>
-__device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs, int blk, int blocks) {
+__device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs, int blk, int blocks,
+                           const OneCol<T, RW, ALIGNED>& pc) {
   constexpr int CH = 16 / sizeof(T);
   const int out = g.out_features, n = g.n_slices, R = g.max_rank;
   const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
@@ -221,6 +272,7 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
     while (j + 1 < n && c >= st.off[j + 1]) ++j;
     const int rj = st.rank[j];
     if (rj == 0) continue;
+    const bool first = OneCol<T, RW, ALIGNED>::ON && c == c0 + int(threadIdx.x);
     const T* br = bs + (size_t)c * R;
     const float* vj = vs + j * RW;
     float d = 0.f;
@@ -228,11 +280,18 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
     for (int p = 0; p < RW / CH; ++p) {
       if (p * CH >= rj) break;
       float bf[CH];
-      one_piece<T, ALIGNED>(br + p * CH, min(CH, rj - p * CH), vec, bf);
+      if (first) {
+        const T* e = reinterpret_cast<const T*>(&pc.b[OneCol<T, RW, ALIGNED>::ON ? p : 0]);
+#pragma unroll
+        for (int i = 0; i < CH; ++i) bf[i] = p * CH + i < rj ? to_float(e[i]) : 0.f;
+      } else {
+        one_piece<T, ALIGNED>(br + p * CH, min(CH, rj - p * CH), vec, bf);
+      }
 #pragma unroll
       for (int i = 0; i < CH; ++i) d = fmaf(bf[i], vj[p * CH + i], d);
     }
-    if (d != 0.f) yr[c] = from_float<T>(to_float(yr[c]) + d);
+    const T y0 = first ? pc.y : yr[c];
+    if (d != 0.f) yr[c] = from_float<T>(to_float(y0) + d);
   }
 }
 

@@ -1,14 +1,12 @@
 """lora_one variants beside the shipped kernel at one position, in one process: dev modules of their
-own (lora_mma.cu with one.cuh, or dev/one_next.cuh, in place of the shipped header, its ONE_ROWS
+own (lora_mma.cu with one.cuh in place of the shipped header, its ONE_ROWS or cluster size
 changed, and a copy of the kernel built for more threads a block), bf16, ALIGNED. For each row and
 variant: the call's us (the bench's Timer, flushed and warm) and the relative difference of its y
 from the shipped kernel's (tests/gpu/test_one_gpu.py checks the shipped kernel against float64).
 
-    PYTHONPATH=. python raw_kernels/dev/one_variants.py [--variants one:128x4,next:128x4,next:256x2]
+    PYTHONPATH=. python raw_kernels/dev/one_variants.py [--variants one:128x4,one:256x2,one16:128x4]
 
-A variant is SOURCE:THREADSxROWS: one.cuh or dev/one_next.cuh (fewer dependent rounds: the first
-slot's ranks beside slot_indptr, each thread's first B row and y before the shrink), `one16` and
-`next16` for either in clusters of 16 blocks (a non-portable size: the function's attribute is set,
+A variant is SOURCE:THREADSxROWS: `one` (one.cuh), or `one16` in clusters of 16 blocks (a non-portable size: the function's attribute is set,
 the grid rounded up to whole clusters; each block sums a sixteenth of `in`), threads a block, rows
 (slice, rank) a warp sums at once.
 """
@@ -28,36 +26,22 @@ __global__ void __cluster_dims__(lora::ONE_CLUSTER, 1, 1) __launch_bounds__(THRE
   __shared__ lora::OneStep st;
   __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
   LORA_ARGS;
-  if (!lora::SETUP(g, st)) return;
-  PREFETCH
+  if (!lora::one_setup(g, st)) return;
+  lora::OneCol<T, RW, ALIGNED> pc;
+  lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
   lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
   lora::cluster_arrive();
   lora::cluster_wait();
   lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });
   lora::cluster_arrive();
   __syncthreads();
-  EXPAND;
+  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);
   lora::cluster_wait();
 }
 """
-#: What each source's kernel calls: the shipped functions, or one_next.cuh's.
-PARTS = {"one": dict(SETUP="one_setup", PREFETCH="",
-                     EXPAND="lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x)"),
-         "next": dict(SETUP="one_setup_next",
-                      PREFETCH="lora::OneCol<T, RW> pc;\n  lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);",
-                      EXPAND="lora::one_expand_next<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc)")}
-
-
-def kernel(source: str) -> str:
-    text = KERNEL
-    for key, val in PARTS[source.removesuffix("16")].items():
-        text = text.replace(key, val)
-    return text
-
-
 def variant_source(source: str, rows: int) -> str:
-    """lora_mma.cu with one.cuh (its ONE_ROWS set to ``rows``) and, for ``next``, dev/one_next.cuh
-    after it in place of the include, and the source's lora_one_v."""
+    """lora_mma.cu with one.cuh (its ONE_ROWS set to ``rows``; clusters of 16 for ``one16``) in place
+    of the include, and lora_one_v."""
     from lora_cupy import kernels as K
 
     kd = K.kernel_dir()
@@ -69,9 +53,7 @@ def variant_source(source: str, rows: int) -> str:
         cl = "constexpr int ONE_CLUSTER = 8;"
         assert cl in one, "one.cuh's ONE_CLUSTER changed: update the variant source"
         one = one.replace(cl, "constexpr int ONE_CLUSTER = 16;")
-    if source.removesuffix("16") == "next":
-        one += "\n" + (kd / "dev" / "one_next.cuh").read_text()
-    return (kd / "lora_mma.cu").read_text().replace('#include "one.cuh"', one) + kernel(source)
+    return (kd / "lora_mma.cu").read_text().replace('#include "one.cuh"', one) + KERNEL
 
 
 def module(source: str, rows: int, threads: list[int]):
@@ -94,7 +76,7 @@ def main() -> None:
     from lora_cupy.bench.kernels import Row, Timer, build
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="one:128x4,next:128x4,next:256x2")
+    ap.add_argument("--variants", default="one:128x4,one:256x2,one16:128x4")
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--rows", default="", help="comma-separated row labels to time (default: all)")
     args = ap.parse_args()

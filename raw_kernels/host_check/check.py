@@ -34,8 +34,7 @@ blocks' shrinks into parts of their own (NaN before each item), then each block 
 its share of the columns; ``--cluster never`` runs the ticket kernel there instead.
 ``--expand one`` runs ``lora_one`` (one.cuh; cases of one position): each cluster's blocks run their
 shrinks into partial arrays of their own (NaN before each cluster), then each block its sum over
-them and its columns; ``--one-next`` runs raw_kernels/dev/one_next.cuh's setup, prefetch and expand
-in place of the shipped ones.
+them and its columns.
 ``--glu`` runs a gate_up target's shrink (tiles of 64, unfused) and then ``lora_expand_glu`` on
 ``GLU_CASES``, bf16 and fp16, each at one and four multiprocessors (long column groups) and at
 ``--sms``: h against silu(g + dg) * (u + du) in float64, every element it must not write bit-exact
@@ -179,7 +178,7 @@ def _cut(text: str, name: str, repl: str) -> str:
     raise SystemExit(f"host_check: unbalanced braces after {name!r}")
 
 
-def build(out_dir: Path, asan: bool, one_next: bool = False) -> Path:
+def build(out_dir: Path, asan: bool) -> Path:
     """The kernels with their PTX cut out, compiled with harness.cpp into a shared library."""
     src = out_dir / "src"
     src.mkdir()
@@ -192,17 +191,12 @@ def build(out_dir: Path, asan: bool, one_next: bool = False) -> Path:
     (src / "common.cuh").write_text(common)
     mma = (src / "lora_mma.cu").read_text()
     mma = mma[: mma.index("#define LORA_PARAMS")]  # the task functions only
-    if one_next:  # raw_kernels/dev/one_next.cuh after one.cuh, its functions run in lora_one's place
-        shutil.copy(ROOT / "raw_kernels" / "dev" / "one_next.cuh", src / "one_next.cuh")
-        mma += '\n#include "one_next.cuh"\n'
     (src / "lora_mma.cu").write_text(mma)
     lib = out_dir / "libhost_check.so"
     flags = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if asan else ["-O2"]
     # the kernels read and write 2-byte elements through uint2 / uint4 (as CUDA code does): on the
     # host that is type punning, which strict aliasing at -O2 let g++ drop (lora_expand_v's stores)
     flags.append("-fno-strict-aliasing")
-    if one_next:
-        flags.append("-DLORA_ONE_NEXT")
     cmd = ["g++", "-std=c++20", *flags, "-fPIC", "-shared", "-include", str(HERE / "host_cuda.h"),
            f"-I{src}", *(f"-I{d}" for d in cuda_include_dirs()), str(HERE / "harness.cpp"), "-o", str(lib)]
     subprocess.run(cmd, check=True)
@@ -535,14 +529,12 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", choices=("auto", "never", "always"), default="auto",
                     help="with --expand chunk: lora_chunk_cl where it is the default (auto), wherever it serves "
                          "(always: the decode buckets), or never (the ticket kernel)")
-    ap.add_argument("--one-next", action="store_true",
-                    help="with --expand one: raw_kernels/dev/one_next.cuh's setup, prefetch and expand (not shipped)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     global CLUSTER
     CLUSTER = {"auto": None, "never": False, "always": True}[args.cluster]
     with tempfile.TemporaryDirectory() as tmp:
-        lib = ctypes.CDLL(str(build(Path(tmp), args.asan, args.one_next)))
+        lib = ctypes.CDLL(str(build(Path(tmp), args.asan)))
         lib.emu_set_cp_early(int(args.cp_async == "early"))
         rng = np.random.default_rng(args.seed)
         fails = 0

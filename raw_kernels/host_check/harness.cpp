@@ -278,16 +278,10 @@ template <typename T, bool AL> static int run_chunk_cl(int blocks) {
 // device) and its share of the columns.
 static std::vector<float> g_one_parts;
 static int g_one_blocks = 0;
-// LORA_ONE_NEXT (check.py --one-next): raw_kernels/dev/one_next.cuh's setup, prefetch and expand
-#ifdef LORA_ONE_NEXT
-#define ONE_SETUP lora::one_setup_next
-#else
-#define ONE_SETUP lora::one_setup
-#endif
 template <typename T, int RW, bool AL> static void one_shrink_block(int b) {
   static lora::OneStep st;
   auto g = args<T>();
-  if (!ONE_SETUP(g, st)) return;
+  if (!lora::one_setup(g, st)) return;
   const int k = b % lora::ONE_CLUSTER;
   lora::one_shrink<T, RW, AL>(g, st, g_one_parts.data() + k * lora::ONE_SLICES * RW, k);
 }
@@ -295,19 +289,13 @@ template <typename T, int RW, bool AL> static void one_expand_block(int b) {
   static lora::OneStep st;
   static float vs[lora::ONE_SLICES * RW];
   auto g = args<T>();
-  if (!ONE_SETUP(g, st)) return;
-#ifdef LORA_ONE_NEXT
-  lora::OneCol<T, RW> pc;  // each fiber's own, as a thread's registers
+  if (!lora::one_setup(g, st)) return;
+  lora::OneCol<T, RW, AL> pc;  // each fiber's own, as a thread's registers
   lora::one_prefetch<T, RW, AL>(g, st, b, g_one_blocks, pc);
-#endif
   lora::one_sum<RW>(g.n_slices, st, vs,
                     [](int peer, int e) { return g_one_parts[peer * lora::ONE_SLICES * RW + e]; });
   __syncthreads();
-#ifdef LORA_ONE_NEXT
-  lora::one_expand_next<T, RW, AL>(g, st, vs, b, g_one_blocks, pc);
-#else
-  lora::one_expand<T, RW, AL>(g, st, vs, b, g_one_blocks);
-#endif
+  lora::one_expand<T, RW, AL>(g, st, vs, b, g_one_blocks, pc);
 }
 template <typename T, int RW, bool AL> static int run_one_rw(int blocks) {
   if (blocks % lora::ONE_CLUSTER) return 2;
