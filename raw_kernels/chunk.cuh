@@ -26,8 +26,10 @@
 //      block's ranks rounded up to 16, zero past them), 4 warps: warp w holds m-tile w % MT and
 //      k-steps w / MT, w / MT + WK, ... of each stage (MT = BM / 16 m-tiles, WK = 4 / MT warps on
 //      each); at a pass's last stage its sums (ranks below the slice's only: 0 * inf stays out of
-//      v) are added into v with 8-byte red.add; then the part counts itself into the chunk's
-//      ready count.
+//      v) are added into v with 8-byte red.add (with one pass and WK > 1, the one-slice
+//      instantiation at rank widths 16 and 64, the WK warps of an m-tile first sum theirs in
+//      shared memory and one of them adds: a quarter of the reductions at chunks of 16, half at
+//      32); then the part counts itself into the chunk's ready count.
 //   2. expand: steps (column block, rank block; rank blocks past the block's slice's rank are
 //      empty). The first STAGES - 1 steps' y tiles (whole 16-byte pieces of BM rows, at a column
 //      block's first step, in a ring of their own) and B tiles (BN columns x the rank block's
@@ -60,6 +62,9 @@
 // table, each column block's slice lookup, v reloaded at a slice change). The other serves one
 // slice with columns (found by a ballot in the setup) with all of that compiled out, and at rank
 // widths 16 and 64 (a rank fits one rank block) with one pass and one rank block a column block.
+// CL (lora_chunk_cl in lora_mma.cu): the same shrink and expand for the decode buckets in thread-block
+// clusters, a chunk's parts the cluster's blocks, v summed in distributed shared memory (chunk_vsum)
+// with no ready counts, tickets or v in global memory.
 #pragma once
 
 namespace lora {
@@ -101,7 +106,6 @@ constexpr int CHUNK_CL_STAGES = 5;
 // Its part and sum of v: [BM][n * RW + CHUNK_CL_PAD] floats (a row of n * RW floats, a multiple of
 // 32 banks at rank widths 64 and 128, would put a warp's 8 rows of atomics in one bank; padded, 2).
 constexpr int CHUNK_CL_PAD = 8;
-
 
 // A block's chunk's token rows (either height).
 struct ChunkRows {
@@ -238,6 +242,10 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   const bool vec = ALIGNED || (g.flags & 1);
   // one slice at rank widths 16 and 64: one pass (its rank fits one rank block), stage f is f
   constexpr bool ONE_PASS = !SLICED && RW <= C::RB;
+  // one pass with warps sharing an m-tile (the ticket launch): their sums meet in shared memory,
+  // and one warp an m-tile adds them into v
+  constexpr bool BLOCK_SUM = ONE_PASS && C::WK > 1 && !CL;
+  static_assert(!BLOCK_SUM || C::MT * (C::WK - 1) * NTS * 4 * 32 * 4 <= C::SMEM, "the sums fit the stages");
   auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
   auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
   const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
@@ -287,6 +295,31 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   float acc[NTS][4];  // ranks rb0 + [0, RB) of this warp's m-tile, for the pass under way
 #pragma unroll
   for (int nt = 0; nt < NTS; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  // this warp's partial sums of slice j's ranks rb0 + [0, r) into v (rows of its m-tile inside the
+  // chunk; ranks below r only: 0 * inf stays out of v), then the sums start again (CL: into the
+  // block's own part in shared memory, rows n * RW + CHUNK_CL_PAD apart; the cluster sums the parts)
+  auto add_into_v = [&](int j, int rb0, int r, int nts) {
+    float* vb = CL ? part + j * RW + rb0 : g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt) {
+      const int col = nt * 8 + 2 * tq;
+      if (nt < nts && col < r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = mt * 16 + gq + 8 * h;
+          if (row >= m) continue;
+          if constexpr (CL) {
+            float* pv = vb + row * (g.n_slices * RW + CHUNK_CL_PAD) + col;
+            atomicAdd(pv, acc[nt][2 * h]);
+            if (col + 1 < r) atomicAdd(pv + 1, acc[nt][2 * h + 1]);
+          } else {
+            red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
+          }
+        }
+      }
+      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    }
+  };
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) load(st, st);
   for (int f = 0; f < total; ++f) {
@@ -311,33 +344,34 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
         }
       }
     }
-    if ((ONE_PASS ? f : f % nkp) != nkp - 1) continue;
-    // the pass's last stage: this warp's partial sums into v (rows of its m-tile inside the
-    // chunk, ranks below r: 0 * inf stays out of v), then the sums start again
-    // (CL: into the block's own part in shared memory, rows n * RW + CHUNK_CL_PAD apart; the
-    // cluster sums the parts)
-    float* vb = CL ? part + j * RW + rb0 : g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
-#pragma unroll
-    for (int nt = 0; nt < NTS; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-      if (nt < nts && col < r) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = mt * 16 + gq + 8 * h;
-          if (row >= m) continue;
-          if constexpr (CL) {
-            float* pv = vb + row * (g.n_slices * RW + CHUNK_CL_PAD) + col;
-            atomicAdd(pv, acc[nt][2 * h]);
-            if (col + 1 < r) atomicAdd(pv + 1, acc[nt][2 * h + 1]);
-          } else {
-            red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
-          }
-        }
-      }
-      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    }
+    if (BLOCK_SUM || (ONE_PASS ? f : f % nkp) != nkp - 1) continue;
+    add_into_v(j, rb0, r, nts);  // the pass's last stage
   }
   cp_async_wait<0>();
+  if constexpr (BLOCK_SUM) {
+    // one pass: the WK warps of an m-tile add their k-steps' sums in shared memory (the stages are
+    // free once every warp is past the last), and its first warp adds them into v alone
+    __syncthreads();
+    if (total > 0) {  // the block's own: uniform
+      const int r = min(cw.r[cw.j], C::RB), nts = ((r + 15) & ~15) / 8;
+      float* sum = reinterpret_cast<float*>(dsmem) + mt * (C::WK - 1) * NTS * 4 * 32 + lane;
+      if (kq > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sum[((kq - 1) * NTS * 4 + nt * 4 + i) * 32] = acc[nt][i];
+      }
+      __syncthreads();
+      if (kq == 0) {
+        for (int k = 0; k < C::WK - 1; ++k)
+#pragma unroll
+          for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nt][i] += sum[(k * NTS * 4 + nt * 4 + i) * 32];
+        add_into_v(cw.j, 0, r, nts);
+      }
+    }
+  }
   if constexpr (CL) {
     __syncthreads();  // part complete; the stages are free for the expand (the caller's cluster barrier publishes part)
     return;

@@ -432,6 +432,24 @@ def test_chunked_plans_fill_about_a_wave_whatever_the_bucket():
                 assert (p.col_blocks - 1) * p.bn < out <= p.col_blocks * p.bn
 
 
+def test_decode_chunks_of_rank_width_16_take_a_part_a_column_block():
+    """At the decode buckets and rank width 16 lora_chunk's most parts a chunk are its column blocks
+    (up to CHUNK_COL_PARTS) where they outnumber CHUNK_MAX_PARTS; elsewhere CHUNK_MAX_PARTS or the
+    stages of `in` and column blocks there are, if fewer."""
+    chunk = dict(num_slots=33, fused=False, expand="chunk", cluster=False, slice_align=128)
+    # (bucket, in, out, slices, rank): the most parts
+    cases = {(64, 4096, 28672, 2, 16): min(cb.CHUNK_COL_PARTS, 224),  # gate_up: 224 column blocks of 128
+             (16, 4096, 6144, 3, 16): 48,                             # q/k/v
+             (64, 14336, 4096, 1, 16): cb.CHUNK_MAX_PARTS,            # down: 32 column blocks, 112 stages
+             (64, 4096, 4096, 1, 64): cb.CHUNK_MAX_PARTS,             # rank 64: 64 of each, capped
+             (256, 4096, 28672, 2, 16): cb.CHUNK_MAX_PARTS,           # chunks of 32
+             (64, 2048, 1024, 1, 16): 16}                             # 16 stages, 8 column blocks
+    for (b, i, o, n, R), most in cases.items():
+        p = cb.plan_launch(b, i, o, n, R, "bfloat16", **chunk)
+        assert (p.expand, p.cluster, p.splits) == ("chunk", False, most), (b, i, o, n, R)
+        assert p.blocks <= cb.chunk_blocks_per_sm("bfloat16", R, p.bm, 33) * cb.DEFAULT_SMS
+
+
 def test_one_cuh_constants_match_the_planner():
     """The cluster size and slice count one.cuh is built with are the ones the planner sizes for."""
     text = (kernels.kernel_dir() / "one.cuh").read_text()

@@ -274,6 +274,15 @@ RING_EXPAND_FROM = 1024
 #: most parts one chunk is cut into.
 CHUNK_BLOCKS_PER_SM = 4
 CHUNK_MAX_PARTS = 32
+#: At the decode buckets (chunks of ``CHUNK_NARROW_BM``) and rank width 16 a chunk is cut into as many
+#: parts as it has column blocks, at most this many (and at most what fills the grid), where that is
+#: more than ``CHUNK_MAX_PARTS``: a wide output's column blocks then run side by side rather than in
+#: series in 32 parts. On an H200 (raw_kernels/NOTES.md, "More parts at decode"), the layer's gate_up
+#: (4096 -> 2 x 14336, 224 column blocks) at 64 positions with 8 adapters took 17.9 us in 66 parts
+#: against 21.9 in 32, q/k/v (48) 14.3 against 15.6; at rank 64 more parts lost (T=64 r64 s8 15.4
+#: against 14.2, T=256 r64 17.2 against 14.8), and down (14336 -> 4096, 32 column blocks) cut into
+#: 64 or 112 parts by its stages of `in` lost 0.7-0.8 us.
+CHUNK_COL_PARTS = 128
 #: From this many positions a call of one slice with columns that ``chunk_fits`` runs ``lora_chunk``
 #: by default (NOTES.md, "lora_chunk"; results/kernels-h200.md, the runs of f557283 and b34b9e4). At
 #: f557283 on an H200 it beat the fused launch on the one-slice rows of 16 and 64 positions (T=16 r64
@@ -590,8 +599,9 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     bucket's chunks and parts cannot fill it), whose blocks take (chunk, part) items by ticket.
     The kernel cuts each of the step's chunks into as many parts (a share of ``in`` and of the
     column blocks) as fill the grid, at most ``splits``: ``CHUNK_MAX_PARTS``, or the stages of
-    ``in`` or column blocks there are if more. ``k_split`` and ``cpb`` are what a step filling its
-    bucket gets. ``sliced``: the instantiation for several slices with columns (``live_slices``
+    ``in`` or column blocks there are if fewer; at the decode buckets and rank width 16 the column
+    blocks up to ``CHUNK_COL_PARTS`` where they are more. ``k_split`` and ``cpb`` are what a step
+    filling its bucket gets. ``sliced``: the instantiation for several slices with columns (``live_slices``
     unknown counts as several), else the one with the slice loops compiled out."""
     why = chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) or (
         None if whole else "lora_chunk runs the whole delta in one launch, not in halves")
@@ -610,6 +620,8 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
         if cluster:
             raise ValueError(why)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
+    if bm == CHUNK_NARROW_BM and rw <= 16:  # a part a column block, up to CHUNK_COL_PARTS
+        most = max(most, min(CHUNK_COL_PARTS, col_blocks))
     blocks = min(chunk_blocks_per_sm(dtype, max_rank, bm, num_slots) * num_sms,
                  fused_units(bucket, bm, num_slots) * most)
     parts = max(1, min(most, blocks // _ceil(bucket, bm)))  # what the kernel picks for a full bucket

@@ -1,5 +1,5 @@
 """One unfused delta call of a bench row, for Nsight Compute: each expand kernel once, after a warm-up
-(``--kinds default``: the planner's own plan, the fused kernel at decode sizes).
+(``--kinds default``: the planner's own plan; ``chunk``: lora_chunk by ticket).
 
     ncu --kernel-name regex:lora_expand --launch-skip 3 --launch-count 3 --section SpeedOfLight \
         --section WarpStateStats python raw_kernels/dev/expand_profile.py --T 4096 --ranks 16 --slots 1
@@ -32,7 +32,9 @@ def main() -> None:
     d = build(row, 0)
     w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
     for expand in args.kinds.split(","):
-        be = CupyBackend(d.spec) if expand == "default" else CupyBackend(d.spec, fused=False, expand=expand)
+        # chunk: lora_chunk by ticket (cluster=False), not in clusters where that is the default
+        kw = dict(fused=False, expand=expand, **({"cluster": False} if expand == "chunk" else {}))
+        be = CupyBackend(d.spec) if expand == "default" else CupyBackend(d.spec, **kw)
         for _ in range(2):
             be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
         torch.cuda.synchronize()
