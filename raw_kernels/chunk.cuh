@@ -26,10 +26,9 @@
 //      block's ranks rounded up to 16, zero past them), 4 warps: warp w holds m-tile w % MT and
 //      k-steps w / MT, w / MT + WK, ... of each stage (MT = BM / 16 m-tiles, WK = 4 / MT warps on
 //      each); at a pass's last stage its sums (ranks below the slice's only: 0 * inf stays out of
-//      v) are added into v with 8-byte red.add (with one pass and WK > 1, the one-slice
-//      instantiation at rank widths 16 and 64, the WK warps of an m-tile first sum theirs in
-//      shared memory and one of them adds: a quarter of the reductions at chunks of 16, half at
-//      32); then the part counts itself into the chunk's ready count.
+//      v) are added into v with 8-byte red.add (where WK > 1 the WK warps of an m-tile first sum
+//      theirs in shared memory past the stages and one of them adds: a quarter of the reductions
+//      at chunks of 16, half at 32); then the part counts itself into the chunk's ready count.
 //   2. expand: steps (column block, rank block; rank blocks past the block's slice's rank are
 //      empty). The first STAGES - 1 steps' y tiles (whole 16-byte pieces of BM rows, at a column
 //      block's first step, in a ring of their own) and B tiles (BN columns x the rank block's
@@ -90,6 +89,9 @@ struct Chunk {
   static constexpr int S_STAGE = X_BYTES + A_BYTES, E_STAGE = Y_BYTES + B_BYTES;
   static constexpr int STAGE = S_STAGE > E_STAGE ? S_STAGE : E_STAGE;
   static constexpr int SMEM = STAGES * STAGE;
+  // the ticket launch's sums of the warps sharing an m-tile (chunk_shrink), past the stages: the
+  // WK - 1 warps but the first of each m-tile, RB / 8 n-tiles of 4 floats a lane each
+  static constexpr int SUMS = WK > 1 ? MT * (WK - 1) * (RB / 8) * 4 * 32 * 4 : 0;
 };
 
 // Every kernel's ready and reader counts are sized for chunks of 16 positions (the most a step can
@@ -242,10 +244,9 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   const bool vec = ALIGNED || (g.flags & 1);
   // one slice at rank widths 16 and 64: one pass (its rank fits one rank block), stage f is f
   constexpr bool ONE_PASS = !SLICED && RW <= C::RB;
-  // one pass with warps sharing an m-tile (the ticket launch): their sums meet in shared memory,
-  // and one warp an m-tile adds them into v
-  constexpr bool BLOCK_SUM = ONE_PASS && C::WK > 1 && !CL;
-  static_assert(!BLOCK_SUM || C::MT * (C::WK - 1) * NTS * 4 * 32 * 4 <= C::SMEM, "the sums fit the stages");
+  // warps sharing an m-tile (the ticket launch): at a pass's end their sums meet in shared memory
+  // past the stages (C::SUMS bytes), and one warp an m-tile adds them into v
+  constexpr bool BLOCK_SUM = C::WK > 1 && !CL;
   auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
   auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
   const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
@@ -344,22 +345,21 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
         }
       }
     }
-    if (BLOCK_SUM || (ONE_PASS ? f : f % nkp) != nkp - 1) continue;
-    add_into_v(j, rb0, r, nts);  // the pass's last stage
-  }
-  cp_async_wait<0>();
-  if constexpr (BLOCK_SUM) {
-    // one pass: the WK warps of an m-tile add their k-steps' sums in shared memory (the stages are
-    // free once every warp is past the last), and its first warp adds them into v alone
-    __syncthreads();
-    if (total > 0) {  // the block's own: uniform
-      const int r = min(cw.r[cw.j], C::RB), nts = ((r + 15) & ~15) / 8;
-      float* sum = reinterpret_cast<float*>(dsmem) + mt * (C::WK - 1) * NTS * 4 * 32 + lane;
+    if ((ONE_PASS ? f : f % nkp) != nkp - 1) continue;
+    // the pass's last stage (the same f in every warp)
+    if constexpr (BLOCK_SUM) {
+      // warps kq > 0 of an m-tile leave their sums in shared memory; after one barrier warp kq = 0
+      // adds them to its own and into v. The next pass's sums are written after the next
+      // iteration's barrier, which warp kq = 0 reaches only once it has read these.
+      float* sum = reinterpret_cast<float*>(dsmem + C::SMEM) + mt * (C::WK - 1) * NTS * 4 * 32 + lane;
       if (kq > 0) {
 #pragma unroll
         for (int nt = 0; nt < NTS; ++nt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) sum[((kq - 1) * NTS * 4 + nt * 4 + i) * 32] = acc[nt][i];
+          for (int i = 0; i < 4; ++i) {
+            sum[((kq - 1) * NTS * 4 + nt * 4 + i) * 32] = acc[nt][i];
+            acc[nt][i] = 0.f;
+          }
       }
       __syncthreads();
       if (kq == 0) {
@@ -368,10 +368,13 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
           for (int nt = 0; nt < NTS; ++nt)
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[nt][i] += sum[(k * NTS * 4 + nt * 4 + i) * 32];
-        add_into_v(cw.j, 0, r, nts);
+        add_into_v(j, rb0, r, nts);
       }
+    } else {
+      add_into_v(j, rb0, r, nts);
     }
   }
+  cp_async_wait<0>();
   if constexpr (CL) {
     __syncthreads();  // part complete; the stages are free for the expand (the caller's cluster barrier publishes part)
     return;

@@ -1023,7 +1023,7 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;
   g.chunked = 1;
-  constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM;
+  constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS;  // stages, the shrink's sums
   lora::require_smem(SMEM + 4 * (num_slots + 1));
   lora::chunk_task<T, RW, BM, ALIGNED, SLICED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
 }

@@ -87,7 +87,7 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
         if dtype in kernels.CHUNK_DTYPES:
             for rw, bm in kernels.CHUNK_SHAPES:
                 g, c = cb.chunk_geometry(rw), f"lora::Chunk<{ct}, {rw}, {bm}>"
-                lines.append(f"static_assert({c}::SMEM == {cb.chunk_smem(dtype, rw, bm)} && {c}::KC == {g[1]} && "
+                lines.append(f"static_assert({c}::SMEM + {c}::SUMS == {cb.chunk_smem(dtype, rw, bm)} && {c}::KC == {g[1]} && "
                              f"{c}::BN == {g[2]} && {c}::RB == {g[3]} && {c}::BM == {bm}, \"chunk {dtype} {rw} {bm}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::CHUNK_STATIC_SMEM == {cb.CHUNK_STATIC_SMEM} && sizeof(lora::ChunkRows) + "

@@ -105,14 +105,19 @@ def chunk_geometry(max_rank: int) -> tuple[int, int, int, int]:
     return (rw, 128, 128, 16) if rw <= 16 else (rw, 64, 64, 64)
 
 
-def chunk_smem(dtype: str, max_rank: int, bm: int, stages: int = 3) -> int:
-    """``Chunk<T, RW, BM, STAGES>::SMEM`` of chunk.cuh: ``stages`` stages (3; lora_chunk_cl's
-    ``CHUNK_CL_STAGES``), each the larger of a shrink stage (x rows of a chunk of ``bm`` positions
-    and A rows of a rank block, KC features) and an expand stage (y tile of the chunk x BN, B tile
-    of BN columns x a rank block), rows padded by 8 elements."""
+def chunk_smem(dtype: str, max_rank: int, bm: int, stages: int = 3, sums: bool = True) -> int:
+    """``Chunk<T, RW, BM, STAGES>::SMEM`` of chunk.cuh, plus ``SUMS`` where ``sums`` (the ticket
+    launch; lora_chunk_cl has none): ``stages`` stages (3; lora_chunk_cl's ``CHUNK_CL_STAGES``), each
+    the larger of a shrink stage (x rows of a chunk of ``bm`` positions and A rows of a rank block,
+    KC features) and an expand stage (y tile of the chunk x BN, B tile of BN columns x a rank
+    block), rows padded by 8 elements; then the shrink's sums of the warps that share an m-tile
+    (all but the first of each: 4 floats a lane of each 8 ranks of a rank block)."""
     _, kc, bn, rb = chunk_geometry(max_rank)
     size = _ITEMSIZE[dtype]
-    return stages * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size)
+    mt = bm // 16
+    wk = 4 // mt
+    extra = mt * (wk - 1) * (rb // 8) * 4 * 32 * 4 if sums and wk > 1 else 0
+    return stages * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size) + extra
 
 
 def chunk_bm(bucket: int, max_rank: int) -> int:
@@ -388,7 +393,7 @@ def chunk_cl_smem(dtype: str, num_slots: int, n_slices: int, max_rank: int) -> i
     rounded up to 16 bytes, then a block's part of v and the cluster's sum, each ``[16][n * RW +
     CHUNK_CL_PAD]`` floats."""
     rw = chunk_geometry(max_rank)[0]
-    stages = chunk_smem(dtype, max_rank, CHUNK_NARROW_BM, CHUNK_CL_STAGES)
+    stages = chunk_smem(dtype, max_rank, CHUNK_NARROW_BM, CHUNK_CL_STAGES, sums=False)
     return stages + _ceil(4 * (num_slots + 1), 16) * 16 + 2 * 4 * CHUNK_NARROW_BM * (n_slices * rw + CHUNK_CL_PAD)
 
 

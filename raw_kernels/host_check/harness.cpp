@@ -143,7 +143,7 @@ template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_block(
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
-  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM);
+  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS);
   lora::count_chunks<BM>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
   const int parts = lora::chunk_parts(g, cs.chunks, g_chunk_grid), c = u / parts, q = u % parts;
   if (c >= cs.chunks) return;
@@ -157,7 +157,7 @@ static int g_step_chunks = 0;
 template <typename T, int RW, int BM> static void chunk_count_block(int) {
   static lora::ChunkScan cs;
   auto g = args<T>();
-  lora::count_chunks<BM>(cs, reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM), g.slot_indptr,
+  lora::count_chunks<BM>(cs, reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS), g.slot_indptr,
                          g.num_slots, g.positions);
   if (threadIdx.x == 0) g_step_chunks = cs.chunks;
 }
@@ -167,7 +167,7 @@ template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_task_b
   static lora::ChunkWork cw;
   auto g = args<T>();
   lora::chunk_task<T, RW, BM, AL, SL>(g, dsm.data(),
-                                      reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM), tr, cs, cw);
+                                      reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS), tr, cs, cw);
 }
 template <typename T, int RW, int BM, bool AL, bool SL> static int run_chunk_rw(int blocks) {
   emu::run_block(chunk_count_block<T, RW, BM>, 0);
