@@ -8,7 +8,9 @@ include; bf16, ALIGNED, the instantiations the rows' plans name). For each row (
 data, ``cluster=False``: the ticket kernel) and each cap ``P`` of ``--parts`` (``CHUNK_MAX_PARTS``,
 the most parts a chunk is cut into): the shipped kernel and the patched one under the same plan,
 each checked against the float64 oracle and timed with the bench's timer (difference of graphs of
-20 calls, 256 MB write flush), us the call and the blocks of its grid.
+20 calls, 256 MB write flush), us the call and the blocks of its grid. ``--stages N``: the patch
+gives the ticket launch N stages (``chunk_stages4.patch``), so the variant launches with the shared
+memory of N stages (its grid stays the shipped plan's: pick rows where as many blocks still fit).
 
     PYTHONPATH=. python raw_kernels/dev/chunk_variants.py --patch raw_kernels/dev/chunk_block_sum.patch --parts 32,64
 """
@@ -72,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--patch", type=Path, required=True, help="a unified diff of raw_kernels/chunk.cuh")
     ap.add_argument("--parts", default="32", help="comma-separated caps on a chunk's parts (CHUNK_MAX_PARTS)")
     ap.add_argument("--match", default="", help="only rows whose label holds this text")
+    ap.add_argument("--stages", type=int, default=3, help="the stages the patched kernel has (its shared memory)")
     args = ap.parse_args(argv)
 
     import torch
@@ -120,8 +123,10 @@ def main(argv=None) -> int:
         for cap in caps:
             kc, plan, name, be = kernel_call(d, w, cap)
             fn = mod.get_function(name)
-            fn.max_dynamic_shared_size_bytes = kc.smem
-            for pl in (cb.PackedLaunch([kc]), cb.PackedLaunch([dataclasses.replace(kc, fn=fn, fn_aligned=fn)])):
+            R, bm = d.spec.max_rank, plan.bm
+            smem = kc.smem - cb.chunk_smem(row.dtype, R, bm) + cb.chunk_smem(row.dtype, R, bm, args.stages)
+            fn.max_dynamic_shared_size_bytes = smem
+            for pl in (cb.PackedLaunch([kc]), cb.PackedLaunch([dataclasses.replace(kc, fn=fn, fn_aligned=fn, smem=smem)])):
                 assert pl.aligned, "the bench's data takes the ALIGNED instantiation"
                 run = lambda pl=pl: pl.run(torch.cuda.current_stream().cuda_stream)  # noqa: E731
                 d.y.copy_(d.y0)
