@@ -443,7 +443,10 @@ def test_decode_chunks_of_rank_width_16_take_a_part_a_column_block():
              (64, 14336, 4096, 1, 16): cb.CHUNK_MAX_PARTS,            # down: 32 column blocks, 112 stages
              (64, 4096, 4096, 1, 64): cb.CHUNK_MAX_PARTS,             # rank 64: 64 of each, capped
              (256, 4096, 28672, 2, 16): cb.CHUNK_MAX_PARTS,           # chunks of 32
-             (64, 2048, 1024, 1, 16): 16}                             # 16 stages, 8 column blocks
+             (64, 2048, 1024, 1, 16): 16,                             # 16 stages, 8 column blocks
+             (1, 14336, 4096, 1, 64): cb.CHUNK_FEW_PARTS,             # few positions above rank 16:
+             (16, 4096, 4096, 1, 64): 64,                             # the stages of 64 or column blocks
+             (1, 4096, 14336, 1, 128): min(cb.CHUNK_FEW_PARTS, 224)}
     for (b, i, o, n, R), most in cases.items():
         p = cb.plan_launch(b, i, o, n, R, "bfloat16", **chunk)
         assert (p.expand, p.cluster, p.splits) == ("chunk", False, most), (b, i, o, n, R)
@@ -506,8 +509,10 @@ def test_decode_buckets_run_lora_chunk_in_clusters_where_the_device_has_them():
 
 def test_one_position_runs_lora_one_where_the_device_has_clusters():
     """The bucket of one position: lora_one in clusters of ONE_CLUSTER blocks (at least ONE_COLS columns
-    a block, at most ONE_MAX_CLUSTERS clusters), every dtype and target, ranks up to 128; the fused
-    kernel below sm_90, above rank 128, wherever something else is forced, and at every other bucket."""
+    a block, at most ONE_MAX_CLUSTERS clusters), every dtype and target, ranks up to 128; by default
+    where a block's share of A is small (rank 16), else lora_chunk by ticket for one 16-bit slice and
+    the fused kernel for the rest; the fused kernel below sm_90, above rank 128, wherever something
+    else is forced, and at every other bucket."""
     for dtype in ("bfloat16", "float16", "float32"):
         for out, n, clusters in ((4096, 1, 8), (6144, 3, 12), (28672, 2, 16), (100, 1, 1)):
             p = cb.plan_launch(1, 4096, out, n, 16, dtype, num_slots=33, expand="one")
@@ -518,7 +523,9 @@ def test_one_position_runs_lora_one_where_the_device_has_clusters():
     for in_f, out, n in ((4096, 6144, 3), (4096, 4096, 1), (4096, 28672, 2), (14336, 4096, 1)):
         assert cb.one_share(in_f, n, 16, "bfloat16") <= cb.ONE_MAX_SHARE
         assert cb.plan_launch(1, in_f, out, n, 16, "bfloat16", num_slots=33).expand == "one"
-        assert cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33).fused
+        p64 = cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33)  # one slice: lora_chunk by ticket
+        assert (p64.expand, p64.cluster, p64.fused) == ("chunk", False, False) if n == 1 else p64.fused
+        assert cb.plan_launch(1, in_f, out, n, 64, "float32", num_slots=33).fused
         assert cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33, expand="one").expand == "one"
     assert cb.one_share(14336, 1, 16, "bfloat16") == 14336 // 8 * 16 * 2
     for dtype in ("bfloat16", "float16", "float32"):

@@ -288,6 +288,16 @@ CHUNK_MAX_PARTS = 32
 #: against 14.2, T=256 r64 17.2 against 14.8), and down (14336 -> 4096, 32 column blocks) cut into
 #: 64 or 112 parts by its stages of `in` lost 0.7-0.8 us.
 CHUNK_COL_PARTS = 128
+#: Up to this many positions at rank widths above 16 a chunk is cut into as many parts as it has
+#: stages of `in` or column blocks, at most ``CHUNK_FEW_PARTS``; and at one position such a call of
+#: one slice runs lora_chunk by ticket (``default_chunk``), where lora_one's clusters would each
+#: read too much of A (``ONE_MAX_SHARE``). On an H200 (raw_kernels/NOTES.md, "lora_chunk at the
+#: decode buckets"; `dev/chunk_sweep.py --decode`) at one position and rank 64: 4096 -> 4096 10.4 us
+#: in 64 parts against the fused kernel's 11.8, 14336 -> 4096 12.0 in 128 (13.5; 12.5 in 224),
+#: 4096 -> 14336 11.7 in 128 (12.5; 10.3 in 224); at 16 positions with one adapter 11.1 against 11.7
+#: in 32 parts; at 64 positions within 0.2 us.
+CHUNK_FEW_TO = 16
+CHUNK_FEW_PARTS = 128
 #: From this many positions a call of one slice with columns that ``chunk_fits`` runs ``lora_chunk``
 #: by default (NOTES.md, "lora_chunk"; results/kernels-h200.md, the runs of f557283 and b34b9e4). At
 #: f557283 on an H200 it beat the fused launch on the one-slice rows of 16 and 64 positions (T=16 r64
@@ -431,11 +441,12 @@ def several_slices(n_slices: int, live_slices: int | None) -> bool:
 
 def default_chunk(bucket: int, max_rank: int, n_slices: int = 1, live_slices: int | None = None) -> bool:
     """Whether a call of ``bucket`` positions whose target ``chunk_fits`` runs ``lora_chunk`` by
-    default: from ``CHUNK_FROM`` positions with one slice with columns, from ``CHUNK_SLICES_FROM``
+    default: from ``CHUNK_FROM`` positions with one slice with columns (from one at rank widths
+    above 16, where lora_one is not the default: ``CHUNK_FEW_PARTS``), from ``CHUNK_SLICES_FROM``
     with several at rank width 16 (above it the fused kernel and the pair measured faster)."""
     if several_slices(n_slices, live_slices):
         return bucket >= CHUNK_SLICES_FROM and rank_width(max_rank) <= 16
-    return bucket >= CHUNK_FROM
+    return bucket >= CHUNK_FROM or rank_width(max_rank) > 16  # one position: above rank width 16 only
 
 
 def chunk_fits(dtype: str, max_rank: int, n_slices: int, live_slices: int | None, slice_align: int = 0) -> str | None:
@@ -605,7 +616,8 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     The kernel cuts each of the step's chunks into as many parts (a share of ``in`` and of the
     column blocks) as fill the grid, at most ``splits``: ``CHUNK_MAX_PARTS``, or the stages of
     ``in`` or column blocks there are if fewer; at the decode buckets and rank width 16 the column
-    blocks up to ``CHUNK_COL_PARTS`` where they are more. ``k_split`` and ``cpb`` are what a step
+    blocks up to ``CHUNK_COL_PARTS`` where they are more, up to ``CHUNK_FEW_TO`` positions above rank
+    width 16 the stages or column blocks up to ``CHUNK_FEW_PARTS``. ``k_split`` and ``cpb`` are what a step
     filling its bucket gets. ``sliced``: the instantiation for several slices with columns (``live_slices``
     unknown counts as several), else the one with the slice loops compiled out."""
     why = chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) or (
@@ -627,6 +639,8 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
     if bm == CHUNK_NARROW_BM and rw <= 16:  # a part a column block, up to CHUNK_COL_PARTS
         most = max(most, min(CHUNK_COL_PARTS, col_blocks))
+    if bucket <= CHUNK_FEW_TO and rw > 16:  # a part a stage or column block, up to CHUNK_FEW_PARTS
+        most = max(most, min(CHUNK_FEW_PARTS, max(nk, col_blocks)))
     blocks = min(chunk_blocks_per_sm(dtype, max_rank, bm, num_slots) * num_sms,
                  fused_units(bucket, bm, num_slots) * most)
     parts = max(1, min(most, blocks // _ceil(bucket, bm)))  # what the kernel picks for a full bucket

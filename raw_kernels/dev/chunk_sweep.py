@@ -8,7 +8,8 @@ unfused pair (``lora_shrink``, then the bucket's expand) and the default. Rows: 
 (4096 -> 4096) at T 128 / 256 / 512 / 1024 / 4096, rank 16 / 64, 1 / 8 / 32 adapters, plus the wide
 shapes of a Llama-8B layer at T 1024 and pools of rank 64 and 128 running rank-16 adapters; each checked
 against the float64 oracle, timed with the bench's timer (difference of graphs of 20 calls, 256 MB
-write flush).
+write flush). ``--decode``: the rank-64 rows of 1, 16 and 64 positions instead (lora_chunk by
+ticket, ``cluster=False``, beside the default).
 
     PYTHONPATH=. python raw_kernels/dev/chunk_sweep.py --plans 4x32,4x16,2x32 [--match T1024] [--heights] [--json out.json]
 """
@@ -22,6 +23,9 @@ import sys
 ROWS = [("core", T, 4096, (4096,), r, s, r) for T in (128, 256, 512, 1024, 4096) for r in (16, 64) for s in (1, 8, 32)]
 ROWS += [("shapes", 1024, i, (o,), r, 8, r) for i, o in ((4096, 14336), (14336, 4096)) for r in (16, 64)]
 ROWS += [("poolrank", T, 4096, (4096,), 16, 8, pool) for T in (1024, 4096) for pool in (64, 128)]
+DECODE_ROWS = [("core", 1, 4096, (4096,), 64, 1, 64), ("shapes", 1, 14336, (4096,), 64, 1, 64),
+               ("shapes", 1, 4096, (14336,), 64, 1, 64)]
+DECODE_ROWS += [("core", T, 4096, (4096,), 64, s, 64) for T in (16, 64) for s in (1, 8)]
 
 
 def main(argv=None) -> int:
@@ -31,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--heights", action="store_true",
                     help="also lora_chunk with chunks of 32 and of 64 positions (rank widths above 16) at every bucket")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--decode", action="store_true", help="the rank-64 decode rows instead")
     args = ap.parse_args(argv)
 
     import torch
@@ -42,7 +47,7 @@ def main(argv=None) -> int:
     timer = Timer()
     plans = [tuple(int(v) for v in p.split("x")) for p in args.plans.split(",") if p]
     results = []
-    for group, T, in_f, slices, r, s, pool in ROWS:
+    for group, T, in_f, slices, r, s, pool in (DECODE_ROWS if args.decode else ROWS):
         row = Row(group, T, in_f, slices, (r,) * s, pool)
         if args.match and args.match not in row.label:
             continue
@@ -61,13 +66,14 @@ def main(argv=None) -> int:
             cells[name] = dict(us=us, err=err, splits=plan.splits, expand=plan.expand, bm=plan.bm)
 
         time_it("default")
-        time_it("pair", expand=cb.default_expand(d.spec.bucket_for(T)))
+        if not args.decode:
+            time_it("pair", expand=cb.default_expand(d.spec.bucket_for(T)))
         saved = (cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS)
         for b, p in plans:
             cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = b, p
             cb.plan_launch.cache_clear()
             try:
-                time_it(f"{b}x{p}", expand="chunk")
+                time_it(f"{b}x{p}", expand="chunk", fused=False, cluster=False)
             finally:
                 cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = saved
                 cb.plan_launch.cache_clear()

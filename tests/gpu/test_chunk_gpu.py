@@ -47,6 +47,25 @@ def test_chunk_matches_oracle(make_case, check, name, dtype):
     check(case2, run_cupy(be, case2), dtype)
 
 
+@pytest.mark.parametrize("R,in_f,out", [(64, 4104, 1000), (128, 3080, 4104)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_position_above_rank_16_runs_lora_chunk_by_default(make_case, check, dtype, R, in_f, out):
+    """At one position and rank widths above 16 the default plan is lora_chunk by ticket, its chunk
+    cut into as many parts as it has stages of `in` or column blocks (up to CHUNK_FEW_PARTS), here
+    more than the grid's share of other buckets; odd ranks, NaN past them, a slot per call."""
+    case = make_case(T=1, in_f=in_f, slices=(out,), max_rank=R, ranks=(1, 13, R - 3, R), dtype=dtype, mix="distinct",
+                     num_slots=17, active=9)
+    be = backend_for(case.spec)
+    plan = be.plan(1, dev_weights(case.w), dtype)
+    assert (plan.expand, plan.cluster, plan.fused) == ("chunk", False, False)
+    assert plan.splits > cb.CHUNK_MAX_PARTS
+    check(case, run_cupy(be, case), dtype)
+    check_clean(be)
+    case2 = make_case(T=1, in_f=in_f, slices=(out,), max_rank=R, ranks=(1, 13, R - 3, R), dtype=dtype,
+                      mix="distinct", num_slots=17, active=9)  # again: the counters were reset
+    check(case2, run_cupy(be, case2), dtype)
+
+
 @pytest.mark.parametrize("route", ("aligned", "x_misaligned", "y_misaligned", "aligned_off"))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunk_instantiations_through_a_prepared_layer(make_case, check, dtype, route):
