@@ -282,7 +282,7 @@ CHUNK_MAX_PARTS = 32
 #: At the decode buckets (chunks of ``CHUNK_NARROW_BM``) and rank width 16 a chunk is cut into as many
 #: parts as it has column blocks, at most this many (and at most what fills the grid), where that is
 #: more than ``CHUNK_MAX_PARTS``: a wide output's column blocks then run side by side rather than in
-#: series in 32 parts. On an H200 (raw_kernels/NOTES.md, "More parts at decode"), the layer's gate_up
+#: series in 32 parts. On an H200 (raw_kernels/NOTES.md, "lora_chunk at the decode buckets"), gate_up
 #: (4096 -> 2 x 14336, 224 column blocks) at 64 positions with 8 adapters took 17.9 us in 66 parts
 #: against 21.9 in 32, q/k/v (48) 14.3 against 15.6; at rank 64 more parts lost (T=64 r64 s8 15.4
 #: against 14.2, T=256 r64 17.2 against 14.8), and down (14336 -> 4096, 32 column blocks) cut into
@@ -617,9 +617,9 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     column blocks) as fill the grid, at most ``splits``: ``CHUNK_MAX_PARTS``, or the stages of
     ``in`` or column blocks there are if fewer; at the decode buckets and rank width 16 the column
     blocks up to ``CHUNK_COL_PARTS`` where they are more, up to ``CHUNK_FEW_TO`` positions above rank
-    width 16 the stages or column blocks up to ``CHUNK_FEW_PARTS``. ``k_split`` and ``cpb`` are what a step
-    filling its bucket gets. ``sliced``: the instantiation for several slices with columns (``live_slices``
-    unknown counts as several), else the one with the slice loops compiled out."""
+    width 16 the stages or column blocks up to ``CHUNK_FEW_PARTS``. ``k_split`` and ``cpb`` are what a
+    step filling its bucket gets. ``sliced``: the instantiation for several slices with columns
+    (``live_slices`` unknown counts as several), else the one with the slice loops compiled out."""
     why = chunk_fits(dtype, max_rank, n_slices, live_slices, slice_align) or (
         None if whole else "lora_chunk runs the whole delta in one launch, not in halves")
     if why:
