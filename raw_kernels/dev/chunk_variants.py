@@ -12,7 +12,7 @@ each checked against the float64 oracle and timed with the bench's timer (differ
 gives the ticket launch N stages (``chunk_stages4.patch``), so the variant launches with the shared
 memory of N stages (its grid stays the shipped plan's: pick rows where as many blocks still fit).
 
-    PYTHONPATH=. python raw_kernels/dev/chunk_variants.py --patch raw_kernels/dev/chunk_block_sum.patch --parts 32,64
+    PYTHONPATH=. python raw_kernels/dev/chunk_variants.py --patch raw_kernels/dev/chunk_one_pass_sums.patch --parts 32,64
 """
 
 from __future__ import annotations
