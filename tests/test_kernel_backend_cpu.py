@@ -432,10 +432,11 @@ def test_chunked_plans_fill_about_a_wave_whatever_the_bucket():
                 assert (p.col_blocks - 1) * p.bn < out <= p.col_blocks * p.bn
 
 
-def test_decode_chunks_of_rank_width_16_take_a_part_a_column_block():
+def test_decode_chunks_take_more_parts_where_the_rules_say():
     """At the decode buckets and rank width 16 lora_chunk's most parts a chunk are its column blocks
-    (up to CHUNK_COL_PARTS) where they outnumber CHUNK_MAX_PARTS; elsewhere CHUNK_MAX_PARTS or the
-    stages of `in` and column blocks there are, if fewer."""
+    (up to CHUNK_COL_PARTS) where they outnumber CHUNK_MAX_PARTS; up to CHUNK_FEW_TO positions above
+    rank width 16 its stages of `in` or column blocks (up to CHUNK_FEW_PARTS); elsewhere
+    CHUNK_MAX_PARTS, or the stages of `in` and column blocks there are if fewer."""
     chunk = dict(num_slots=33, fused=False, expand="chunk", cluster=False, slice_align=128)
     # (bucket, in, out, slices, rank): the most parts
     cases = {(64, 4096, 28672, 2, 16): min(cb.CHUNK_COL_PARTS, 224),  # gate_up: 224 column blocks of 128
