@@ -53,16 +53,16 @@ def test_one_position_above_rank_16_runs_lora_chunk_by_default(make_case, check,
     """At one position and rank widths above 16 the default plan is lora_chunk by ticket, its chunk
     cut into as many parts as it has stages of `in` or column blocks (up to CHUNK_FEW_PARTS), here
     more than the grid's share of other buckets; odd ranks, NaN past them, a slot per call."""
-    case = make_case(T=1, in_f=in_f, slices=(out,), max_rank=R, ranks=(1, 13, R - 3, R), dtype=dtype, mix="distinct",
-                     num_slots=17, active=9)
+    kw = dict(T=1, in_f=in_f, slices=(out,), max_rank=R, ranks=(1, 13, R - 3, R), dtype=dtype, mix="distinct",
+              num_slots=17, active=9)
+    case = make_case(**kw)
     be = backend_for(case.spec)
     plan = be.plan(1, dev_weights(case.w), dtype)
     assert (plan.expand, plan.cluster, plan.fused) == ("chunk", False, False)
     assert plan.splits > cb.CHUNK_MAX_PARTS
     check(case, run_cupy(be, case), dtype)
     check_clean(be)
-    case2 = make_case(T=1, in_f=in_f, slices=(out,), max_rank=R, ranks=(1, 13, R - 3, R), dtype=dtype,
-                      mix="distinct", num_slots=17, active=9)  # again: the counters were reset
+    case2 = make_case(**kw)  # fresh data on the same backend: its counters were reset
     check(case2, run_cupy(be, case2), dtype)
 
 
