@@ -150,12 +150,16 @@ def glu_name(ctype: str, ks: int) -> str:
 #: ``ONE_CLUSTER`` blocks) is built for, as lora_chunk's (every element type).
 ONE_RW = (16, 64, 128)
 ONE_CLUSTER = 8
+#: Positions a ``lora_one`` cluster's chunk holds: 1 (the bucket of one position) and ``ONE_M`` (the
+#: decode buckets above it: each slot's positions in chunks of at most 8).
+ONE_M = 8
+ONE_MS = (1, ONE_M)
 
 
-def one_name(ctype: str, rw: int, *, aligned: bool) -> str:
-    """The name expression of ``lora_one`` (one.cuh, in the tensor-core family) for one element type
-    and rank width (``ONE_RW``)."""
-    return f"lora_one<{ctype}, {rw}, {_cbool(aligned)}>"
+def one_name(ctype: str, rw: int, *, aligned: bool, m: int = 1) -> str:
+    """The name expression of ``lora_one`` (one.cuh, in the tensor-core family) for one element type,
+    rank width (``ONE_RW``) and positions a chunk (``ONE_MS``)."""
+    return f"lora_one<{ctype}, {rw}, {_cbool(aligned)}, {m}>"
 
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
@@ -164,7 +168,7 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
                   for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
     chunk_cl = tuple(chunk_cl_name(ctype, rw, aligned=a, sliced=sl) for rw in CHUNK_RW
                      for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
-    one = tuple(one_name(ctype, rw, aligned=a) for rw in ONE_RW for a in (False, True))
+    one = tuple(one_name(ctype, rw, aligned=a, m=m) for rw in ONE_RW for a in (False, True) for m in ONE_MS)
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
                  for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + chunk_cl + one
 

@@ -43,9 +43,11 @@
 //   lora_expand_glu (expand_glu.cuh): a gated MLP's activation with its gate / up expands folded
 //     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
 //     large steps on models with a silu gated MLP.
-//   lora_one<..., RW, ALIGNED> (one.cuh: clusters of 8 blocks, no workspace): the capture bucket of
-//     one position on sm_90, every type, where a block's share of A is at most ONE_MAX_SHARE
-//     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets; rank 64 keeps lora_fused).
+//   lora_one<..., RW, ALIGNED, M> (one.cuh: clusters of 8 blocks, no workspace): M = 1 the capture
+//     bucket of one position on sm_90, every type, where a block's share of A is at most ONE_MAX_SHARE
+//     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets; rank 64 keeps lora_fused);
+//     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot, where it is asked
+//     for (expand="one"; NOTES.md, "lora_one in chunks").
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
 //     that lora_chunk and lora_one do not take (one position below sm_90 or above ONE_MAX_SHARE; fp32;
 //     several slices with columns below 64
@@ -1028,32 +1030,64 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   lora::chunk_task<T, RW, BM, ALIGNED, SLICED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
 }
 
-// lora_one (one.cuh): the delta of the capture bucket of one position in clusters of 8 blocks, the
-// partial sums of v met in distributed shared memory; every type, rank widths 16, 64 and 128. No
-// dynamic shared memory, no workspace, no counters. sm_90 only: below it the body traps (the plan
+// lora_one (one.cuh): the delta of the capture bucket of one position (M = 1), or of a step's chunks
+// of at most M positions of one slot (a cluster an item), in clusters of 8 blocks, the partial sums
+// of v met in distributed shared memory; every type, rank widths 16, 64 and 128. At one position no
+// dynamic shared memory; in chunks part, v, the chunk's x and slot_indptr in it. No workspace, no
+// counters. sm_90 only: below it the body traps (the plan
 // never launches it there) and the cluster attribute is left out so the source still builds.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define LORA_ONE_CLUSTER __cluster_dims__(lora::ONE_CLUSTER, 1, 1)
 #else
 #define LORA_ONE_CLUSTER
 #endif
-template <typename T, int RW, bool ALIGNED>
-__global__ void LORA_ONE_CLUSTER __launch_bounds__(128) lora_one(LORA_PARAMS) {
+template <typename T, int RW, bool ALIGNED, int M>
+__global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one(LORA_PARAMS) {
 #if __CUDA_ARCH__ >= 900
-  __shared__ lora::OneStep st;
-  __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
   LORA_ARGS;
-  if (!lora::one_setup(g, st)) return;  // the same in every block: a cluster leaves whole
-  lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first column, in flight through the shrink
-  lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
-  lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
-  lora::cluster_arrive();  // part written (release) ...
-  lora::cluster_wait();    // ... and every block's seen (acquire)
-  lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });
-  lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so
-  __syncthreads();
-  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);
-  lora::cluster_wait();
+  if constexpr (M == 1) {
+    __shared__ lora::OneStep st;
+    __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
+    if (!lora::one_setup(g, st)) return;  // the same in every block: a cluster leaves whole
+    lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first column, in flight through the shrink
+    lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
+    lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
+    lora::cluster_arrive();  // part written (release) ...
+    lora::cluster_wait();    // ... and every block's seen (acquire)
+    lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });
+    lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so
+    __syncthreads();
+    lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);
+    lora::cluster_wait();
+  } else {
+    // dynamic shared memory: part and vs ([M][n * RW] floats each), the chunk's x over the block's
+    // share of `in` ([M][per] 16-byte pieces), then slot_indptr
+    extern __shared__ __align__(16) char dsmem[];
+    __shared__ lora::ChunkScan cs;
+    __shared__ lora::OneChunk<M> st;
+    constexpr int CH = 16 / sizeof(T);
+    const int vf = M * n_slices * RW, per = ((in_features + CH - 1) / CH + lora::ONE_CLUSTER - 1) / lora::ONE_CLUSTER;
+    lora::require_smem(8 * vf + 16 * M * per + 4 * (num_slots + 1));
+    float* part = reinterpret_cast<float*>(dsmem);
+    float* vs = part + vf;
+    T* xs = reinterpret_cast<T*>(vs + vf);
+    int* s_indptr = reinterpret_cast<int*>(dsmem + 8 * vf + 16 * M * per);
+    lora::count_chunks<M>(cs, s_indptr, slot_indptr, num_slots, positions);
+    const int clusters = gridDim.x / lora::ONE_CLUSTER, u = blockIdx.x / lora::ONE_CLUSTER, q = lora::cluster_rank();
+    const int shares = max(1, clusters / max(cs.chunks, 1)), items = cs.chunks * shares;
+    for (int it = u; it < items; it += clusters) {  // the same items in every block of the cluster
+      if (!lora::one_chunk_setup<T, M>(g, s_indptr, cs, st, it / shares)) continue;
+      lora::one_chunk_shrink<T, RW, ALIGNED, M>(g, st, part, xs, q);
+      lora::cluster_arrive();  // part written (release) ...
+      lora::cluster_wait();    // ... and every block's seen (acquire)
+      lora::one_chunk_sum<RW, M>(n_slices, st, vs, [&](int b, int f) { return lora::cluster_load4(part, b, f); });
+      lora::cluster_arrive();  // done reading the others' part ...
+      __syncthreads();
+      lora::one_chunk_expand<T, RW, ALIGNED, M>(g, st, vs, (it % shares) * lora::ONE_CLUSTER + q,
+                                               shares * lora::ONE_CLUSTER);
+      lora::cluster_wait();  // ... and they ours: the next item may rewrite it, or the block leave
+    }
+  }
 #else
   __trap();
 #endif

@@ -295,4 +295,258 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
   }
 }
 
+// ---- Chunks of several positions (the decode buckets of 2 to 64 positions) -------------------------
+// lora_one<T, RW, ALIGNED, ONE_M> runs the same cluster scheme over a step's chunks: slot s's positions
+// cut into pieces of at most ONE_M from its start (count_chunks / locate_chunk, lora_mma.cu). A
+// cluster's item is (chunk, share): its 8 blocks sum their eighths of `in` for every row of the chunk
+// (x[t_i, K_b] . A[s, j, r, K_b] for each of the chunk's m positions i), meet in distributed shared
+// memory, and block b writes the share's columns, a thread a column: one load of the column's B row
+// serves the chunk's m rows of y. Where a step has fewer chunks than the grid has clusters, each chunk
+// takes clusters / chunks shares of the columns (each cluster sums the chunk's v again, from L2).
+// Compared with lora_chunk (tensor cores on 16-row tiles of one slot), this pays no MMA on tiles that
+// hold 1-8 of their 16 rows, no ticket, no ready counts and no v in global memory.
+constexpr int ONE_M = 8;  // positions a chunk (ONE_ROWS * ONE_M = 32: one lane a (row, position))
+
+template <int M>
+struct OneChunk {
+  int slot, m;                            // the chunk's slot (>= 1) and its positions
+  int row[M];                             // their rows of x and y
+  int rank[ONE_SLICES];                   // r_j: 0 past n and where a slice has no columns
+  float scale[ONE_SLICES];
+  int off[ONE_SLICES + 1];                // column offsets of the slices
+};
+
+// Chunk c (< cs.chunks, after count_chunks): its slot, rows, and the slot's ranks and scalings, one
+// round of loads after the chunk is found. False where every rank is zero (the same in every block).
+template <typename T, int M>
+__device__ bool one_chunk_setup(const Args<T>& g, const int* s_indptr, ChunkScan& cs, OneChunk<M>& st, int c) {
+  locate_chunk<M>(cs, s_indptr, g.num_slots, g.positions, c);
+  const int tid = threadIdx.x, n = g.n_slices, p0 = cs.chunk[0], m = cs.chunk[1], s = cs.chunk[2];
+  if (tid < M) st.row[tid] = tid < m ? g.token_order[p0 + tid] : 0;
+  if (tid >= 32 && tid < 32 + ONE_SLICES) {
+    const int j = tid - 32;
+    int r = 0;
+    float sc = 0.f;
+    if (j < n) {
+      const int lo = n > 1 ? g.out_offsets[j] : 0, hi = n > 1 ? g.out_offsets[j + 1] : g.out_features;
+      const int rr = g.ranks[s * n + j];
+      const float ss = g.scaling[s * n + j];
+      if (hi > lo) {
+        r = min(max(rr, 0), g.max_rank);
+        sc = ss;
+      }
+    }
+    st.rank[j] = r;
+    st.scale[j] = sc;
+  }
+  if (tid >= 64 && tid <= 64 + n) st.off[tid - 64] = n > 1 ? g.out_offsets[tid - 64] : (tid == 64 ? 0 : g.out_features);
+  if (tid == 0) {
+    st.slot = s;
+    st.m = m;
+  }
+  __syncthreads();
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  return rows > 0;
+}
+
+// part[i * W + j * RW + r] = x[t_i, K_b] . A[s, j, r, K_b] (W = n * RW) for the chunk's positions
+// i < m and rows (j, r < r_j): warp w takes ONE_ROWS rows of A at a time, lane l the pieces l, l + 32,
+// ... of block b's share of `in`; each piece of A is read once for the m positions. The 32 sums of a
+// warp (ONE_ROWS rows x ONE_M positions) are reduced across the lanes by halving exchanges (31
+// shuffles; lane l ends with sum l), not one butterfly each (160).
+// One halving exchange of width W over the lanes (the first 2W sums of acc).
+template <int W>
+__device__ __forceinline__ void one_halve(float (&acc)[32], int lane) {
+  const bool upper = lane & W;
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    const float keep = upper ? acc[i + W] : acc[i], send = upper ? acc[i] : acc[i + W];
+    acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+  }
+}
+
+template <typename T, int RW, bool ALIGNED, int M>
+__device__ void one_chunk_shrink(const Args<T>& g, const OneChunk<M>& st, float* part, T* xs, int b) {
+  static_assert(ONE_ROWS * M == 32, "one lane a (row, position) after the reduction");
+  constexpr int CH = 16 / sizeof(T);
+  const int in = g.in_features, n = g.n_slices, R = g.max_rank, W = n * RW, m = st.m;
+  const int pieces = (in + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
+  const int p0 = b * per, p1 = min(pieces, p0 + per), mine = max(p1 - p0, 0);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  // the chunk's rows of x over this block's share, staged in shared memory in one round of loads
+  // (zero past `in`), so the loop below waits on A alone
+  {
+    const bool vec = ALIGNED || (g.flags & 1);
+    for (int e = threadIdx.x; e < m * mine; e += blockDim.x) {
+      const int i = e / mine, k = (p0 + e % mine) * CH;
+      const T* src = g.x + (size_t)st.row[i] * in + k;
+      uint4 u;
+      if (vec && k + CH <= in) {
+        u = *reinterpret_cast<const uint4*>(src);
+      } else {
+        T* d = reinterpret_cast<T*>(&u);
+#pragma unroll
+        for (int c = 0; c < CH; ++c) d[c] = k + c < in ? src[c] : from_float<T>(0.f);
+      }
+      *reinterpret_cast<uint4*>(xs + ((size_t)i * per + e % mine) * CH) = u;
+    }
+  }
+  __syncthreads();
+  const bool vec = ALIGNED || (g.flags & 1);
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  const T* as = g.A + (size_t)st.slot * n * R * in;
+  for (int q0 = warp * ONE_ROWS; q0 < rows; q0 += warps * ONE_ROWS) {
+    const T* ar[ONE_ROWS];
+    int at[ONE_ROWS];  // the row's index in a position's W, -1 past the rows
+#pragma unroll
+    for (int u = 0; u < ONE_ROWS; ++u) {
+      int q = q0 + u, j = 0;
+      while (j < n && q >= st.rank[j]) q -= st.rank[j++];
+      const bool on = j < n;
+      ar[u] = on ? as + ((size_t)j * R + q) * in : as;
+      at[u] = on ? j * RW + q : -1;
+    }
+    float acc[32] = {};  // acc[u * M + i]
+    for (int p = p0 + lane; p < p1; p += 32) {
+      const int k = p * CH, valid = ALIGNED ? CH : min(CH, in - k);
+      float af[ONE_ROWS][CH];
+#pragma unroll
+      for (int u = 0; u < ONE_ROWS; ++u) {
+        if (at[u] >= 0) {
+          one_piece<T, ALIGNED>(ar[u] + k, valid, vec, af[u]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < CH; ++e) af[u][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        if (i >= m) break;
+        float xf[CH];
+        one_piece<T, true>(xs + ((size_t)i * per + (p - p0)) * CH, CH, true, xf);
+#pragma unroll
+        for (int u = 0; u < ONE_ROWS; ++u)
+#pragma unroll
+          for (int e = 0; e < CH; ++e) acc[u * M + i] = fmaf(xf[e], af[u][e], acc[u * M + i]);
+      }
+    }
+    // halving exchanges: at width w a lane keeps the half of its first 2w sums its bit w selects
+    // and adds its partner's copy of that half; after w = 1, acc[0] is the sum of index `lane`.
+    one_halve<16>(acc, lane);
+    one_halve<8>(acc, lane);
+    one_halve<4>(acc, lane);
+    one_halve<2>(acc, lane);
+    one_halve<1>(acc, lane);
+    // the lane's row found again (at[lane / M] would put `at` in local memory)
+    int q = q0 + lane / M, j = 0;
+    while (j < n && q >= st.rank[j]) q -= st.rank[j++];
+    if (j < n && lane % M < m) part[(lane % M) * W + j * RW + q] = acc[0];
+  }
+}
+
+// vs[i * W + j * RW + r] = scaling_j * the cluster's sum of part (peer(b, f): float4 f of block b's
+// part) for the chunk's positions i < m, 0 past r_j.
+template <int RW, int M, typename Peer>
+__device__ __forceinline__ void one_chunk_sum(int n, const OneChunk<M>& st, float* vs, Peer peer) {
+  const int W = n * RW;
+  for (int f = threadIdx.x; f < st.m * W / 4; f += blockDim.x) {
+    const int e = 4 * f, j = (e % W) / RW, r = e % RW, rj = st.rank[j];
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (r < rj) {
+#pragma unroll
+      for (int b = 0; b < ONE_CLUSTER; ++b) {
+        const float4 p = peer(b, f);
+        s.x += p.x;
+        s.y += p.y;
+        s.z += p.z;
+        s.w += p.w;
+      }
+      const float sc = st.scale[j];
+      s.x = r < rj ? s.x * sc : 0.f;
+      s.y = r + 1 < rj ? s.y * sc : 0.f;
+      s.z = r + 2 < rj ? s.z * sc : 0.f;
+      s.w = r + 3 < rj ? s.w * sc : 0.f;
+    }
+    *reinterpret_cast<float4*>(vs + e) = s;
+  }
+}
+
+// y[t_i, c] += vs[i, j, :r_j] . B[s, c, :r_j] for the chunk's positions i < m and the columns of
+// block `blk` of `blocks`: a thread a column, ONE_UNROLL columns (blockDim.x apart) at once, every
+// load of B and y of them issued before the first sum, so a thread has their bytes in flight together.
+template <int RW>
+struct OneUnroll {
+  static constexpr int U = RW <= 16 ? 4 : 1;
+};
+template <typename T, int RW, bool ALIGNED, int M>
+__device__ void one_chunk_expand(const Args<T>& g, const OneChunk<M>& st, const float* vs, int blk, int blocks) {
+  constexpr int CH = 16 / sizeof(T), P = RW / CH, U = OneUnroll<RW>::U;
+  const int out = g.out_features, n = g.n_slices, R = g.max_rank, W = n * RW, m = st.m;
+  const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
+  const bool vec = ALIGNED || (g.flags & 2);
+  const T* bs = g.B + (size_t)st.slot * g.b_slot;
+  for (int cb = c0 + threadIdx.x; cb < c1; cb += U * blockDim.x) {
+    int jj[U], rk[U];
+    T y0[U][M];
+    float d[U][M];
+#pragma unroll
+    for (int v = 0; v < U; ++v) {
+      const int c = cb + v * blockDim.x;
+      int j = 0;
+      while (j + 1 < n && c >= st.off[j + 1]) ++j;
+      jj[v] = j;
+      rk[v] = c < c1 ? st.rank[j] : 0;
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        d[v][i] = 0.f;
+        if (i < m && rk[v] > 0) y0[v][i] = g.y[(size_t)st.row[i] * out + c];
+      }
+    }
+    uint4 braw[ALIGNED ? U : 1][ALIGNED ? P : 1];  // ALIGNED: every piece of B loaded before the first sum
+    if constexpr (ALIGNED) {
+#pragma unroll
+      for (int v = 0; v < U; ++v)
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          braw[v][p] = p * CH < rk[v] ? *reinterpret_cast<const uint4*>(bs + (size_t)(cb + v * blockDim.x) * R + p * CH)
+                                      : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+#pragma unroll
+      for (int v = 0; v < U; ++v) {
+        const int rj = rk[v];
+        if (p * CH >= rj) continue;
+        float bf[CH];
+        if constexpr (ALIGNED) {
+          const T* e = reinterpret_cast<const T*>(&braw[v][p]);
+#pragma unroll
+          for (int k = 0; k < CH; ++k) bf[k] = p * CH + k < rj ? to_float(e[k]) : 0.f;
+        } else {
+          one_piece<T, ALIGNED>(bs + (size_t)(cb + v * blockDim.x) * R + p * CH, min(CH, rj - p * CH), vec, bf);
+        }
+        const float* vp = vs + jj[v] * RW + p * CH;
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+          if (i >= m) break;
+#pragma unroll
+          for (int e = 0; e < CH; ++e) d[v][i] = fmaf(bf[e], vp[i * W + e], d[v][i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < U; ++v) {
+      if (rk[v] == 0) continue;
+      const int c = cb + v * blockDim.x;
+#pragma unroll
+      for (int i = 0; i < M; ++i) {
+        if (i >= m) break;
+        if (d[v][i] != 0.f) g.y[(size_t)st.row[i] * out + c] = from_float<T>(to_float(y0[v][i]) + d[v][i]);
+      }
+    }
+  }
+}
+
 }  // namespace lora

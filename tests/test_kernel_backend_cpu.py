@@ -48,8 +48,9 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
         # its decode buckets in thread-block clusters (sm_90)
         wanted |= {f"lora_chunk_cl<{ct}, {rw}, {al}, {sl}>" for rw in kernels.CHUNK_RW
                    for al in ("false", "true") for sl in ("false", "true")}
-    # one position in thread-block clusters (sm_90): every dtype, each rank width
-    wanted |= {f"lora_one<{ct}, {rw}, {al}>" for rw in kernels.ONE_RW for al in ("false", "true")}
+    # one position, or chunks of ONE_M, in thread-block clusters (sm_90): every dtype, each rank width
+    wanted |= {f"lora_one<{ct}, {rw}, {al}, {m}>" for rw in kernels.ONE_RW for al in ("false", "true")
+               for m in kernels.ONE_MS}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -534,10 +535,15 @@ def test_one_position_runs_lora_one_where_the_device_has_clusters():
         assert cb.plan_launch(1, 4096, 4096, 1, 256, dtype, num_slots=33).fused
     for kw in (dict(fused=True), dict(tile=16), dict(expand="expand"), dict(fused=False), dict(whole=False)):
         assert cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33, **kw).expand != "one"
-    for b in DEFAULT_CAPTURE_BUCKETS[1:]:
-        assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand != "one"
-        with pytest.raises(ValueError, match="bucket of 1 position"):
-            cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one")
+    for b in DEFAULT_CAPTURE_BUCKETS[1:]:  # forced above one position: chunks of ONE_M, up to ONE_CHUNK_TO
+        if b <= cb.ONE_CHUNK_TO:
+            p = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one")
+            assert (p.expand, p.bm, p.blocks) == ("one", cb.ONE_M, cb.ONE_CHUNK_CLUSTERS * cb.ONE_CLUSTER)
+            capped = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one", max_clusters=20)
+            assert capped.blocks == 20 * cb.ONE_CLUSTER
+        else:
+            with pytest.raises(ValueError, match=f"up to {cb.ONE_CHUNK_TO} positions"):
+                cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one")
     for kw, why in ((dict(clusters=False), "clusters"), (dict(whole=False), "one launch"),
                     (dict(tile=16), "no tile"), (dict(max_rank=256), "ranks up to 128")):
         args = dict(max_rank=16) | kw
@@ -729,7 +735,7 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         fused = (row.bucket or row.T) <= 64
         assert "default" in names
         assert (set(bench.VERSIONS) - set(bench.ONE_LAUNCH) <= names) == (not fused)
-        assert ("one" in names) == ((row.bucket or row.T) == cb.ONE_BUCKET)  # lora_one: one position
+        assert ("one" in names) == ((row.bucket or row.T) <= cb.ONE_CHUNK_TO)  # lora_one: the decode buckets
         assert "one" not in bench.kernel_variants(row, sweep=False, clusters=False)  # below sm_90
         assert (set(bench.DECODE_VERSIONS) <= names) == fused
         # lora_chunk is timed wherever it serves the row: 16-bit, a pool of rank <= 128, one slice or

@@ -31,7 +31,7 @@ import numpy as np
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       ONE_CLUSTER, ONE_RW, STREAM_BN, chunk_cl_name, chunk_name, expand_v_name, glu_name,
+                       ONE_CLUSTER, ONE_M, ONE_RW, STREAM_BN, chunk_cl_name, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name, one_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
@@ -366,13 +366,37 @@ def default_one(bucket: int, clusters: bool, share: int = 0) -> bool:
     return clusters and bucket == ONE_BUCKET and share <= ONE_MAX_SHARE
 
 
+#: The largest capture bucket ``lora_one`` serves in chunks of ``ONE_M`` positions (a cluster a chunk
+#: and share of its columns), and the clusters of such a launch (at most ``max_clusters``, where the
+#: device's count is known).
+ONE_CHUNK_TO = 256
+ONE_CHUNK_CLUSTERS = 32
+
+
 def one_fits(bucket: int, max_rank: int) -> str | None:
-    """Why ``lora_one`` cannot serve a call (None: it can): one position, ranks up to 128."""
-    if bucket != ONE_BUCKET:
-        return f"lora_one serves the capture bucket of {ONE_BUCKET} position, not {bucket}"
+    """Why ``lora_one`` cannot serve a call (None: it can): up to ``ONE_CHUNK_TO`` positions, ranks
+    up to 128."""
+    if bucket > ONE_CHUNK_TO:
+        return f"lora_one serves capture buckets of up to {ONE_CHUNK_TO} positions, not {bucket}"
     if built_width(ONE_RW, max_rank) is None:
         return f"lora_one is built for ranks up to {ONE_RW[-1]}, not {max_rank}"
     return None
+
+
+#: The most bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` (its eighth of ``in`` for each
+#: of the chunk's positions): ``in`` up to 65536 in 16-bit types.
+ONE_CHUNK_MAX_X = 128 * 1024
+
+
+def one_chunk_x(in_features: int, dtype: str) -> int:
+    """Bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` (one.cuh, one_chunk_shrink)."""
+    return 16 * ONE_M * one_pieces(in_features, dtype)
+
+
+def one_smem(rw: int, n_slices: int, num_slots: int, in_features: int, dtype: str) -> int:
+    """Dynamic shared memory of ``lora_one`` in chunks of ``ONE_M``: its part and v ([ONE_M][n * rw]
+    floats each), the chunk's x over the block's share of ``in``, then slot_indptr."""
+    return 8 * ONE_M * n_slices * rw + one_chunk_x(in_features, dtype) + 4 * (num_slots + 1)
 
 
 def one_clusters(out_features: int) -> int:
@@ -532,6 +556,15 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                or (None if not (fused or chunks or tile) else "lora_one takes no tile, fusing or chunks"))
         if why:
             raise ValueError(why)
+        if bucket > ONE_BUCKET:  # chunks of ONE_M positions, a cluster an item (chunk, share of the columns)
+            if one_chunk_x(in_features, dtype) > ONE_CHUNK_MAX_X:
+                raise ValueError(f"lora_one stages at most {ONE_CHUNK_MAX_X} bytes of x a block, not "
+                                 f"{one_chunk_x(in_features, dtype)} (in_features {in_features})")
+            clus = min(ONE_CHUNK_CLUSTERS, max_clusters or ONE_CHUNK_CLUSTERS)
+            return LaunchPlan(bucket=bucket, bm=ONE_M, bn=_ceil(out_features, ONE_CLUSTER), splits=ONE_CLUSTER,
+                              k_split=one_pieces(in_features, dtype) * (16 // _ITEMSIZE[dtype]), fused=False,
+                              tiles=1, rank_blocks=1, col_blocks=clus * ONE_CLUSTER, cpb=1, n_slices=n_slices,
+                              expand="one", blocks=clus * ONE_CLUSTER)
         clus = one_clusters(out_features)
         return LaunchPlan(bucket=bucket, bm=1, bn=_ceil(out_features, clus * ONE_CLUSTER), splits=ONE_CLUSTER,
                           k_split=one_pieces(in_features, dtype) * (16 // _ITEMSIZE[dtype]), fused=False, tiles=1,
@@ -1250,9 +1283,12 @@ class CupyBackend:
                         fn = mod.get_function(chunk_cl_name(ct, rw, aligned=aligned, sliced=sliced))
                         fn.max_dynamic_shared_size_bytes = chunk_cl_smem(dtype, MAX_SLOTS, MAX_SLICES, rw)
                         self._fns[(dtype, "chunk_cl", rw, sliced, aligned)] = fn
-        for rw in ONE_RW:  # static shared memory only
+        for rw in ONE_RW:  # static shared memory at one position; part, vs and slot_indptr in chunks
             for aligned in (False, True):
-                self._fns[(dtype, "one", rw, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
+                self._fns[(dtype, "one", rw, 1, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
+                fn = mod.get_function(one_name(ct, rw, aligned=aligned, m=ONE_M))
+                fn.max_dynamic_shared_size_bytes = 8 * ONE_M * MAX_SLICES * rw + ONE_CHUNK_MAX_X + 4 * (MAX_SLOTS + 1)
+                self._fns[(dtype, "one", rw, ONE_M, aligned)] = fn
         if dtype in GLU_DTYPES:
             for ks in GLU_KS:
                 fn = mod.get_function(glu_name(ct, ks))
@@ -1385,8 +1421,10 @@ class CupyBackend:
                         fused_smem(dtype, plan.bm, plan.bn))]
         if plan.expand in ("chunk", "one") and set(parts) != {"shrink", "expand"}:
             raise ValueError(f"lora_{plan.expand} runs the shrink and the expand in one launch: neither runs alone")
-        if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute); no dynamic shared memory
-            return [mma("one", ("one", built_width(ONE_RW, R)), plan.blocks, 0, extra=0)]
+        if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute)
+            rw = built_width(ONE_RW, R)
+            smem = 0 if plan.bm == 1 else one_smem(rw, n, S, in_f, dtype)
+            return [mma("one", ("one", rw, plan.bm), plan.blocks, smem, extra=0)]
         if plan.expand == "chunk" and plan.cluster:  # clusters of CHUNK_CLUSTER blocks (the kernel's attribute)
             rw = chunk_geometry(R)[0]
             return [mma("chunk_cl", ("chunk_cl", rw, plan.sliced), plan.blocks, chunk_cl_smem(dtype, S, n, R), extra=0)]

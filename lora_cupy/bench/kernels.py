@@ -537,7 +537,7 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
     """The backend options timed on one row: the default, then each expand kernel (unfused
     buckets) or the unfused launches (fused buckets). ``clusters``: the device has thread-block
     clusters (sm_90; lora_one needs them)."""
-    from ..backends.cupy import ONE_BUCKET, chunk_cl_fits, chunk_fits, default_fused, one_fits, slice_alignment
+    from ..backends.cupy import chunk_cl_fits, chunk_fits, default_fused, one_fits, slice_alignment
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
@@ -550,11 +550,11 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
     if default_fused(bucket):
         out.update(DECODE_VERSIONS)
         out.update(chunk)  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)
-        if clusters and bucket == ONE_BUCKET and one_fits(bucket, row.pool_rank) is None:
-            out["one"] = VERSIONS["one"]
     else:
         out.update({k: v for k, v in VERSIONS.items() if k not in ONE_LAUNCH})
         out.update(chunk)
+    if clusters and one_fits(bucket, row.pool_rank) is None:  # one position, or chunks of ONE_M
+        out["one"] = VERSIONS["one"]
     return out
 
 

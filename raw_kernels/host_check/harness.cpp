@@ -307,11 +307,62 @@ template <typename T, int RW, bool AL> static int run_one_rw(int blocks) {
   }
   return 0;
 }
-template <typename T, bool AL> static int run_one(int blocks) {
-  if (L.bucket != 1) return 2;
-  return L.max_rank <= 16 ? run_one_rw<T, 16, AL>(blocks)
-         : L.max_rank <= 64 ? run_one_rw<T, 64, AL>(blocks)
-         : L.max_rank <= 128 ? run_one_rw<T, 128, AL>(blocks) : 2;
+// lora_one in chunks of ONE_M positions (buckets above one): each item (chunk, share of the columns)
+// as its cluster runs it, the blocks' shrinks one after another into their own parts (NaN before
+// each item), then each block's sum of the cluster's parts and its share of the columns. Items are
+// independent (each writes its own rows and columns), so their order is free.
+static int g_one_item = 0, g_one_shares = 1, g_one_chunks = 0;
+template <typename T, int RW, bool AL> static void one_chunk_block(int q, bool expand) {
+  constexpr int M = lora::ONE_M, CL = lora::ONE_CLUSTER;
+  static lora::ChunkScan cs;
+  static lora::OneChunk<M> st;
+  static float vs[M * lora::ONE_SLICES * RW];
+  auto g = args<T>();
+  const int W = g.n_slices * RW;
+  int* s_ip = reinterpret_cast<int*>(dsm.data());
+  T* xs = reinterpret_cast<T*>(dsm.data() + 64 * 1024);  // past the slot table (S < 16384)
+  lora::count_chunks<M>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
+  if (threadIdx.x == 0) g_one_chunks = cs.chunks;
+  if (g_one_item >= cs.chunks * g_one_shares) return;  // the count alone (the first call)
+  if (!lora::one_chunk_setup<T, M>(g, s_ip, cs, st, g_one_item / g_one_shares)) return;
+  if (!expand) {
+    lora::one_chunk_shrink<T, RW, AL, M>(g, st, g_one_parts.data() + q * M * W, xs, q);
+    return;
+  }
+  lora::one_chunk_sum<RW, M>(g.n_slices, st, vs, [&](int b, int f) {
+    const float* p = g_one_parts.data() + b * M * W + 4 * f;
+    return make_float4(p[0], p[1], p[2], p[3]);
+  });
+  __syncthreads();
+  lora::one_chunk_expand<T, RW, AL, M>(g, st, vs, (g_one_item % g_one_shares) * CL + q, g_one_shares * CL);
+}
+template <typename T, int RW, bool AL> static void one_chunk_shrink(int q) { one_chunk_block<T, RW, AL>(q, false); }
+template <typename T, int RW, bool AL> static void one_chunk_expand(int q) { one_chunk_block<T, RW, AL>(q, true); }
+template <typename T, int RW, bool AL> static int run_one_chunks_rw(int blocks) {
+  constexpr int CL = lora::ONE_CLUSTER;
+  if (blocks % CL) return 2;
+  g_one_item = 1 << 30;  // count the chunks only
+  emu::run_block(one_chunk_shrink<T, RW, AL>, 0);
+  const int clusters = blocks / CL;
+  g_one_shares = std::max(1, clusters / std::max(g_one_chunks, 1));
+  for (g_one_item = 0; g_one_item < g_one_chunks * g_one_shares; ++g_one_item) {
+    g_one_parts.assign(CL * lora::ONE_M * L.n_slices * RW, NAN);
+    for (int q = 0; q < CL; ++q) emu::run_block(one_chunk_shrink<T, RW, AL>, q);
+    for (int q = 0; q < CL; ++q) emu::run_block(one_chunk_expand<T, RW, AL>, q);
+  }
+  return 0;
+}
+template <typename T, bool AL> static int run_one(int bm, int blocks) {
+  if (bm == 1) {
+    if (L.bucket != 1) return 2;
+    return L.max_rank <= 16 ? run_one_rw<T, 16, AL>(blocks)
+           : L.max_rank <= 64 ? run_one_rw<T, 64, AL>(blocks)
+           : L.max_rank <= 128 ? run_one_rw<T, 128, AL>(blocks) : 2;
+  }
+  if (bm != lora::ONE_M) return 2;
+  return L.max_rank <= 16 ? run_one_chunks_rw<T, 16, AL>(blocks)
+         : L.max_rank <= 64 ? run_one_chunks_rw<T, 64, AL>(blocks)
+         : L.max_rank <= 128 ? run_one_chunks_rw<T, 128, AL>(blocks) : 2;
 }
 
 static int g_blocks = 0;
@@ -350,7 +401,7 @@ template <typename T, bool AL> static int run_a(int bm, int expand, int sb, int 
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (L.aligned && L.flags != 7) return 3;  // the ALIGNED instantiation serves flags == 7 alone
   if (expand == 6) return L.aligned ? run_chunk<T, true>(bm, sb) : run_chunk<T, false>(bm, sb);
-  if (expand == 7) return L.aligned ? run_one<T, true>(sb) : run_one<T, false>(sb);
+  if (expand == 7) return L.aligned ? run_one<T, true>(bm, sb) : run_one<T, false>(bm, sb);
   if (expand == 8) return L.aligned ? run_chunk_cl<T, true>(sb) : run_chunk_cl<T, false>(sb);
   return L.aligned ? run_a<T, true>(bm, expand, sb, eb) : run_a<T, false>(bm, expand, sb, eb);
 }
