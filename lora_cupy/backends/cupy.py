@@ -1283,7 +1283,7 @@ class CupyBackend:
                         fn = mod.get_function(chunk_cl_name(ct, rw, aligned=aligned, sliced=sliced))
                         fn.max_dynamic_shared_size_bytes = chunk_cl_smem(dtype, MAX_SLOTS, MAX_SLICES, rw)
                         self._fns[(dtype, "chunk_cl", rw, sliced, aligned)] = fn
-        for rw in ONE_RW:  # static shared memory at one position; part, vs and slot_indptr in chunks
+        for rw in ONE_RW:  # static shared memory at one position; part, v, x and slot_indptr in chunks
             for aligned in (False, True):
                 self._fns[(dtype, "one", rw, 1, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
                 fn = mod.get_function(one_name(ct, rw, aligned=aligned, m=ONE_M))
