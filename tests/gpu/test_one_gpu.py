@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from lora_cupy.backends import cupy as cb
-from lora_cupy.backends.base import LayerWeights
 from lora_cupy.backends.reference import dense_delta64
 
+from conftest import _finite
 from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
                           host, run_cupy, run_members, run_prepared)
 
@@ -55,13 +55,14 @@ def test_one_matches_oracle(make_case, check, name, dtype):
 
 @pytest.mark.parametrize("route", ("aligned", "x_misaligned", "y_misaligned", "aligned_off"))
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
-def test_one_instantiations_through_a_prepared_layer(make_case, check, dtype, route):
-    """The engine's path: every 16-byte path allowed runs the ALIGNED instantiation; x or y off
-    alignment, or ``aligned=False``, the one reading the flags (element-wise loads)."""
-    case = make_case(T=1, in_f=328, slices=(264,), max_rank=48, ranks=(1, 5, 13, 40, 48), dtype=dtype,
+@pytest.mark.parametrize("T", (1, 24))
+def test_one_instantiations_through_a_prepared_layer(make_case, check, dtype, route, T):
+    """The engine's path, at one position and in chunks of ONE_M: every 16-byte path allowed runs the
+    ALIGNED instantiation; x or y off alignment, or ``aligned=False``, the one reading the flags."""
+    case = make_case(T=T, in_f=328, slices=(264,), max_rank=48, ranks=(1, 5, 13, 40, 48), dtype=dtype,
                      mix="distinct", num_slots=17, active=9)
     be = backend_for(case.spec, **ONE, **(dict(aligned=False) if route == "aligned_off" else {}))
-    y, packed, _, _ = run_prepared(be, case, route, 1)
+    y, packed, _, _ = run_prepared(be, case, route, T)
     assert [c.name for c in packed.calls] == ["one"]
     assert packed.aligned == (route == "aligned")
     check_clean(be)
@@ -145,18 +146,6 @@ def test_one_in_chunks_matches_oracle(make_case, check, name, dtype):
     check(case2, run_cupy(be, case2), dtype)
 
 
-@pytest.mark.parametrize("route", ("aligned", "x_misaligned", "y_misaligned", "aligned_off"))
-def test_one_in_chunks_instantiations_through_a_prepared_layer(make_case, check, route):
-    case = make_case(T=24, in_f=328, slices=(264,), max_rank=48, ranks=(1, 5, 13, 40, 48), dtype="bfloat16",
-                     mix="distinct", num_slots=17, active=9)
-    be = backend_for(case.spec, **ONE, **(dict(aligned=False) if route == "aligned_off" else {}))
-    y, packed, _, _ = run_prepared(be, case, route, 24)
-    assert [c.name for c in packed.calls] == ["one"]
-    assert packed.aligned == (route == "aligned")
-    check_clean(be)
-    check(case, host(y, "bfloat16"), "bfloat16")
-
-
 def test_one_in_chunks_serves_each_member_of_a_fused_target(make_case, check):
     case = make_case(T=30, in_f=328, slices=(200, 56, 24), max_rank=48, ranks=(1, 5, 13, 40, 48), dtype="float16",
                      mix="zipf", num_slots=17, active=9)
@@ -171,10 +160,8 @@ def test_one_in_chunks_keeps_y_where_ranks_are_zero(make_case, check):
     ip = case.slot_indptr
     s = next(s for s in range(1, len(ip) - 1) if ip[s + 1] > ip[s])
     case.w.ranks[s] = 0
-    x64 = case.x.astype(np.float64)
-    w = LayerWeights(np.nan_to_num(case.w.a.astype(np.float32)), np.nan_to_num(case.w.b.astype(np.float32)),
-                     case.w.scaling, case.w.ranks, case.w.out_offsets)
-    case = replace(case, ref=case.y0.astype(np.float64) + dense_delta64(x64, w, case.row_slots))
+    ref = case.y0.astype(np.float64) + dense_delta64(case.x, _finite(case.w), case.row_slots)
+    case = replace(case, ref=ref)
     check(case, run_cupy(backend_for(case.spec, **ONE), case), "bfloat16")
 
 
