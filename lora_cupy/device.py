@@ -273,7 +273,9 @@ class Device:
         """The backend this device runs deltas with: NumPy reference on cpu, RawKernels on cuda."""
         if self.kind == "cpu":
             return ReferenceBackend()
-        return CupyBackend(spec, device=self.index)
+        # early_reads: the pool writes the step's addressing and installs weights with copies (a
+        # fill kernel only zeroes a slot no row addresses), so no kernel just before a delta writes them
+        return CupyBackend(spec, device=self.index, early_reads=True)
 
     def close(self) -> None:
         if self.kind == "cpu":

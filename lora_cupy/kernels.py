@@ -66,6 +66,9 @@ RING_BN = 64
 #: every 16-byte path taken and no element-wise code; any other flags run ``ALIGNED = false``,
 #: which reads the flags at run time.
 ALIGNED_FLAGS = 7
+#: Access flag (common.cuh, ``lora::EARLY_READS``): the kernel before a call writes neither the step's
+#: addressing nor the weights, so ``lora_one`` reads them before it waits for that kernel.
+EARLY_READS = 8
 
 
 def _cbool(v: bool) -> str:

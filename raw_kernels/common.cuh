@@ -76,6 +76,35 @@ __device__ __forceinline__ void wait_prior_grid() {
 #endif
 }
 
+// Programmatic dependent launch (sm_90+): let the grid queued after this one on the stream, where
+// it was launched with the attribute, start now (without this call it starts as this grid's blocks
+// exit); its blocks still wait (wait_prior_grid) for this grid to finish before they touch what it
+// writes. A no-op without such a grid, and below sm_90.
+__device__ __forceinline__ void release_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Access flag (Args::flags): the caller's word that the kernel queued just before this launch
+// writes neither the step's addressing nor the pool's weights, scalings, ranks and offsets, so a
+// kernel may read them before wait_prior_grid (lora_one at one position does; the backend sets it
+// where its owner says so: CupyBackend(early_reads=True)).
+constexpr int EARLY_READS = 8;
+
+// How every kernel of a packed launch starts (the backend launches them with PDL where the device
+// has it): wait for the grid before it (later where `early`: the kernel then waits itself after
+// reading only what EARLY_READS allows), then, where RELEASE, let the next grid start at once.
+// RELEASE where it was measured to pay (NOTES.md "Programmatic dependent launch of every kernel"):
+// lora_one at one position, lora_chunk in chunks of 32 or 64 and the tile kernels. Not lora_chunk
+// at the decode buckets and lora_chunk_cl: there the next grid started early cost 0.2-1 us a call
+// on an H200, and it starts as their blocks exit.
+template <bool RELEASE>
+__device__ __forceinline__ void enter_grid(bool early = false) {
+  if (!early) wait_prior_grid();
+  if (RELEASE) release_next_grid();
+}
+
 // Bytes of dynamic shared memory this launch was given (a launch given too few traps).
 __device__ __forceinline__ unsigned dynamic_smem_size() {
   unsigned r;

@@ -951,6 +951,7 @@ __global__ void __launch_bounds__(128, LORA_SHRINK_BLOCKS) lora_shrink(LORA_PARA
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
+  lora::enter_grid<true>();
   lora::require_smem(lora::Shrink<T, BM>::SMEM + 4 * (num_slots + 1));
   lora::shrink_task<T, BM, false, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Shrink<T, BM>::SMEM), tr,
                                            blockIdx.x, false);
@@ -961,6 +962,7 @@ __global__ void __launch_bounds__(128) lora_expand(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
+  lora::enter_grid<true>();
   lora::require_smem(lora::Expand<T, BM, BN>::SMEM + 4 * (num_slots + 1));
   lora::expand_task<T, BM, BN, false, ALIGNED>(
       g, dsmem, reinterpret_cast<int*>(dsmem + lora::Expand<T, BM, BN>::SMEM), tr, blockIdx.x, false);
@@ -972,6 +974,7 @@ __global__ void __launch_bounds__(128) lora_fused(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
+  lora::enter_grid<true>();
   g.chunked = CHUNKED;
   lora::require_smem(lora::fused_smem<T, BM, BN>() + 4 * (num_slots + 1));
   lora::fused_task<T, BM, BN, CHUNKED, ALIGNED>(
@@ -985,6 +988,7 @@ __global__ void __launch_bounds__(128, 4) lora_expand_stream(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<BM> tr;
   LORA_ARGS;
+  lora::enter_grid<true>();
   lora::require_smem(4 * (num_slots + 1));
   lora::expand_stream_task<T, BM, ALIGNED>(g, reinterpret_cast<int*>(dsmem), tr, blockIdx.x);
 }
@@ -996,6 +1000,7 @@ __global__ void __launch_bounds__(128, sizeof(T) == 4 ? 2 : 3) lora_expand_ring(
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::TileRows<64> tr;
   LORA_ARGS;
+  lora::enter_grid<true>();
   lora::require_smem(lora::Ring<T>::SMEM + 4 * (num_slots + 1));
   lora::expand_ring_task<T, ALIGNED>(g, dsmem, reinterpret_cast<int*>(dsmem + lora::Ring<T>::SMEM), tr, blockIdx.x);
 }
@@ -1024,6 +1029,7 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   __shared__ lora::ChunkScan cs;
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;
+  lora::enter_grid<BM >= 32>();
   g.chunked = 1;
   constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS;  // stages, the shrink's sums
   lora::require_smem(SMEM + 4 * (num_slots + 1));
@@ -1046,11 +1052,20 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one
 #if __CUDA_ARCH__ >= 900
   LORA_ARGS;
   if constexpr (M == 1) {
+    // EARLY_READS: the addressing, ranks and the first B rows before the wait (and A's share sent
+    // towards L2), overlapping the grid before this one
+    const bool early = flags & lora::EARLY_READS;
+    lora::enter_grid<true>(early);
     __shared__ lora::OneStep st;
     __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
     if (!lora::one_setup(g, st)) return;  // the same in every block: a cluster leaves whole
     lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first column, in flight through the shrink
     lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
+    if (early) {
+      lora::one_prefetch_a<T>(g, st, lora::cluster_rank());
+      lora::wait_prior_grid();
+    }
+    lora::one_prefetch_y<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
     lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
     lora::cluster_arrive();  // part written (release) ...
     lora::cluster_wait();    // ... and every block's seen (acquire)
@@ -1062,6 +1077,7 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one
   } else {
     // dynamic shared memory: part and vs ([M][n * RW] floats each), the chunk's x over the block's
     // share of `in` ([M][per] 16-byte pieces), then slot_indptr
+    lora::enter_grid<false>();
     extern __shared__ __align__(16) char dsmem[];
     __shared__ lora::ChunkScan cs;
     __shared__ lora::OneChunk<M> st;
@@ -1116,6 +1132,7 @@ __global__ void LORA_CHUNK_CLUSTER __launch_bounds__(128, 4) lora_chunk_cl(LORA_
   __shared__ lora::ChunkScan cs;
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;
+  lora::enter_grid<false>();
   g.chunked = 1;
   constexpr int SMEM = lora::Chunk<T, RW, BM, lora::CHUNK_CL_STAGES>::SMEM;
   const int off = SMEM + ((4 * (num_slots + 1) + 15) & ~15), vf = BM * (n_slices * RW + lora::CHUNK_CL_PAD);

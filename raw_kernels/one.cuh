@@ -186,7 +186,41 @@ __device__ __forceinline__ void one_prefetch(const Args<T>& g, const OneStep& st
 #pragma unroll
     for (int p = 0; p < RW / CH; ++p)
       pc.b[p] = p * CH < rj ? *reinterpret_cast<const uint4*>(br + p * CH) : make_uint4(0u, 0u, 0u, 0u);
-    pc.y = g.y[(size_t)st.row * out + c];
+  }
+}
+// ... and its y (after the wait for the grid before: y may be that grid's output).
+template <typename T, int RW, bool ALIGNED>
+__device__ __forceinline__ void one_prefetch_y(const Args<T>& g, const OneStep& st, int blk, int blocks,
+                                               OneCol<T, RW, ALIGNED>& pc) {
+  if constexpr (OneCol<T, RW, ALIGNED>::ON) {
+    const int out = g.out_features;
+    const int per = (out + blocks - 1) / blocks, c = blk * per + threadIdx.x, c1 = min(out, blk * per + per);
+    if (int(threadIdx.x) < per && c < c1) pc.y = g.y[(size_t)st.row * out + c];
+  }
+}
+
+// The A rows block b of the cluster reads (one_shrink's share of `in`) sent towards L2, one
+// 128-byte line a request, while the grid before this one finishes (EARLY_READS only).
+template <typename T>
+__device__ __forceinline__ void one_prefetch_a(const Args<T>& g, const OneStep& st, int b) {
+  constexpr int CH = 16 / sizeof(T), LINE = 128 / sizeof(T);
+  const int in = g.in_features, n = g.n_slices, R = g.max_rank;
+  const int pieces = (in + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
+  const int k0 = min(in, b * per * CH), k1 = min(in, (b * per + per) * CH);
+  if (k1 <= k0) return;
+  const int lines = (k1 - 1) / LINE - k0 / LINE + 1;
+  const T* as = g.A + (size_t)st.slot * n * R * in;
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  for (int i = threadIdx.x; i < rows * lines; i += blockDim.x) {
+    int q = i / lines, j = 0;
+    while (j < n && q >= st.rank[j]) q -= st.rank[j++];
+    const T* p = as + ((size_t)j * R + q) * in + k0 + (size_t)(i % lines) * LINE;
+#if defined(__CUDA_ARCH__)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+    (void)p;  // the host check runs the index arithmetic only
+#endif
   }
 }
 

@@ -92,6 +92,30 @@ def test_packed_launch_runs_the_aligned_instantiation_only_while_the_flags_allow
     assert cb.KernelCall("a", _Fn(1), (1, 1, 1), (1, 1, 1), 0, args, 0, 1, 2, _Fn(2)).fn_for(7).kernel.ptr == 2
 
 
+def test_packed_launch_sends_the_kernels_that_take_pdl_through_the_pdl_launcher():
+    """Given a PDL launcher, the kernels marked ``pdl`` launch through it (grid, block, shared memory,
+    stream and parameters as the driver's call would take them), the others the usual way, in
+    order; without one every kernel launches the usual way. ``EARLY_READS`` or-ed into the flags
+    reaches the kernel and still selects the ALIGNED twin."""
+    args = (np.uint64(0), np.uint64(0), np.int32(0))
+    calls = [cb.KernelCall("a", _Fn(101), (3, 1, 1), (128, 1, 1), 64, args, 0, 1, 2, _Fn(111), pdl=True),
+             cb.KernelCall("b", _Fn(202), (5, 2, 1), (32, 4, 1), 0, args, 0, 1, 2)]
+    launch = cb.PackedLaunch(calls)
+    rec = launch.launch_kernel = _Recorder()
+    pdl_seen = []
+
+    def pdl(fn, grid, block, smem, stream, params):
+        pdl_seen.append((fn, grid, block, smem, stream, _read(params, 2, ctypes.c_int32)))
+
+    flags = cb.ALIGNED_FLAGS | cb.EARLY_READS
+    launch.run(77, y_ptr=4096, x_ptr=8192, flags=flags, pdl=pdl)
+    assert pdl_seen == [(111, (3, 1, 1), (128, 1, 1), 64, 77, flags)]
+    assert [r[0] for r in rec.launches] == [202] and rec.launches[0][7] == flags
+    launch.run(78, y_ptr=4096, x_ptr=8192, flags=3)
+    assert [r[0] for r in rec.launches] == [202, 101, 202], "without a launcher every kernel the usual way"
+    assert len(pdl_seen) == 1
+
+
 class _FakeBackend:
     """What LayerLaunch reads of a CupyBackend: limits, kernels per call, a stream, launches."""
 

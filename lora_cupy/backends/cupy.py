@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
+from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        ONE_CLUSTER, ONE_M, ONE_RW, STREAM_BN, chunk_cl_name, chunk_name, expand_v_name, glu_name,
                        load_module, mma_family, mma_kernels, mma_name, one_name)
@@ -1061,10 +1061,14 @@ class KernelCall:
     x_at: int | None
     flags_at: int | None
     fn_aligned: Any = None
+    #: The kernel starts with ``lora::enter_grid`` (common.cuh): it may launch with programmatic
+    #: dependent launch.
+    pdl: bool = False
 
     def fn_for(self, flags: int | None) -> Any:
         """The function a launch with these access flags runs."""
-        return self.fn_aligned if self.fn_aligned is not None and flags == ALIGNED_FLAGS else self.fn
+        aligned = flags is not None and flags & ALIGNED_FLAGS == ALIGNED_FLAGS
+        return self.fn_aligned if self.fn_aligned is not None and aligned else self.fn
 
 
 class PackedArgs:
@@ -1117,6 +1121,7 @@ class PackedLaunch:
 
         self._plain = launches(0)
         self._fast = launches(ALIGNED_FLAGS) if any(c.fn_aligned is not None for c in calls) else self._plain
+        self._pdl = tuple(c.pdl for c in calls)
         self._select(next((int(c.args[c.flags_at]) for c in calls if c.flags_at is not None), 0))
 
     @property
@@ -1125,7 +1130,7 @@ class PackedLaunch:
         return self.launches is not self._plain
 
     def _select(self, flags: int) -> None:
-        self.launches = self._fast if flags == ALIGNED_FLAGS else self._plain
+        self.launches = self._fast if flags & ALIGNED_FLAGS == ALIGNED_FLAGS else self._plain
 
     def patch(self, y_ptr: int, x_ptr: int, flags: int) -> None:
         """Write y's and x's pointers and the access flags into every kernel's parameters (and pick
@@ -1141,14 +1146,23 @@ class PackedLaunch:
         self.last = (y_ptr, x_ptr, flags)
 
     def run(self, stream: int, y_ptr: int | None = None, x_ptr: int | None = None,
-            flags: int | None = None) -> None:
+            flags: int | None = None, pdl: Any = None) -> None:
         """Launch every kernel on ``stream``, with y, x and the flags patched in first where given
-        and changed since the last run."""
+        and changed since the last run. ``pdl``: a :class:`~lora_cupy.backends.launch_ex.PdlLauncher`
+        that launches the kernels which take it (``KernelCall.pdl``) with programmatic dependent
+        launch (None: every kernel the usual way)."""
         if y_ptr is not None and (y_ptr, x_ptr, flags) != self.last:
             self.patch(y_ptr, x_ptr, flags)
         launch = self.launch_kernel
-        for fn, gx, gy, gz, bx, by, bz, smem, params in self.launches:
-            launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+        if pdl is None:
+            for fn, gx, gy, gz, bx, by, bz, smem, params in self.launches:
+                launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+            return
+        for (fn, gx, gy, gz, bx, by, bz, smem, params), on in zip(self.launches, self._pdl):
+            if on:
+                pdl(fn, (gx, gy, gz), (bx, by, bz), smem, stream, params)
+            else:
+                launch(fn, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
 
 
 class CupyBackend:
@@ -1160,10 +1174,17 @@ class CupyBackend:
     multiprocessor count. Each tensor-core kernel has two instantiations: a call whose x, y and
     weights allow every 16-byte path (access flags ``ALIGNED_FLAGS``) runs the ``ALIGNED`` one,
     which has no element-wise code; any other call the one that reads the flags at run time.
-    ``aligned=False`` runs the latter for every call (tests and A/B timing). ``pdl``: whether
-    ``lora_expand_v`` may launch with programmatic dependent launch where its caller allows
-    (:mod:`~lora_cupy.backends.launch_ex`): None (the default) where the device (compute
-    capability 9.0 or above) and the driver support it, False never (A/B timing). ``cluster``:
+    ``aligned=False`` runs the latter for every call (tests and A/B timing). ``pdl``: whether the
+    tensor-core kernels launch with programmatic dependent launch
+    (:mod:`~lora_cupy.backends.launch_ex`; each waits for the grid queued before it, so calls
+    back to back overlap their launches and tails), and ``lora_expand_v`` where its caller allows:
+    None (the default) where the device (compute capability 9.0 or above) and the driver support
+    it, False never (A/B timing). ``early_reads=True`` is the owner's word that the kernel queued
+    just before any call on its stream writes neither the step's addressing (``token_order``,
+    ``slot_indptr``) nor the weights, scalings, ranks and offsets the call reads (as in the pool,
+    which writes them with copies): ``lora_one`` then reads them before it waits (x and y, always
+    after). Off by default: a caller that builds its addressing with a kernel just before a call
+    keeps every read after the wait. ``cluster``:
     whether ``lora_chunk`` runs its decode buckets in thread-block clusters (``lora_chunk_cl``):
     None where it is the default (``default_chunk_cluster``), True wherever it serves, False never.
 
@@ -1177,7 +1198,7 @@ class CupyBackend:
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
                  fused: bool | None = None, expand: str | None = None, chunks: bool | None = None,
                  num_sms: int | None = None, aligned: bool | None = None, pdl: bool | None = None,
-                 cluster: bool | None = None):
+                 cluster: bool | None = None, early_reads: bool = False):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -1194,6 +1215,10 @@ class CupyBackend:
         if cluster not in (None, False, True):
             raise ValueError(f"cluster must be None (where it is the default), True or False, got {cluster!r}")
         self.aligned = aligned
+        if early_reads not in (False, True):
+            raise ValueError(f"early_reads must be True or False, got {early_reads!r}")
+        #: ``EARLY_READS`` or 0, or-ed into every call's flags (``early_reads``).
+        self.early_reads = EARLY_READS if early_reads else 0
         if device is None:
             dev_id = cupy.cuda.runtime.getDevice()
         elif isinstance(device, int):
@@ -1224,8 +1249,9 @@ class CupyBackend:
                 self.limits = replace(self.limits, max_clusters=self._chunk_cl_clusters(spec))
         from .launch_ex import PdlLauncher, pdl_supported
 
-        #: Whether ``lora_expand_v`` launches with programmatic dependent launch where its caller
-        #: allows (``pdl``); set False to compare.
+        #: Whether the tensor-core kernels launch with programmatic dependent launch (each waits
+        #: for the grid before it, then lets the next one start: launches overlap), and
+        #: ``lora_expand_v`` where its caller allows (``pdl``); set False to compare.
         self.pdl = pdl is None and pdl_supported(divmod(int(self._device.compute_capability), 10))
         self._pdl_launch = PdlLauncher() if self.pdl else None
 
@@ -1373,11 +1399,14 @@ class CupyBackend:
     def launch(self, packed: PackedLaunch, stream: int, y_ptr: int | None = None, x_ptr: int | None = None,
                flags: int | None = None) -> None:
         """Run packed kernels on ``stream`` in this device's context (made current only if it is not)."""
+        if flags is not None:
+            flags |= self.early_reads
+        pdl = self._pdl_launch if self.pdl else None
         if self._driver.ctxGetCurrent() == self._context:
-            packed.run(stream, y_ptr, x_ptr, flags)
+            packed.run(stream, y_ptr, x_ptr, flags, pdl)
         else:
             with self._device:
-                packed.run(stream, y_ptr, x_ptr, flags)
+                packed.run(stream, y_ptr, x_ptr, flags, pdl)
 
     def _run(self, call: LaunchArgs, parts: tuple[str, ...] = ("shrink", "expand")) -> None:
         """Launch a checked call on the caller's stream (torch's current one for torch tensors).
@@ -1411,11 +1440,11 @@ class CupyBackend:
                                             i32(plan.bucket), i32(call.rw), i32(per), b_slot), 0, None, None)]
         args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
-                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags), b_slot)
+                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags | self.early_reads), b_slot)
         extra = 4 * (S + 1)  # slot_indptr, after the stages
         mma = lambda name, key, blocks, smem, extra=extra: KernelCall(  # noqa: E731
             name, self._kernel_fn(dtype, (*key, False)), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
-            len(args) - 2, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)))
+            len(args) - 2, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)), pdl=True)
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]

@@ -433,7 +433,8 @@ def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, bac
     """The four LoRA calls of one layer back to back in one graph, as a model's step runs them:
     ``warm`` (no flush: what the layer's own earlier calls left in L2) and ``flushed`` (one flush
     before the layer); each call alone warm; each target checked against the float64 oracle.
-    ``backend_kw``: options of the backend (``CupyBackend(spec, **backend_kw)``), for A/B runs."""
+    ``backend_kw``: options of the backend (``CupyBackend(spec, **backend_kw)``; ``early_reads`` True
+    unless given, as the pool's backend), for A/B runs."""
     import torch
 
     from ..addressing import group_by_slot
@@ -446,7 +447,7 @@ def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, bac
     targets = tuple(LoraTarget(name, in_f, sum(sl), 1, tuple(LoraSlice(f"{name}{j}", o) for j, o in enumerate(sl)))
                     for name, in_f, sl in LAYER_TARGETS)
     spec = LoraSpec(targets, num_slots=S, max_rank=R, dtype="bfloat16")
-    be = CupyBackend(spec, **(backend_kw or {}))
+    be = CupyBackend(spec, **{"early_reads": True, **(backend_kw or {})})  # as the pool builds it
     slots = 1 + (np.arange(T) * adapters) // T
     order, indptr = group_by_slot(slots, S)
     to, ip = torch.as_tensor(order, device="cuda"), torch.as_tensor(indptr, device="cuda")

@@ -292,6 +292,8 @@ template <typename T, int RW, bool AL> static void one_expand_block(int b) {
   if (!lora::one_setup(g, st)) return;
   lora::OneCol<T, RW, AL> pc;  // each fiber's own, as a thread's registers
   lora::one_prefetch<T, RW, AL>(g, st, b, g_one_blocks, pc);
+  lora::one_prefetch_a<T>(g, st, b % lora::ONE_CLUSTER);
+  lora::one_prefetch_y<T, RW, AL>(g, st, b, g_one_blocks, pc);
   lora::one_sum<RW>(g.n_slices, st, vs,
                     [](int peer, int e) { return g_one_parts[peer * lora::ONE_SLICES * RW + e]; });
   __syncthreads();
