@@ -1,0 +1,57 @@
+"""The bench's layer rows and a few of its core rows for the tree this is run from, one line a row,
+for A/B runs of two trees in one GPU session (run each from its own root, alternating, as
+ab_bench.sh does; ``python -m`` and ``PYTHONPATH=.`` import the tree of the working directory):
+
+    (cd before && PYTHONPATH=. python ../raw_kernels/dev/layer_rows.py --tag before)
+    PYTHONPATH=. python raw_kernels/dev/layer_rows.py --tag after --layer 1x1 --core "T1 "
+
+Each line: the tag, the row, warm and flushed us (the bench's Timer: graphs of 20 calls, diff
+method; the layer's four calls also each alone warm), and the oracle check.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    import torch
+
+    from lora_cupy.backends import cupy as cb
+    from lora_cupy.backends.base import LayerWeights
+    from lora_cupy.bench.kernels import Timer, build, oracle_error, rows, run_layer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tag", default="tree")
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--layer", default="1x1", help="TxADAPTERS,... (empty: none)")
+    ap.add_argument("--core", default="T1 ", help="the core and shapes rows (bf16) whose label contains this (empty: none)")
+    args = ap.parse_args()
+    warm, flushed = Timer(args.replays, "diff", "none"), Timer(args.replays, "diff", "write")
+    for spec in filter(None, args.layer.split(",")):
+        T, adapters = (int(v) for v in spec.split("x"))
+        r = run_layer(T, adapters, warm, flushed, 1000)
+        calls = " ".join(f"{k} {v:.1f}" for k, v in r["calls_warm_us"].items())
+        print(f"{args.tag:8s} layer {T}x{adapters:<32d} warm {r['warm_us']:6.1f} flushed {r['flushed_us']:6.1f}  "
+              f"{calls}  ok {r['ok']}", flush=True)
+    for row in rows():
+        group = row.label.split()[0]
+        if not args.core or args.core not in row.label or group not in ("core", "shapes") or row.dtype != "bfloat16":
+            continue
+        d = build(row, 1000)
+        w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
+        be = cb.CupyBackend(d.spec, early_reads=True)
+        d.y.copy_(d.y0)
+        be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+        torch.cuda.synchronize()
+        err = oracle_error(d, d.y)
+
+        def call():
+            be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+
+        print(f"{args.tag:8s} {row.label:40s} warm {warm(call):6.1f} flushed {flushed(call):6.1f}  err {err:.1e}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
