@@ -1059,7 +1059,7 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one
     __shared__ lora::OneStep st;
     __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
     if (!lora::one_setup(g, st)) return;  // the same in every block: a cluster leaves whole
-    lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first column, in flight through the shrink
+    lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first columns, in flight through the shrink
     lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
     if (early) {
       lora::one_prefetch_a<T>(g, st, lora::cluster_rank());

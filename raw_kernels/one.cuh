@@ -19,8 +19,9 @@
 // a slot whose ranks are all zero. v and its scaling stay in fp32: v is not rounded to T before the
 // expand (the tensor-core kernels round it to feed the MMA).
 // Grid (1-D, 128 threads, clusters of ONE_CLUSTER blocks): every cluster computes the whole v (block
-// b of a cluster sums its 1/8 share of `in` in 16-byte pieces, a warp ONE_ROWS rows at a time, one
-// shuffle butterfly a row; see one_shrink), so no cluster waits on another; block g of the grid
+// b of a cluster sums its 1/8 share of `in` in 16-byte pieces: 16-bit types on tensor cores, the
+// warps splitting the share; fp32 on CUDA cores, the warps splitting the rows; see one_shrink), so no
+// cluster waits on another; block g of the grid
 // then writes its 1/grid share of the columns, a thread a column (its B row, r_j ranks, 16-byte
 // pieces). The plan sizes the grid by the columns (about ONE_COLS a block, at most
 // ONE_MAX_CLUSTERS clusters).
@@ -36,7 +37,7 @@ namespace lora {
 
 constexpr int ONE_CLUSTER = 8;  // blocks a cluster: each sums an eighth of `in`
 constexpr int ONE_SLICES = 8;   // slices a target (the backend's MAX_SLICES)
-constexpr int ONE_ROWS = 4;     // rows (slice, rank) a warp sums at once
+constexpr int ONE_ROWS = 4;     // rows (slice, rank) a warp sums at once in chunks (one_chunk_shrink)
 
 // The step's one position as every block of the launch reads it.
 struct OneStep {
@@ -161,15 +162,18 @@ __device__ bool one_setup(const Args<T>& g, OneStep& st) {
   return rows > 0;
 }
 
-// Each thread's first column of its block, loaded before the shrink so its round runs beside the
-// shrink's (rank width 16 and ALIGNED only: 2-4 registers of 16 bytes; at wider ranks the held
-// row cost more than it saved, NOTES.md "lora_one variants timed"): the B row's pieces below the
-// slice's rank and the column's y.
+// Each thread's first ONE_HELD columns of its block (c0 + tid, c0 + tid + blockDim.x), loaded
+// before the shrink so their round runs beside the shrink's (rank width 16 and ALIGNED only: 2 x 16
+// bytes a column; at wider ranks the held row cost more than it saved, NOTES.md "lora_one variants
+// timed"): the B row's pieces below the slice's rank and the column's y. Two columns: gate_up's
+// 28672 over 128 blocks are 224 a block.
+constexpr int ONE_HELD = 2;
 template <typename T, int RW, bool ALIGNED>
 struct OneCol {
   static constexpr bool ON = ALIGNED && RW <= 16;
-  uint4 b[ON ? RW * sizeof(T) / 16 : 1];
-  T y;
+  static constexpr int P = ON ? RW * sizeof(T) / 16 : 1;
+  uint4 b[ONE_HELD][P];
+  T y[ONE_HELD];
 };
 template <typename T, int RW, bool ALIGNED>
 __device__ __forceinline__ void one_prefetch(const Args<T>& g, const OneStep& st, int blk, int blocks,
@@ -177,25 +181,33 @@ __device__ __forceinline__ void one_prefetch(const Args<T>& g, const OneStep& st
   if constexpr (OneCol<T, RW, ALIGNED>::ON) {
     constexpr int CH = 16 / sizeof(T);
     const int out = g.out_features, n = g.n_slices, R = g.max_rank;
-    const int per = (out + blocks - 1) / blocks, c = blk * per + threadIdx.x, c1 = min(out, blk * per + per);
-    if (int(threadIdx.x) >= per || c >= c1) return;
-    int j = 0;
-    while (j + 1 < n && c >= st.off[j + 1]) ++j;
-    const int rj = st.rank[j];
-    const T* br = g.B + (size_t)st.slot * g.b_slot + (size_t)c * R;
+    const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
 #pragma unroll
-    for (int p = 0; p < RW / CH; ++p)
-      pc.b[p] = p * CH < rj ? *reinterpret_cast<const uint4*>(br + p * CH) : make_uint4(0u, 0u, 0u, 0u);
+    for (int h = 0; h < ONE_HELD; ++h) {
+      const int c = c0 + int(threadIdx.x) + h * int(blockDim.x);
+      if (c >= c1) break;
+      int j = 0;
+      while (j + 1 < n && c >= st.off[j + 1]) ++j;
+      const int rj = st.rank[j];
+      const T* br = g.B + (size_t)st.slot * g.b_slot + (size_t)c * R;
+#pragma unroll
+      for (int p = 0; p < OneCol<T, RW, ALIGNED>::P; ++p)
+        pc.b[h][p] = p * CH < rj ? *reinterpret_cast<const uint4*>(br + p * CH) : make_uint4(0u, 0u, 0u, 0u);
+    }
   }
 }
-// ... and its y (after the wait for the grid before: y may be that grid's output).
+// ... and their y (after the wait for the grid before: y may be that grid's output).
 template <typename T, int RW, bool ALIGNED>
 __device__ __forceinline__ void one_prefetch_y(const Args<T>& g, const OneStep& st, int blk, int blocks,
                                                OneCol<T, RW, ALIGNED>& pc) {
   if constexpr (OneCol<T, RW, ALIGNED>::ON) {
     const int out = g.out_features;
-    const int per = (out + blocks - 1) / blocks, c = blk * per + threadIdx.x, c1 = min(out, blk * per + per);
-    if (int(threadIdx.x) < per && c < c1) pc.y = g.y[(size_t)st.row * out + c];
+    const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
+#pragma unroll
+    for (int h = 0; h < ONE_HELD; ++h) {
+      const int c = c0 + int(threadIdx.x) + h * int(blockDim.x);
+      if (c < c1) pc.y[h] = g.y[(size_t)st.row * out + c];
+    }
   }
 }
 
@@ -224,54 +236,232 @@ __device__ __forceinline__ void one_prefetch_a(const Args<T>& g, const OneStep& 
   }
 }
 
-// part[j * RW + r] = x[t, K_b] . A[s, j, r, K_b] for every row (j, r < r_j), K_b the share of `in`
-// of the cluster's block b (16-byte pieces split in eighths): warp w takes the rows w * ONE_ROWS,
-// (w + 4) * ONE_ROWS, ... ONE_ROWS at a time, lane l the pieces l, l + 32, ... of the share, two
-// pieces' loads of every row in flight at once; one shuffle butterfly a row.
-template <typename T, int RW, bool ALIGNED>
-__device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int b) {
+// The 16 bytes of T at p, elements from `valid` on zeroed in their bits (0.0 in every type; a
+// weight past a rank or `in` may be NaN and is never multiplied). `vec`: p is 16-byte aligned.
+template <typename T, bool VEC>
+__device__ __forceinline__ uint4 one_raw(const T* p, int valid, bool vec) {
   constexpr int CH = 16 / sizeof(T);
-  const int in = g.in_features, n = g.n_slices, R = g.max_rank;
-  const int pieces = (in + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
-  const int p0 = b * per, p1 = min(pieces, p0 + per);
+  if (VEC || vec) {
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    if (!VEC && valid < CH) {
+      T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+      for (int i = 0; i < CH; ++i)
+        if (i >= valid) e[i] = from_float<T>(0.f);
+    }
+    return u;
+  }
+  uint4 u = make_uint4(0u, 0u, 0u, 0u);
+  T* e = reinterpret_cast<T*>(&u);
+#pragma unroll
+  for (int i = 0; i < CH; ++i)
+    if (i < valid) e[i] = p[i];
+  return u;
+}
+
+// ---- The shrink on tensor cores (16-bit types) -------------------------------------------------
+// One position's x . A as m16n8k16 MMAs: A's rows (the slot's rows over every slice, 16 a tile) are
+// the MMA's A operand, x its B operand, the same x in each of the 8 columns (so every column of D,
+// and every lane, holds its two rows' sums). A lane reads one 16-byte piece of each of its two rows
+// of a tile and the same piece of x: k is permuted inside each 32 features, lane 4 g + t's piece
+// p = 4 Q + t of a quad Q feeds logical k {2t, 2t+1, 2t+8, 2t+9} of two MMAs from its elements 0-3
+// and 4-7; a product is exact whatever the order, as A and x are permuted alike. In place of the
+// CUDA-core shrink, whose instructions (the conversions of every element, the index arithmetic of
+// every row) were what a call of one position waited on (NOTES.md, "lora_one on tensor cores").
+constexpr int ONE_WARPS = 4;  // warps a block (blocks of 128 threads)
+
+// rowmap[q] = j * RW + r for the block's q-th row (the slices in order, r < r_j), q < rows
+template <int RW>
+__device__ __forceinline__ void one_rowmap(int n, const OneStep& st, short* rowmap, int rows) {
+  for (int q = threadIdx.x; q < rows; q += blockDim.x) {
+    int r = q, j = 0;
+    while (j + 1 < n && r >= st.rank[j]) r -= st.rank[j++];
+    rowmap[q] = short(j * RW + r);
+  }
+}
+
+// wsum[warp][q] = this warp's sum over its quads of x . A row q, for every row q < rows: warp w takes
+// the share's quads (4 pieces) w, w + 4, ..., QB of them a round, and the row tiles MG at a time.
+template <typename T, int RW, bool ALIGNED, int MG, int QB>
+__device__ void one_mma_rows(const Args<T>& g, const OneStep& st, const short* rowmap, float* wsum, int rows,
+                             int p0, int p1) {
+  constexpr int CH = 16 / sizeof(T);
+  const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  const int in = g.in_features, R = g.max_rank;
   const bool vec = ALIGNED || (g.flags & 1);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  int rows = 0;
-  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  const T* xr = g.x + (size_t)st.row * in;
+  const T* as = g.A + (size_t)st.slot * g.n_slices * R * in;
+  const int quads = (max(p1 - p0, 0) + 3) / 4, tiles = (rows + 15) / 16;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int m0 = 0; m0 < tiles; m0 += MG) {
+    const T* ar[MG][2];
+    bool on[MG][2];
+#pragma unroll
+    for (int mi = 0; mi < MG; ++mi)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int q = (m0 + mi) * 16 + gq + 8 * h, pr = q < rows ? rowmap[q] : 0;
+        on[mi][h] = q < rows;
+        ar[mi][h] = as + (size_t)((pr / RW) * R + pr % RW) * in;
+      }
+    float d[MG][4] = {};
+    for (int q0 = warp; q0 < quads; q0 += ONE_WARPS * QB) {
+      uint4 xv[QB], av[MG][2][QB];
+#pragma unroll
+      for (int i = 0; i < QB; ++i) {  // the round's loads ...
+        const int p = p0 + 4 * (q0 + ONE_WARPS * i) + t, k = p * CH;
+        const int valid = q0 + ONE_WARPS * i < quads && p < p1 ? (ALIGNED ? CH : min(CH, in - k)) : 0;
+        xv[i] = valid > 0 ? one_raw<T, ALIGNED>(xr + k, valid, vec) : zero;
+#pragma unroll
+        for (int mi = 0; mi < MG; ++mi)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            av[mi][h][i] = valid > 0 && on[mi][h] ? one_raw<T, ALIGNED>(ar[mi][h] + k, valid, vec) : zero;
+      }
+#pragma unroll
+      for (int i = 0; i < QB; ++i) {  // ... then its MMAs (the quad the same in the whole warp)
+        if (q0 + ONE_WARPS * i >= quads) break;
+        const unsigned b0[2] = {xv[i].x, xv[i].y}, b1[2] = {xv[i].z, xv[i].w};
+#pragma unroll
+        for (int mi = 0; mi < MG; ++mi) {
+          const unsigned a0[4] = {av[mi][0][i].x, av[mi][1][i].x, av[mi][0][i].y, av[mi][1][i].y};
+          const unsigned a1[4] = {av[mi][0][i].z, av[mi][1][i].z, av[mi][0][i].w, av[mi][1][i].w};
+          mma16816<T>(d[mi], a0, b0);
+          mma16816<T>(d[mi], a1, b1);
+        }
+      }
+    }
+    if (t == 0) {  // D[row][column 0]: rows gq and gq + 8 of each tile
+#pragma unroll
+      for (int mi = 0; mi < MG; ++mi)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int q = (m0 + mi) * 16 + gq + 8 * h;
+          if (q < rows) wsum[warp * ONE_SLICES * RW + q] = d[mi][2 * h];
+        }
+    }
+  }
+}
+
+// part[j * RW + r] = x[t, K_b] . A[s, j, r, K_b] for every row (j, r < r_j) on tensor cores: the
+// rows' map, each warp's sums over its quads, then one thread a row adds the 4 warps' sums.
+template <typename T, int RW, bool ALIGNED>
+__device__ void one_mma_shrink(const Args<T>& g, const OneStep& st, float* part, int rows, int p0, int p1) {
+  __shared__ short rowmap[ONE_SLICES * RW];
+  __shared__ float wsum[ONE_WARPS * ONE_SLICES * RW];
+  one_rowmap<RW>(g.n_slices, st, rowmap, rows);
+  __syncthreads();
+  const int tiles = (rows + 15) / 16, qw = ((max(p1 - p0, 0) + 3) / 4 + ONE_WARPS - 1) / ONE_WARPS;
+  if (tiles == 1 && qw > 4)
+    one_mma_rows<T, RW, ALIGNED, 1, 16>(g, st, rowmap, wsum, rows, p0, p1);  // `in` = 14336: 14 quads a warp
+  else if (tiles == 1)
+    one_mma_rows<T, RW, ALIGNED, 1, 4>(g, st, rowmap, wsum, rows, p0, p1);
+  else if (tiles == 2)
+    one_mma_rows<T, RW, ALIGNED, 2, 4>(g, st, rowmap, wsum, rows, p0, p1);
+  else
+    one_mma_rows<T, RW, ALIGNED, 4, 4>(g, st, rowmap, wsum, rows, p0, p1);
+  __syncthreads();
+  for (int q = threadIdx.x; q < rows; q += blockDim.x) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < ONE_WARPS; ++w) s += wsum[w * ONE_SLICES * RW + q];
+    part[rowmap[q]] = s;
+  }
+}
+
+// ---- The shrink on CUDA cores (fp32) ------------------------------------------------------------
+// acc += the dot of two 16-byte pieces of T, in fp32
+template <typename T>
+__device__ __forceinline__ float one_dot(const uint4& a, const uint4& b, float acc) {
+  constexpr int CH = 16 / sizeof(T);
+  const T* ea = reinterpret_cast<const T*>(&a);
+  const T* eb = reinterpret_cast<const T*>(&b);
+#pragma unroll
+  for (int i = 0; i < CH; ++i) acc = fmaf(to_float(ea[i]), to_float(eb[i]), acc);
+  return acc;
+}
+
+// one_shrink's work for one warp: its rows [q0, q1) ROWS at a time, and of each row the pieces of
+// the share [p0, p1) that are lane l's (l, l + 32, ...) NP at a time: every load of a round (NP
+// pieces of x and of each of ROWS rows) issued before its first FMA; one shuffle butterfly a row.
+template <typename T, int RW, bool ALIGNED, int ROWS, int NP>
+__device__ void one_shrink_rows(const Args<T>& g, const OneStep& st, float* part, int q0, int q1, int p0,
+                                int p1) {
+  constexpr int CH = 16 / sizeof(T);
+  const int in = g.in_features, n = g.n_slices, R = g.max_rank, lane = threadIdx.x & 31;
+  const bool vec = ALIGNED || (g.flags & 1);
   const T* xr = g.x + (size_t)st.row * in;
   const T* as = g.A + (size_t)st.slot * n * R * in;
-  for (int q0 = warp * ONE_ROWS; q0 < rows; q0 += warps * ONE_ROWS) {
-    const T* ar[ONE_ROWS];
-    int at[ONE_ROWS];  // part's index of each row, -1 past the rows
+  for (; q0 < q1; q0 += ROWS) {
+    const T* ar[ROWS];
+    int at[ROWS];  // part's index of each row, -1 past the warp's rows
 #pragma unroll
-    for (int u = 0; u < ONE_ROWS; ++u) {
+    for (int u = 0; u < ROWS; ++u) {
       int q = q0 + u, j = 0;
       while (j < n && q >= st.rank[j]) q -= st.rank[j++];
-      const bool on = j < n;
+      const bool on = q0 + u < q1 && j < n;
       ar[u] = on ? as + ((size_t)j * R + q) * in : as;
       at[u] = on ? j * RW + q : -1;
     }
-    float acc[ONE_ROWS] = {};
-#pragma unroll 2
-    for (int p = p0 + lane; p < p1; p += 32) {
-      const int k = p * CH, valid = ALIGNED ? CH : min(CH, in - k);
-      float xf[CH];
-      one_piece<T, ALIGNED>(xr + k, valid, vec, xf);
+    float acc[ROWS] = {};
+    for (int pb = p0 + lane; pb < p1; pb += 32 * NP) {
+      uint4 xp[NP], ap[ROWS][NP];
 #pragma unroll
-      for (int u = 0; u < ONE_ROWS; ++u) {
-        if (at[u] < 0) continue;
-        float af[CH];
-        one_piece<T, ALIGNED>(ar[u] + k, valid, vec, af);
+      for (int i = 0; i < NP; ++i) {  // the round's loads ...
+        const int p = pb + 32 * i, k = p * CH, valid = p < p1 ? (ALIGNED ? CH : min(CH, in - k)) : 0;
+        xp[i] = valid > 0 ? one_raw<T, ALIGNED>(xr + k, valid, vec) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-        for (int i = 0; i < CH; ++i) acc[u] = fmaf(xf[i], af[i], acc[u]);
+        for (int u = 0; u < ROWS; ++u)
+          ap[u][i] = valid > 0 && at[u] >= 0 ? one_raw<T, ALIGNED>(ar[u] + k, valid, vec) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int i = 0; i < NP; ++i) {  // ... then its FMAs
+        if (pb + 32 * i >= p1) break;
+#pragma unroll
+        for (int u = 0; u < ROWS; ++u) acc[u] = one_dot<T>(xp[i], ap[u][i], acc[u]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < ONE_ROWS; ++u) {
+    for (int u = 0; u < ROWS; ++u) {
 #pragma unroll
       for (int m = 16; m >= 1; m >>= 1) acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], m);
       if (lane == 0 && at[u] >= 0) part[at[u]] = acc[u];
     }
+  }
+}
+
+// part[j * RW + r] = x[t, K_b] . A[s, j, r, K_b] for every row (j, r < r_j), K_b the share of `in`
+// of the cluster's block b (16-byte pieces split in eighths). 16-bit types on tensor cores
+// (one_mma_shrink); fp32 on CUDA cores, the rows dealt evenly to the warps (warp w the rows
+// [w * per, w * per + per)) and the round's shape following the rows a warp has and the pieces a
+// lane has: up to ONE_LOADS 16-byte loads a lane before the first FMA (4 rows x 8 pieces, 8 x 4, and
+// 2 pieces at 4, 8 or 12 rows); more take more rounds.
+constexpr int ONE_LOADS = 40;
+template <typename T, int RW, bool ALIGNED>
+__device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int b) {
+  constexpr int CH = 16 / sizeof(T);
+  const int in = g.in_features, n = g.n_slices;
+  const int pieces = (in + CH - 1) / CH, per_b = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
+  const int p0 = b * per_b, p1 = min(pieces, p0 + per_b);
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  if constexpr (sizeof(T) == 2) {
+    one_mma_shrink<T, RW, ALIGNED>(g, st, part, rows, p0, p1);
+  } else {
+    const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int per = (rows + warps - 1) / warps, q0 = warp * per, q1 = min(rows, q0 + per);
+    if (q0 >= q1) return;  // a share past `in` still writes its rows' zeros
+    const int lp = (p1 - p0 + 31) / 32;  // pieces a lane (p1 <= p0: none, the rows' zeros)
+    if (per <= 4 && lp <= 2)
+      one_shrink_rows<T, RW, ALIGNED, 4, 2>(g, st, part, q0, q1, p0, p1);
+    else if (per <= 4)
+      one_shrink_rows<T, RW, ALIGNED, 4, ONE_LOADS / 5>(g, st, part, q0, q1, p0, p1);
+    else if (per <= 8 && lp <= 2)
+      one_shrink_rows<T, RW, ALIGNED, 8, 2>(g, st, part, q0, q1, p0, p1);
+    else if (per <= 8)
+      one_shrink_rows<T, RW, ALIGNED, 8, ONE_LOADS / 9>(g, st, part, q0, q1, p0, p1);
+    else
+      one_shrink_rows<T, RW, ALIGNED, 12, 2>(g, st, part, q0, q1, p0, p1);
   }
 }
 
@@ -291,22 +481,23 @@ __device__ __forceinline__ void one_sum(int n, const OneStep& st, float* vs, Pee
 }
 
 // y[t, c] += vs[j, :r_j] . B[s, c, :r_j] for the columns of block `blk` of `blocks` (a thread a
-// column; its first column's B row and y from one_prefetch where it loaded them).
+// column; its first ONE_HELD columns' B rows and y from one_prefetch where it loaded them).
 template <typename T, int RW, bool ALIGNED>
 __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs, int blk, int blocks,
                            const OneCol<T, RW, ALIGNED>& pc) {
   constexpr int CH = 16 / sizeof(T);
+  constexpr bool HELD = OneCol<T, RW, ALIGNED>::ON;
   const int out = g.out_features, n = g.n_slices, R = g.max_rank;
   const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
   const bool vec = ALIGNED || (g.flags & 2);
   const T* bs = g.B + (size_t)st.slot * g.b_slot;
   T* yr = g.y + (size_t)st.row * out;
-  for (int c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+  // column c; held: its B row's pieces and y as one_prefetch loaded them (h a constant once unrolled)
+  auto column = [&](int c, const uint4* held, const T* held_y) {
     int j = 0;
     while (j + 1 < n && c >= st.off[j + 1]) ++j;
     const int rj = st.rank[j];
-    if (rj == 0) continue;
-    const bool first = OneCol<T, RW, ALIGNED>::ON && c == c0 + int(threadIdx.x);
+    if (rj == 0) return;
     const T* br = bs + (size_t)c * R;
     const float* vj = vs + j * RW;
     float d = 0.f;
@@ -314,8 +505,8 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
     for (int p = 0; p < RW / CH; ++p) {
       if (p * CH >= rj) break;
       float bf[CH];
-      if (first) {
-        const T* e = reinterpret_cast<const T*>(&pc.b[OneCol<T, RW, ALIGNED>::ON ? p : 0]);
+      if (held) {
+        const T* e = reinterpret_cast<const T*>(&held[HELD ? p : 0]);
 #pragma unroll
         for (int i = 0; i < CH; ++i) bf[i] = p * CH + i < rj ? to_float(e[i]) : 0.f;
       } else {
@@ -324,9 +515,16 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
 #pragma unroll
       for (int i = 0; i < CH; ++i) d = fmaf(bf[i], vj[p * CH + i], d);
     }
-    const T y0 = first ? pc.y : yr[c];
+    const T y0 = held ? *held_y : yr[c];
     if (d != 0.f) yr[c] = from_float<T>(to_float(y0) + d);
+  };
+  int c = c0 + int(threadIdx.x);
+  if constexpr (HELD) {
+#pragma unroll
+    for (int h = 0; h < ONE_HELD; ++h, c += blockDim.x)
+      if (c < c1) column(c, pc.b[h], &pc.y[h]);
   }
+  for (; c < c1; c += blockDim.x) column(c, nullptr, nullptr);
 }
 
 // ---- Chunks of several positions (the decode buckets of 2 to 64 positions) -------------------------

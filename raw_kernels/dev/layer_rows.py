@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=10)
     ap.add_argument("--layer", default="1x1", help="TxADAPTERS,... (empty: none)")
     ap.add_argument("--core", default="T1 ", help="the core and shapes rows (bf16) whose label contains this (empty: none)")
+    ap.add_argument("--expand", default=None, help="the core rows also with this expand kernel forced (e.g. one)")
     args = ap.parse_args()
     warm, flushed = Timer(args.replays, "diff", "none"), Timer(args.replays, "diff", "write")
     for spec in filter(None, args.layer.split(",")):
@@ -40,17 +41,19 @@ def main() -> None:
             continue
         d = build(row, 1000)
         w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
-        be = cb.CupyBackend(d.spec, early_reads=True)
-        d.y.copy_(d.y0)
-        be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
-        torch.cuda.synchronize()
-        err = oracle_error(d, d.y)
-
-        def call():
+        for expand in (None, args.expand) if args.expand else (None,):
+            be = cb.CupyBackend(d.spec, early_reads=True, **({"expand": expand} if expand else {}))
+            d.y.copy_(d.y0)
             be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+            torch.cuda.synchronize()
+            err = oracle_error(d, d.y)
 
-        print(f"{args.tag:8s} {row.label:40s} warm {warm(call):6.1f} flushed {flushed(call):6.1f}  err {err:.1e}",
-              flush=True)
+            def call():
+                be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+
+            label = row.label + (f" [{expand}]" if expand else "")
+            print(f"{args.tag:8s} {label:46s} warm {warm(call):6.1f} flushed {flushed(call):6.1f}  err {err:.1e}",
+                  flush=True)
 
 
 if __name__ == "__main__":
