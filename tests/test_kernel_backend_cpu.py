@@ -305,7 +305,8 @@ def test_each_shipped_kernel_is_a_default_somewhere():
                     p = cb.plan_launch(b, 4096, out, n, r, dt, num_slots=33, live_slices=live)
                     chosen.add("fused" if p.fused else p.expand)
                     fits = cb.chunk_fits(dt, r, n, live) is None
-                    assert (p.expand == "chunk") == (not p.fused and fits and cb.default_chunk(b, r))
+                    one = p.expand == "one"  # lora_one first where default_one takes the call
+                    assert (p.expand == "chunk") == (not p.fused and not one and fits and cb.default_chunk(b, r))
                     if p.expand == "one":  # the bucket of one position (test_one_position_...)
                         continue
                     if p.expand == "chunk":
@@ -520,16 +521,26 @@ def test_one_position_runs_lora_one_where_the_device_has_clusters():
             p = cb.plan_launch(1, 4096, out, n, 16, dtype, num_slots=33, expand="one")
             assert (p.expand, p.fused, p.blocks) == ("one", False, clusters * cb.ONE_CLUSTER)
             assert p.blocks * p.bn >= out and p.shrink_blocks == p.expand_blocks == p.blocks
-    # by default where a block's share of A is at most ONE_MAX_SHARE: the Llama-8B layer's four rank-16
-    # targets in bf16 (down: 14336 / 8 features x 16 ranks x 2 bytes = 56 KB), not rank 64
+    # by default where a block's share of A is at most one_max_share(dtype): the Llama-8B layer's four
+    # rank-16 targets in 16-bit types (down: 14336 / 8 features x 16 ranks x 2 bytes = 56 KB), and
+    # (the shrink on tensor cores) rank 64 of one slice of in = 4096 (64 KB); not the larger
+    # rank-64 shares (lora_chunk by ticket for one slice, else the fused kernel), nor fp32 at rank 64
     for in_f, out, n in ((4096, 6144, 3), (4096, 4096, 1), (4096, 28672, 2), (14336, 4096, 1)):
-        assert cb.one_share(in_f, n, 16, "bfloat16") <= cb.ONE_MAX_SHARE
-        assert cb.plan_launch(1, in_f, out, n, 16, "bfloat16", num_slots=33).expand == "one"
-        p64 = cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33)  # one slice: lora_chunk by ticket
-        assert (p64.expand, p64.cluster, p64.fused) == ("chunk", False, False) if n == 1 else p64.fused
+        for dtype in ("bfloat16", "float16"):
+            assert cb.one_share(in_f, n, 16, dtype) <= cb.one_max_share(dtype)
+            assert cb.plan_launch(1, in_f, out, n, 16, dtype, num_slots=33).expand == "one"
+        p64 = cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33)
+        if n == 1 and in_f == 4096:
+            assert cb.one_share(in_f, n, 64, "bfloat16") == cb.ONE_MAX_SHARE_MMA == 64 * 1024
+            assert p64.expand == "one"
+        elif n == 1:
+            assert (p64.expand, p64.cluster, p64.fused) == ("chunk", False, False)
+        else:
+            assert p64.fused
         assert cb.plan_launch(1, in_f, out, n, 64, "float32", num_slots=33).fused
         assert cb.plan_launch(1, in_f, out, n, 64, "bfloat16", num_slots=33, expand="one").expand == "one"
     assert cb.one_share(14336, 1, 16, "bfloat16") == 14336 // 8 * 16 * 2
+    assert cb.one_max_share("float32") == cb.ONE_MAX_SHARE < cb.ONE_MAX_SHARE_MMA == cb.one_max_share("float16")
     for dtype in ("bfloat16", "float16", "float32"):
         assert cb.plan_launch(1, 4096, 4096, 1, 16, dtype, num_slots=33, clusters=False).fused
         assert cb.plan_launch(1, 4096, 4096, 1, 256, dtype, num_slots=33).fused

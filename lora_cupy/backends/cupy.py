@@ -341,11 +341,21 @@ ONE_BUCKET = 1
 ONE_COLS = 64
 ONE_MAX_CLUSTERS = 16
 #: The most bytes of A a ``lora_one`` block sums by default (its eighth of ``in`` for every slice at
-#: the pool's rank width): a cluster's 8 blocks read all of the slot's A, where the fused kernel
-#: spreads it over every multiprocessor. On an H200 (raw_kernels/NOTES.md, "lora_one") 16-56 KB a
-#: block ran 6.1-10.3 us flushed against the fused kernel's 9.5-10.3 (the Llama-8B layer's four
-#: rank-16 targets), 64 KB and more 15.1-35.7 against 11.6-13.6 (rank 64).
+#: the pool's rank width), fp32 (``ONE_MAX_SHARE``, the shrink on CUDA cores) and 16-bit types
+#: (``ONE_MAX_SHARE_MMA``, on tensor cores): a cluster's 8 blocks read all of the slot's A, where the
+#: fused kernel and lora_chunk spread it over every multiprocessor. On an H200 (raw_kernels/NOTES.md,
+#: "lora_one" and "lora_one on tensor cores"), on CUDA cores 16-56 KB a block ran 6.1-10.3 us flushed
+#: against the fused kernel's 9.5-10.3 (the Llama-8B layer's four rank-16 targets), 64 KB and more
+#: 15.1-35.7 against 11.6-13.6 (rank 64); on tensor cores 64 KB (rank 64, `in` = 4096, one slice)
+#: 9.7 / 10.3 us flushed against lora_chunk's 10.7 / 11.7, 192-224 KB 15.8-16.4 against 12.1-13.7.
 ONE_MAX_SHARE = 56 * 1024
+ONE_MAX_SHARE_MMA = 64 * 1024
+
+
+def one_max_share(dtype: str) -> int:
+    """``ONE_MAX_SHARE_MMA`` for the 16-bit types (lora_one's shrink on tensor cores), else
+    ``ONE_MAX_SHARE``."""
+    return ONE_MAX_SHARE if _ITEMSIZE[normalize_dtype(dtype)] == 4 else ONE_MAX_SHARE_MMA
 
 
 def one_pieces(in_features: int, dtype: str) -> int:
@@ -359,11 +369,11 @@ def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int
     return n_slices * rank_width(max_rank) * one_pieces(in_features, dtype) * 16
 
 
-def default_one(bucket: int, clusters: bool, share: int = 0) -> bool:
+def default_one(bucket: int, clusters: bool, share: int, dtype: str) -> bool:
     """Whether a call of ``bucket`` positions runs ``lora_one`` by default: the bucket of one
     position, on a device with thread-block clusters (compute capability 9.0 or above), where a
-    block's share of A (``one_share``) is at most ``ONE_MAX_SHARE``."""
-    return clusters and bucket == ONE_BUCKET and share <= ONE_MAX_SHARE
+    block's share of A (``one_share``) is at most ``one_max_share(dtype)``."""
+    return clusters and bucket == ONE_BUCKET and share <= one_max_share(dtype)
 
 
 #: The largest capture bucket ``lora_one`` serves in chunks of ``ONE_M`` positions (a cluster a chunk
@@ -550,7 +560,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     dtype = normalize_dtype(dtype)
     unforced = fused is None and expand is None and chunks is None and whole and tile is None
     share = one_share(in_features, n_slices, max_rank, dtype)
-    if expand == "one" or (unforced and default_one(bucket, clusters, share) and one_fits(bucket, max_rank) is None):
+    if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype) and one_fits(bucket, max_rank) is None):
         why = (one_fits(bucket, max_rank) or (None if clusters else "lora_one needs thread-block clusters (sm_90)")
                or (None if whole else "lora_one runs the whole delta in one launch, not in halves")
                or (None if not (fused or chunks or tile) else "lora_one takes no tile, fusing or chunks"))

@@ -22,7 +22,7 @@ from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, gra
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_gpu_count() == 0, reason="no CUDA device")]
 
 DTYPES = ("bfloat16", "float16", "float32")
-ONE = dict(expand="one")  # forced: by default only where a block's share of A is small (ONE_MAX_SHARE)
+ONE = dict(expand="one")  # forced: by default only where a block's share of A is small (one_max_share)
 #: one position: odd `in` (element-wise x and A) and ranks, three slices with rank-0 ones, a pool
 #: of 513 slots (the slot search runs past one pass of the block), rank widths 64 and 128 with odd
 #: ranks, `in` long enough that every block of a cluster has a share, columns over several clusters
@@ -46,7 +46,7 @@ def test_one_matches_oracle(make_case, check, name, dtype):
     plan = be.plan(1, dev_weights(case.w), dtype)
     assert plan.expand == "one" and plan.blocks % cb.ONE_CLUSTER == 0
     S, n, R, in_f = case.w.a.shape
-    by_default = cb.one_share(in_f, n, R, dtype) <= cb.ONE_MAX_SHARE
+    by_default = cb.one_share(in_f, n, R, dtype) <= cb.one_max_share(dtype)
     assert (backend_for(case.spec).plan(1, dev_weights(case.w), dtype).expand == "one") == by_default
     check(case, run_cupy(be, case), dtype)  # run_cupy: v and the counters untouched (zero)
     case2 = make_case(T=1, dtype=dtype, **CASES[name])
