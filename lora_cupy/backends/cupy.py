@@ -291,7 +291,7 @@ CHUNK_COL_PARTS = 128
 #: Up to this many positions at rank widths above 16 a chunk is cut into as many parts as it has
 #: stages of `in` or column blocks, at most ``CHUNK_FEW_PARTS``; and at one position such a call of
 #: one slice runs lora_chunk by ticket (``default_chunk``), where lora_one's clusters would each
-#: read too much of A (``ONE_MAX_SHARE``). On an H200 (raw_kernels/NOTES.md, "lora_chunk at the
+#: read too much of A (``one_max_share``). On an H200 (raw_kernels/NOTES.md, "lora_chunk at the
 #: decode buckets"; `dev/chunk_sweep.py --decode`) at one position and rank 64: 4096 -> 4096 10.4-10.9
 #: us in 64 parts against the fused kernel's 11.8, 14336 -> 4096 12.0 in 128 (13.5; 12.5 in 224),
 #: 4096 -> 14336 11.7 in 128 (12.5; 10.3 in 224); at 16 positions with one adapter 11.1 against 11.7
