@@ -28,9 +28,10 @@
 // Shapes: any `in`, out, rank up to RW (16, 64 or 128: the pool's rank width), up to 8 slices,
 // every 16-bit and 32-bit type; ALIGNED (flags == 7) drops the element-wise loads of x, A and B.
 // sm_90 only (clusters); the plan never asks for it on an older device. The plan's default
-// (backends/cupy.py, default_one) takes it where a block's eighth of A is small (ONE_MAX_SHARE):
-// a cluster's 8 blocks read all of the slot's A, where lora_fused spreads it over every
-// multiprocessor, so a large A (rank 64 at in = 4096) ran slower here (NOTES.md, "lora_one").
+// (backends/cupy.py, default_one) takes it where a block's eighth of A is small (one_max_share: 64 KB
+// in the 16-bit types, 56 KB in fp32): a cluster's 8 blocks read all of the slot's A, where lora_chunk
+// and lora_fused spread it over every multiprocessor, so a larger A (rank 64 at in = 14336, or over
+// q/k/v's three slices) runs slower here (NOTES.md, "lora_one", "lora_one on tensor cores").
 #pragma once
 
 namespace lora {
