@@ -46,8 +46,9 @@
 //   lora_one<..., RW, ALIGNED, M> (one.cuh: clusters of 8 blocks, no workspace): M = 1 the capture
 //     bucket of one position on sm_90, every type, where a block's share of A is at most ONE_MAX_SHARE
 //     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets; rank 64 keeps lora_fused);
-//     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot, where it is asked
-//     for (expand="one"; NOTES.md, "lora_one in chunks").
+//     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot: by default where
+//     default_one says (16-bit types at rank width 16; NOTES.md, "lora_one in chunks on tensor
+//     cores"), elsewhere where it is asked for (expand="one").
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
 //     that lora_chunk and lora_one do not take (one position below sm_90 or above ONE_MAX_SHARE; fp32;
 //     several slices with columns below 64
@@ -1075,24 +1076,34 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one
     lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);
     lora::cluster_wait();
   } else {
-    // dynamic shared memory: part and vs ([M][n * RW] floats each), the chunk's x over the block's
-    // share of `in` ([M][per] 16-byte pieces), then slot_indptr
-    lora::enter_grid<false>();
+    // dynamic shared memory: part and vs ([M][n * RW] floats each), in fp32 the chunk's x over the
+    // block's share of `in` ([M][per] 16-byte pieces; the 16-bit types read x straight into their
+    // MMAs), then slot_indptr
+    // EARLY_READS: the chunks' count and the first item's addressing before the wait
+    const bool early = flags & lora::EARLY_READS;
+    lora::enter_grid<lora::ONE_CHUNK_RELEASE>(early);
     extern __shared__ __align__(16) char dsmem[];
     __shared__ lora::ChunkScan cs;
     __shared__ lora::OneChunk<M> st;
     constexpr int CH = 16 / sizeof(T);
     const int vf = M * n_slices * RW, per = ((in_features + CH - 1) / CH + lora::ONE_CLUSTER - 1) / lora::ONE_CLUSTER;
-    lora::require_smem(8 * vf + 16 * M * per + 4 * (num_slots + 1));
+    const int xbytes = sizeof(T) == 4 ? 16 * M * per : 0;
+    lora::require_smem(8 * vf + xbytes + 4 * (num_slots + 1));
     float* part = reinterpret_cast<float*>(dsmem);
     float* vs = part + vf;
     T* xs = reinterpret_cast<T*>(vs + vf);
-    int* s_indptr = reinterpret_cast<int*>(dsmem + 8 * vf + 16 * M * per);
+    int* s_indptr = reinterpret_cast<int*>(dsmem + 8 * vf + xbytes);
     lora::count_chunks<M>(cs, s_indptr, slot_indptr, num_slots, positions);
     const int clusters = gridDim.x / lora::ONE_CLUSTER, u = blockIdx.x / lora::ONE_CLUSTER, q = lora::cluster_rank();
     const int shares = max(1, clusters / max(cs.chunks, 1)), items = cs.chunks * shares;
+    bool waited = !early;
     for (int it = u; it < items; it += clusters) {  // the same items in every block of the cluster
-      if (!lora::one_chunk_setup<T, M>(g, s_indptr, cs, st, it / shares)) continue;
+      const bool live = lora::one_chunk_setup<T, M>(g, s_indptr, cs, st, it / shares);
+      if (!waited) {  // x and y only after the grid before has finished
+        lora::wait_prior_grid();
+        waited = true;
+      }
+      if (!live) continue;
       lora::one_chunk_shrink<T, RW, ALIGNED, M>(g, st, part, xs, q);
       lora::cluster_arrive();  // part written (release) ...
       lora::cluster_wait();    // ... and every block's seen (acquire)

@@ -272,8 +272,8 @@ __device__ __forceinline__ uint4 one_raw(const T* p, int valid, bool vec) {
 constexpr int ONE_WARPS = 4;  // warps a block (blocks of 128 threads)
 
 // rowmap[q] = j * RW + r for the block's q-th row (the slices in order, r < r_j), q < rows
-template <int RW>
-__device__ __forceinline__ void one_rowmap(int n, const OneStep& st, short* rowmap, int rows) {
+template <int RW, typename St>
+__device__ __forceinline__ void one_rowmap(int n, const St& st, short* rowmap, int rows) {
   for (int q = threadIdx.x; q < rows; q += blockDim.x) {
     int r = q, j = 0;
     while (j + 1 < n && r >= st.rank[j]) r -= st.rank[j++];
@@ -281,17 +281,18 @@ __device__ __forceinline__ void one_rowmap(int n, const OneStep& st, short* rowm
   }
 }
 
-// wsum[warp][q] = this warp's sum over its quads of x . A row q, for every row q < rows: warp w takes
-// the share's quads (4 pieces) w, w + 4, ..., QB of them a round, and the row tiles MG at a time.
-template <typename T, int RW, bool ALIGNED, int MG, int QB>
-__device__ void one_mma_rows(const Args<T>& g, const OneStep& st, const short* rowmap, float* wsum, int rows,
-                             int p0, int p1) {
+// out(q, i, sum) for every row q < rows and position i < m: this warp's sum over its quads of
+// x[t_i] . A row q. Warp w takes the share's quads (4 pieces) w, w + 4, ..., QB of them a round, and
+// the row tiles MG at a time. xr: the lane's row of x, that of position g (lane 4 g + t; at M = 1 the
+// one position in every column), nullptr past the chunk's m positions (its column of B is zero).
+// At M = 1 only column 0 is written (lanes t = 0); at M > 1 lane 4 g + t has positions 2t and 2t + 1.
+template <typename T, int RW, bool ALIGNED, int MG, int QB, int M, typename Out>
+__device__ void one_mma_rows(const Args<T>& g, const T* xr, const T* as, const short* rowmap, int rows, int m,
+                             int p0, int p1, Out out) {
   constexpr int CH = 16 / sizeof(T);
   const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
   const int in = g.in_features, R = g.max_rank;
-  const bool vec = ALIGNED || (g.flags & 1);
-  const T* xr = g.x + (size_t)st.row * in;
-  const T* as = g.A + (size_t)st.slot * g.n_slices * R * in;
+  const bool vec = ALIGNED || (g.flags & 1), xon = M == 1 || xr != nullptr;
   const int quads = (max(p1 - p0, 0) + 3) / 4, tiles = (rows + 15) / 16;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   for (int m0 = 0; m0 < tiles; m0 += MG) {
@@ -312,7 +313,7 @@ __device__ void one_mma_rows(const Args<T>& g, const OneStep& st, const short* r
       for (int i = 0; i < QB; ++i) {  // the round's loads ...
         const int p = p0 + 4 * (q0 + ONE_WARPS * i) + t, k = p * CH;
         const int valid = q0 + ONE_WARPS * i < quads && p < p1 ? (ALIGNED ? CH : min(CH, in - k)) : 0;
-        xv[i] = valid > 0 ? one_raw<T, ALIGNED>(xr + k, valid, vec) : zero;
+        xv[i] = valid > 0 && xon ? one_raw<T, ALIGNED>(xr + k, valid, vec) : zero;
 #pragma unroll
         for (int mi = 0; mi < MG; ++mi)
 #pragma unroll
@@ -332,15 +333,20 @@ __device__ void one_mma_rows(const Args<T>& g, const OneStep& st, const short* r
         }
       }
     }
-    if (t == 0) {  // D[row][column 0]: rows gq and gq + 8 of each tile
 #pragma unroll
-      for (int mi = 0; mi < MG; ++mi)
+    for (int mi = 0; mi < MG; ++mi)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int q = (m0 + mi) * 16 + gq + 8 * h;
-          if (q < rows) wsum[warp * ONE_SLICES * RW + q] = d[mi][2 * h];
+      for (int h = 0; h < 2; ++h) {  // D[row][column]: rows gq and gq + 8 of each tile, columns 2t, 2t + 1
+        const int q = (m0 + mi) * 16 + gq + 8 * h;
+        if (q >= rows) continue;
+        if constexpr (M == 1) {
+          if (t == 0) out(q, 0, d[mi][2 * h]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 2; ++c)
+            if (2 * t + c < m) out(q, 2 * t + c, d[mi][2 * h + c]);
         }
-    }
+      }
   }
 }
 
@@ -353,14 +359,18 @@ __device__ void one_mma_shrink(const Args<T>& g, const OneStep& st, float* part,
   one_rowmap<RW>(g.n_slices, st, rowmap, rows);
   __syncthreads();
   const int tiles = (rows + 15) / 16, qw = ((max(p1 - p0, 0) + 3) / 4 + ONE_WARPS - 1) / ONE_WARPS;
-  if (tiles == 1 && qw > 4)
-    one_mma_rows<T, RW, ALIGNED, 1, 16>(g, st, rowmap, wsum, rows, p0, p1);  // `in` = 14336: 14 quads a warp
+  const T* xr = g.x + (size_t)st.row * g.in_features;
+  const T* as = g.A + (size_t)st.slot * g.n_slices * g.max_rank * g.in_features;
+  float* ws = wsum + (threadIdx.x >> 5) * ONE_SLICES * RW;
+  auto out = [&](int q, int, float v) { ws[q] = v; };
+  if (tiles == 1 && qw > 4)  // `in` = 14336: 14 quads a warp
+    one_mma_rows<T, RW, ALIGNED, 1, 16, 1>(g, xr, as, rowmap, rows, 1, p0, p1, out);
   else if (tiles == 1)
-    one_mma_rows<T, RW, ALIGNED, 1, 4>(g, st, rowmap, wsum, rows, p0, p1);
+    one_mma_rows<T, RW, ALIGNED, 1, 4, 1>(g, xr, as, rowmap, rows, 1, p0, p1, out);
   else if (tiles == 2)
-    one_mma_rows<T, RW, ALIGNED, 2, 4>(g, st, rowmap, wsum, rows, p0, p1);
+    one_mma_rows<T, RW, ALIGNED, 2, 4, 1>(g, xr, as, rowmap, rows, 1, p0, p1, out);
   else
-    one_mma_rows<T, RW, ALIGNED, 4, 4>(g, st, rowmap, wsum, rows, p0, p1);
+    one_mma_rows<T, RW, ALIGNED, 4, 4, 1>(g, xr, as, rowmap, rows, 1, p0, p1, out);
   __syncthreads();
   for (int q = threadIdx.x; q < rows; q += blockDim.x) {
     float s = 0.f;
@@ -528,17 +538,22 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
   for (; c < c1; c += blockDim.x) column(c, nullptr, nullptr);
 }
 
-// ---- Chunks of several positions (the decode buckets of 2 to 64 positions) -------------------------
+// ---- Chunks of several positions (the decode buckets of 2 to 256 positions) ------------------------
 // lora_one<T, RW, ALIGNED, ONE_M> runs the same cluster scheme over a step's chunks: slot s's positions
 // cut into pieces of at most ONE_M from its start (count_chunks / locate_chunk, lora_mma.cu). A
 // cluster's item is (chunk, share): its 8 blocks sum their eighths of `in` for every row of the chunk
 // (x[t_i, K_b] . A[s, j, r, K_b] for each of the chunk's m positions i), meet in distributed shared
-// memory, and block b writes the share's columns, a thread a column: one load of the column's B row
-// serves the chunk's m rows of y. Where a step has fewer chunks than the grid has clusters, each chunk
-// takes clusters / chunks shares of the columns (each cluster sums the chunk's v again, from L2).
-// Compared with lora_chunk (tensor cores on 16-row tiles of one slot), this pays no MMA on tiles that
-// hold 1-8 of their 16 rows, no ticket, no ready counts and no v in global memory.
+// memory, and block b writes the share's columns. Where a step has fewer chunks than the grid has
+// clusters, each chunk takes clusters / chunks shares of the columns (each cluster sums the chunk's v
+// again, from L2). The 16-bit types run both halves on tensor cores with the chunk's 8 positions as
+// the MMA's 8 columns (one_chunk_mma_shrink, one_chunk_mma_expand: no tile holding 1-8 of 16 rows,
+// as lora_chunk's do); fp32 on CUDA cores (one_chunk_fma_shrink, one_chunk_fma_expand: x staged in
+// shared memory, a thread a column). No ticket, no ready counts and no v in global memory.
 constexpr int ONE_M = 8;  // positions a chunk (ONE_ROWS * ONE_M = 32: one lane a (row, position))
+// Whether a launch in chunks lets the next grid start at once (PDL) rather than as its blocks exit:
+// on an H200 the layer of 64 positions over 32 adapters took 89.7 us warm with it and 99.1 without
+// (NOTES.md, "lora_one in chunks on tensor cores").
+constexpr bool ONE_CHUNK_RELEASE = true;
 
 template <int M>
 struct OneChunk {
@@ -600,7 +615,7 @@ __device__ __forceinline__ void one_halve(float (&acc)[32], int lane) {
 }
 
 template <typename T, int RW, bool ALIGNED, int M>
-__device__ void one_chunk_shrink(const Args<T>& g, const OneChunk<M>& st, float* part, T* xs, int b) {
+__device__ void one_chunk_fma_shrink(const Args<T>& g, const OneChunk<M>& st, float* part, T* xs, int b) {
   static_assert(ONE_ROWS * M == 32, "one lane a (row, position) after the reduction");
   constexpr int CH = 16 / sizeof(T);
   const int in = g.in_features, n = g.n_slices, R = g.max_rank, W = n * RW, m = st.m;
@@ -714,7 +729,7 @@ struct OneUnroll {
   static constexpr int U = RW <= 16 ? 4 : 1;
 };
 template <typename T, int RW, bool ALIGNED, int M>
-__device__ void one_chunk_expand(const Args<T>& g, const OneChunk<M>& st, const float* vs, int blk, int blocks) {
+__device__ void one_chunk_fma_expand(const Args<T>& g, const OneChunk<M>& st, const float* vs, int blk, int blocks) {
   constexpr int CH = 16 / sizeof(T), P = RW / CH, U = OneUnroll<RW>::U;
   const int out = g.out_features, n = g.n_slices, R = g.max_rank, W = n * RW, m = st.m;
   const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
@@ -780,6 +795,184 @@ __device__ void one_chunk_expand(const Args<T>& g, const OneChunk<M>& st, const 
       }
     }
   }
+}
+
+// ---- Chunks on tensor cores (16-bit types) ------------------------------------------------------
+// The shrink: one_mma_rows with the chunk's m positions as the MMA's columns (lane 4 g + t reads
+// position g's row of x; rows past m read nothing), each warp's sums added into part with shared
+// atomics (part zeroed first; the 4 warps split the share's quads). part[i * W + j * RW + r].
+template <typename T, int RW, bool ALIGNED, int M>
+__device__ void one_chunk_mma_shrink(const Args<T>& g, const OneChunk<M>& st, float* part, int b) {
+  static_assert(M <= 8, "a chunk's positions are the 8 columns of an m16n8k16 MMA");
+  __shared__ short rowmap[ONE_SLICES * RW];
+  constexpr int CH = 16 / sizeof(T);
+  const int in = g.in_features, n = g.n_slices, W = n * RW, m = st.m;
+  const int pieces = (in + CH - 1) / CH, per_b = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
+  const int p0 = b * per_b, p1 = min(pieces, p0 + per_b);
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  for (int e = threadIdx.x; e < M * W; e += blockDim.x) part[e] = 0.f;
+  one_rowmap<RW>(n, st, rowmap, rows);
+  __syncthreads();
+  const int gq = (threadIdx.x & 31) >> 2;
+  const T* xr = gq < m ? g.x + (size_t)st.row[gq] * in : nullptr;
+  const T* as = g.A + (size_t)st.slot * n * g.max_rank * in;
+  auto out = [&](int q, int i, float v) { atomicAdd(part + i * W + rowmap[q], v); };
+  const int tiles = (rows + 15) / 16, qw = ((max(p1 - p0, 0) + 3) / 4 + ONE_WARPS - 1) / ONE_WARPS;
+  if (tiles == 1 && qw > 4)  // `in` = 14336: 14 quads a warp, two rounds
+    one_mma_rows<T, RW, ALIGNED, 1, 8, M>(g, xr, as, rowmap, rows, m, p0, p1, out);
+  else if (tiles == 1)
+    one_mma_rows<T, RW, ALIGNED, 1, 4, M>(g, xr, as, rowmap, rows, m, p0, p1, out);
+  else
+    one_mma_rows<T, RW, ALIGNED, 2, 4, M>(g, xr, as, rowmap, rows, m, p0, p1, out);
+}
+
+// The expand: for each tile of 16 columns of one slice (tiles start at the slice's first column),
+// D[16 columns][8 positions] = B[s, columns, :r_j] . v[positions, j, :r_j]^T as MMAs of 16 ranks,
+// B's rows the A operand and v the B operand (rounded to T, as the other tensor-core kernels feed
+// it). Rows of the MMA are permuted so that lane 4 g + t holds columns c0 + 2g and c0 + 2g + 1
+// (logical rows g and g + 8) at positions 2t and 2t + 1: its y is two 32-bit pairs. Ranks are
+// permuted inside each 16: logical k {2t, 2t + 1, 2t + 8, 2t + 9} of k-step s is rank 16 s + 4 t + {0..3},
+// so a lane's B is one 8-byte piece a column and k-step, and its v one float4 (packed once a slice).
+// The block's tiles are walked slice by slice; warp w takes tiles w, w + 4, ..., U at a time (every
+// load of them before the first MMA). A tile inside its slice with every k-step's 16 ranks below r_j,
+// ALIGNED, an even first column and y and B on their 16-byte paths (the Llama layer's every tile)
+// takes straight 8-byte and 4-byte loads; any other goes element by element (its branch the same in
+// the whole warp).
+template <int RW>
+struct OneTiles {
+  static constexpr int U = RW <= 16 ? 4 : RW <= 64 ? 2 : 1;  // tiles a warp has in flight (8 at rank width 16 measured slower)
+};
+template <typename T, int RW, bool ALIGNED, int M>
+__device__ void one_chunk_mma_expand(const Args<T>& g, const OneChunk<M>& st, const float* vs, int blk, int blocks) {
+  constexpr int KS = RW / 16, U = OneTiles<RW>::U;
+  const int n = g.n_slices, W = n * RW, m = st.m, out = g.out_features, R = g.max_rank;
+  const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
+  const bool vec = ALIGNED || ((g.flags & 6) == 6);  // B and y on their 16-byte paths
+  const T* bs = g.B + (size_t)st.slot * g.b_slot;
+  int tiles = 0;
+  for (int j = 0; j < n; ++j) tiles += st.rank[j] > 0 ? (st.off[j + 1] - st.off[j] + 15) >> 4 : 0;
+  const int per = (tiles + blocks - 1) / blocks, t0 = blk * per, t1 = min(tiles, t0 + per);
+  T* yr[2];  // the lane's rows of y: positions 2t and 2t + 1 (nullptr past m)
+#pragma unroll
+  for (int c = 0; c < 2; ++c) yr[c] = 2 * t + c < m ? g.y + (size_t)st.row[2 * t + c] * out : nullptr;
+  const T zt = from_float<T>(0.f);
+  int base = 0;
+  for (int j = 0; j < n; ++j) {
+    const int rj = st.rank[j], lo = st.off[j], hi = st.off[j + 1];
+    const int nt = rj > 0 ? (hi - lo + 15) >> 4 : 0, ta = max(t0, base), tz = min(t1, base + nt);
+    const int first = base;
+    base += nt;
+    if (ta >= tz) continue;
+    const int steps = (rj + 15) >> 4;
+    unsigned bv[KS][2];  // v of position gq, ranks 16 s + 4 t + {0..3}, as the MMA's B operand
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      bv[s][0] = bv[s][1] = 0u;
+      if (gq < m && s < steps) {
+        const float4 f = *reinterpret_cast<const float4*>(vs + gq * W + j * RW + 16 * s + 4 * t);
+        bv[s][0] = pack2<T>(f.x, f.y);
+        bv[s][1] = pack2<T>(f.z, f.w);
+      }
+    }
+    const bool fast_j = vec && !(lo & 1) && rj == 16 * steps;  // whole k-steps, pairs of y 4-byte aligned
+    for (int tb = ta + warp; tb < tz; tb += ONE_WARPS * U) {
+      int ca[U];
+      bool fast[U];
+      unsigned bw[U][KS][2][2];  // B: [tile][k-step][column a, b][ranks 4t..4t+1, 4t+2..4t+3]
+      unsigned yv[U][2];         // y: [tile][position 2t, 2t + 1] as two T (columns a, b)
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // the round's loads
+        const int tile = tb + ONE_WARPS * u, c0 = lo + 16 * (tile - first);
+        ca[u] = c0 + 2 * gq;
+        fast[u] = fast_j && c0 + 16 <= hi;
+        if (tile >= tz) continue;
+        if (fast[u]) {
+          const T* p = bs + (size_t)ca[u] * R + 4 * t;
+#pragma unroll
+          for (int s = 0; s < KS; ++s) {
+            if (s >= steps) break;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint2 w = *reinterpret_cast<const uint2*>(p + h * R + 16 * s);
+              bw[u][s][h][0] = w.x;
+              bw[u][s][h][1] = w.y;
+            }
+          }
+#pragma unroll
+          for (int c = 0; c < 2; ++c) yv[u][c] = yr[c] ? *reinterpret_cast<const unsigned*>(yr[c] + ca[u]) : 0u;
+        } else {
+#pragma unroll
+          for (int s = 0; s < KS; ++s)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int c = ca[u] + h, k = 16 * s + 4 * t, valid = c < hi ? min(max(rj - k, 0), 4) : 0;
+              const T* p = bs + (size_t)c * R + k;
+              T e[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) e[i] = i < valid ? p[i] : zt;
+              bw[u][s][h][0] = *reinterpret_cast<const unsigned*>(&e[0]);
+              bw[u][s][h][1] = *reinterpret_cast<const unsigned*>(&e[2]);
+            }
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            T e[2] = {zt, zt};
+            if (yr[c] && ca[u] < hi) {
+              e[0] = yr[c][ca[u]];
+              if (ca[u] + 1 < hi) e[1] = yr[c][ca[u] + 1];
+            }
+            yv[u][c] = *reinterpret_cast<const unsigned*>(&e[0]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // its MMAs and stores
+        if (tb + ONE_WARPS * u >= tz) break;
+        float d[4] = {};
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+          if (s >= steps) break;
+          const unsigned a[4] = {bw[u][s][0][0], bw[u][s][1][0], bw[u][s][0][1], bw[u][s][1][1]};
+          mma16816<T>(d, a, bv[s]);
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {  // position 2t + c: columns a (d[c]) and b (d[2 + c])
+          if (!yr[c] || ca[u] >= hi) continue;
+          const float da = d[c], db = d[2 + c];  // db is 0 past the slice (B's row zero there)
+          if (da == 0.f && db == 0.f) continue;
+          T e[2];
+          *reinterpret_cast<unsigned*>(&e[0]) = yv[u][c];
+          if (da != 0.f) e[0] = from_float<T>(to_float(e[0]) + da);
+          if (db != 0.f) e[1] = from_float<T>(to_float(e[1]) + db);
+          T* p = yr[c] + ca[u];
+          if (fast[u]) {
+            *reinterpret_cast<unsigned*>(p) = *reinterpret_cast<const unsigned*>(&e[0]);
+          } else {
+            if (da != 0.f) p[0] = e[0];
+            if (db != 0.f) p[1] = e[1];
+          }
+        }
+      }
+    }
+  }
+}
+
+// A chunk's shrink and expand: 16-bit types on tensor cores, fp32 on CUDA cores (xs: the chunk's
+// x staged there; unused on tensor cores).
+template <typename T, int RW, bool ALIGNED, int M>
+__device__ __forceinline__ void one_chunk_shrink(const Args<T>& g, const OneChunk<M>& st, float* part, T* xs, int b) {
+  if constexpr (sizeof(T) == 2)
+    one_chunk_mma_shrink<T, RW, ALIGNED, M>(g, st, part, b);
+  else
+    one_chunk_fma_shrink<T, RW, ALIGNED, M>(g, st, part, xs, b);
+}
+template <typename T, int RW, bool ALIGNED, int M>
+__device__ __forceinline__ void one_chunk_expand(const Args<T>& g, const OneChunk<M>& st, const float* vs, int blk,
+                                                 int blocks) {
+  if constexpr (sizeof(T) == 2)
+    one_chunk_mma_expand<T, RW, ALIGNED, M>(g, st, vs, blk, blocks);
+  else
+    one_chunk_fma_expand<T, RW, ALIGNED, M>(g, st, vs, blk, blocks);
 }
 
 }  // namespace lora

@@ -369,11 +369,31 @@ def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int
     return n_slices * rank_width(max_rank) * one_pieces(in_features, dtype) * 16
 
 
-def default_one(bucket: int, clusters: bool, share: int, dtype: str) -> bool:
-    """Whether a call of ``bucket`` positions runs ``lora_one`` by default: the bucket of one
-    position, on a device with thread-block clusters (compute capability 9.0 or above), where a
-    block's share of A (``one_share``) is at most ``one_max_share(dtype)``."""
-    return clusters and bucket == ONE_BUCKET and share <= one_max_share(dtype)
+#: Above one position ``lora_one`` runs in chunks of ``ONE_M`` by default in the 16-bit types at rank
+#: width 16 (both halves on tensor cores, one.cuh): every target up to ``ONE_CHUNK_ALL_TO`` positions,
+#: and up to ``ONE_CHUNK_TO`` a target of at most ``ONE_CHUNK_MAX_OUT`` columns. On an H200
+#: (raw_kernels/NOTES.md, "lora_one in chunks on tensor cores"; the layer's calls each alone, warm) it
+#: took q/k/v, o and down from 21.3 / 11.7 / 15.3 to 16.4 / 10.0 / 11.8 us at 64 positions over 32
+#: adapters, and every call at 16 positions (gate_up 28.4 -> 16.2); the gated MLP's gate_up (28672
+#: columns) at 64 and 256 positions stays on lora_chunk (35.9 against 45.7 us over 32 adapters: a
+#: cluster's 8 blocks write a chunk's columns, where lora_chunk spreads them over the grid).
+ONE_CHUNK_ALL_TO = 32
+ONE_CHUNK_MAX_OUT = 8192
+
+
+def default_one(bucket: int, clusters: bool, share: int, dtype: str, max_rank: int = 16,
+                out_features: int = 0) -> bool:
+    """Whether a call of ``bucket`` positions runs ``lora_one`` by default, on a device with
+    thread-block clusters (compute capability 9.0 or above): the bucket of one position where a
+    block's share of A (``one_share``) is at most ``one_max_share(dtype)``; from 2 positions, chunks
+    of ``ONE_M`` in the 16-bit types at rank width 16, up to ``ONE_CHUNK_ALL_TO`` positions for every
+    target and up to ``ONE_CHUNK_TO`` for targets of at most ``ONE_CHUNK_MAX_OUT`` columns."""
+    if not clusters:
+        return False
+    if bucket == ONE_BUCKET:
+        return share <= one_max_share(dtype)
+    return (_ITEMSIZE[normalize_dtype(dtype)] == 2 and rank_width(max_rank) == 16 and bucket <= ONE_CHUNK_TO
+            and (bucket <= ONE_CHUNK_ALL_TO or out_features <= ONE_CHUNK_MAX_OUT))
 
 
 #: The largest capture bucket ``lora_one`` serves in chunks of ``ONE_M`` positions (a cluster a chunk
@@ -393,14 +413,16 @@ def one_fits(bucket: int, max_rank: int) -> str | None:
     return None
 
 
-#: The most bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` (its eighth of ``in`` for each
-#: of the chunk's positions): ``in`` up to 65536 in 16-bit types.
+#: The most bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` in fp32 (its eighth of ``in``
+#: for each of the chunk's positions): ``in`` up to 32768. The 16-bit types stage none (their shrink
+#: reads x straight into its MMAs).
 ONE_CHUNK_MAX_X = 128 * 1024
 
 
 def one_chunk_x(in_features: int, dtype: str) -> int:
-    """Bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` (one.cuh, one_chunk_shrink)."""
-    return 16 * ONE_M * one_pieces(in_features, dtype)
+    """Bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` (one.cuh, one_chunk_fma_shrink):
+    fp32 only."""
+    return 16 * ONE_M * one_pieces(in_features, dtype) if _ITEMSIZE[normalize_dtype(dtype)] == 4 else 0
 
 
 def one_smem(rw: int, n_slices: int, num_slots: int, in_features: int, dtype: str) -> int:
@@ -560,7 +582,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     dtype = normalize_dtype(dtype)
     unforced = fused is None and expand is None and chunks is None and whole and tile is None
     share = one_share(in_features, n_slices, max_rank, dtype)
-    if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype) and one_fits(bucket, max_rank) is None):
+    if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype, max_rank, out_features)
+                           and one_fits(bucket, max_rank) is None):
         why = (one_fits(bucket, max_rank) or (None if clusters else "lora_one needs thread-block clusters (sm_90)")
                or (None if whole else "lora_one runs the whole delta in one launch, not in halves")
                or (None if not (fused or chunks or tile) else "lora_one takes no tile, fusing or chunks"))

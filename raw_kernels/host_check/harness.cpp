@@ -318,7 +318,7 @@ template <typename T, int RW, bool AL> static void one_chunk_block(int q, bool e
   constexpr int M = lora::ONE_M, CL = lora::ONE_CLUSTER;
   static lora::ChunkScan cs;
   static lora::OneChunk<M> st;
-  static float vs[M * lora::ONE_SLICES * RW];
+  alignas(16) static float vs[M * lora::ONE_SLICES * RW];
   auto g = args<T>();
   const int W = g.n_slices * RW;
   int* s_ip = reinterpret_cast<int*>(dsm.data());
