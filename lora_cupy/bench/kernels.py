@@ -524,7 +524,8 @@ VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
 #: fused launch by default), the fused kernel on chunks and on tiles, and the unfused pair; and on
 #: both, lora_chunk (shrink and expand in one launch) wherever it serves the row, by ticket
 #: ("chunk") and in clusters ("chunk_cl", lora_chunk_cl: the decode buckets, sm_90); on rows of one
-#: position and the buckets up to ONE_CHUNK_TO, lora_one (its default at one position on an H200).
+#: position and the buckets up to ONE_CHUNK_TO, lora_one (its default at one position, and in chunks
+#: at rank width 16, backends/cupy.py default_one).
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
             "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk", cluster=False),
             "chunk_cl": dict(expand="chunk", cluster=True), "one": dict(expand="one")}
