@@ -137,7 +137,7 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
         if p.expand == "one":  # lora_one: clusters, no workspace or counters
-            assert cb.default_one(b, True, cb.one_share(in_f, n, R, dtype), dtype, R, out)
+            assert cb.default_one(b, True, cb.one_share(in_f, n, R, dtype), dtype, R)
             assert cb.one_fits(b, R) is None and p.bm == (1 if b == cb.ONE_BUCKET else cb.ONE_M)
             assert p.blocks % cb.ONE_CLUSTER == 0 and p.blocks * p.bn >= out
             assert p.splits * p.k_split >= in_f and p.k_split % (16 // cb._ITEMSIZE[dtype]) == 0
@@ -390,7 +390,7 @@ def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(o
     chunked = [b for b in DEFAULT_CAPTURE_BUCKETS
                if cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, slice_align=aligned).expand == "chunk"]
     share = cb.one_share(4096, n, R, "bfloat16")  # lora_one in chunks first where it is the default
-    one = {b for b in DEFAULT_CAPTURE_BUCKETS if cb.default_one(b, True, share, "bfloat16", R, out)}
+    one = {b for b in DEFAULT_CAPTURE_BUCKETS if cb.default_one(b, True, share, "bfloat16", R)}
     assert chunked == ([b for b in DEFAULT_CAPTURE_BUCKETS if b >= first and b not in one] if first else [])
     if fits:  # asked for, it serves every bucket
         for b in DEFAULT_CAPTURE_BUCKETS:
@@ -400,17 +400,15 @@ def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(o
 
 
 def test_decode_buckets_run_lora_one_in_chunks_at_rank_width_16():
-    """From 2 positions lora_one runs in chunks of ONE_M by default in the 16-bit types at rank width
-    16 on a device with clusters: every target up to ONE_CHUNK_ALL_TO positions, up to ONE_CHUNK_TO
-    those of at most ONE_CHUNK_MAX_OUT columns (the Llama-8B layer's q/k/v, o and down, not gate_up);
-    never in fp32, at rank 64, without clusters or where something else is forced."""
+    """From 2 up to ONE_CHUNK_TO positions lora_one runs in chunks of ONE_M by default in the 16-bit
+    types at rank width 16 on a device with clusters, every target of the Llama-8B layer; never in
+    fp32, at rank 64, without clusters, in halves or where something else is forced."""
     layer = {"qkv": (4096, 6144, 3), "o": (4096, 4096, 1), "gate_up": (4096, 28672, 2), "down": (14336, 4096, 1)}
     for dtype in ("bfloat16", "float16"):
         for name, (in_f, out, n) in layer.items():
             ones = [b for b in DEFAULT_CAPTURE_BUCKETS[1:]
                     if cb.plan_launch(b, in_f, out, n, 16, dtype, num_slots=33, slice_align=128).expand == "one"]
-            last = cb.ONE_CHUNK_ALL_TO if name == "gate_up" else cb.ONE_CHUNK_TO
-            assert ones == [b for b in DEFAULT_CAPTURE_BUCKETS[1:] if b <= last], name
+            assert ones == [b for b in DEFAULT_CAPTURE_BUCKETS[1:] if b <= cb.ONE_CHUNK_TO], name
             for b in ones:
                 p = cb.plan_launch(b, in_f, out, n, 16, dtype, num_slots=33, slice_align=128)
                 assert (p.bm, p.blocks) == (cb.ONE_M, cb.ONE_CHUNK_CLUSTERS * cb.ONE_CLUSTER)
@@ -421,7 +419,7 @@ def test_decode_buckets_run_lora_one_in_chunks_at_rank_width_16():
     for b in DEFAULT_CAPTURE_BUCKETS[1:]:
         assert cb.plan_launch(b, 4096, 4096, 1, 16, "float32", num_slots=33).expand != "one"
         assert cb.plan_launch(b, 4096, 4096, 1, 64, "bfloat16", num_slots=33).expand != "one"
-    assert cb.ONE_CHUNK_ALL_TO < 64 <= cb.ONE_CHUNK_TO and 4096 <= cb.ONE_CHUNK_MAX_OUT < 28672
+    assert cb.plan_launch(2 * cb.ONE_CHUNK_TO, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand != "one"
 
 
 def test_unknown_kernels_are_refused():

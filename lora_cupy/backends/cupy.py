@@ -370,30 +370,21 @@ def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int
 
 
 #: Above one position ``lora_one`` runs in chunks of ``ONE_M`` by default in the 16-bit types at rank
-#: width 16 (both halves on tensor cores, one.cuh): every target up to ``ONE_CHUNK_ALL_TO`` positions,
-#: and up to ``ONE_CHUNK_TO`` a target of at most ``ONE_CHUNK_MAX_OUT`` columns. On an H200
-#: (raw_kernels/NOTES.md, "lora_one in chunks on tensor cores"; the layer's calls each alone, warm) it
-#: took q/k/v, o and down from 21.3 / 11.7 / 15.3 to 16.4 / 10.0 / 11.8 us at 64 positions over 32
-#: adapters, and every call at 16 positions (gate_up 28.4 -> 16.2); the gated MLP's gate_up (28672
-#: columns) at 64 and 256 positions stays on lora_chunk (35.9 against 45.7 us over 32 adapters: a
-#: cluster's 8 blocks write a chunk's columns, where lora_chunk spreads them over the grid).
-ONE_CHUNK_ALL_TO = 32
-ONE_CHUNK_MAX_OUT = 8192
-
-
-def default_one(bucket: int, clusters: bool, share: int, dtype: str, max_rank: int = 16,
-                out_features: int = 0) -> bool:
+#: width 16 (both halves on tensor cores, one.cuh), every target, up to ``ONE_CHUNK_TO`` positions. On
+#: an H200 (raw_kernels/NOTES.md, "lora_one in chunks on tensor cores"; the Llama-8B layer's calls each
+#: alone, warm) against lora_chunk, the default before: q/k/v, o, gate_up and down 12.8 / 8.2 / 28.1 /
+#: 10.0 us against 21.1 / 11.5 / 35.9 / 15.1 at 64 positions over 32 adapters; gate_up 13.4 against
+#: 16.8 over 8 adapters and 40.6 against 46.1 at 256 positions over 32. Rank 64 keeps lora_chunk.
+def default_one(bucket: int, clusters: bool, share: int, dtype: str, max_rank: int = 16) -> bool:
     """Whether a call of ``bucket`` positions runs ``lora_one`` by default, on a device with
     thread-block clusters (compute capability 9.0 or above): the bucket of one position where a
-    block's share of A (``one_share``) is at most ``one_max_share(dtype)``; from 2 positions, chunks
-    of ``ONE_M`` in the 16-bit types at rank width 16, up to ``ONE_CHUNK_ALL_TO`` positions for every
-    target and up to ``ONE_CHUNK_TO`` for targets of at most ``ONE_CHUNK_MAX_OUT`` columns."""
+    block's share of A (``one_share``) is at most ``one_max_share(dtype)``; from 2 positions up to
+    ``ONE_CHUNK_TO``, chunks of ``ONE_M`` in the 16-bit types at rank width 16."""
     if not clusters:
         return False
     if bucket == ONE_BUCKET:
         return share <= one_max_share(dtype)
-    return (_ITEMSIZE[normalize_dtype(dtype)] == 2 and rank_width(max_rank) == 16 and bucket <= ONE_CHUNK_TO
-            and (bucket <= ONE_CHUNK_ALL_TO or out_features <= ONE_CHUNK_MAX_OUT))
+    return _ITEMSIZE[normalize_dtype(dtype)] == 2 and rank_width(max_rank) == 16 and bucket <= ONE_CHUNK_TO
 
 
 #: The largest capture bucket ``lora_one`` serves in chunks of ``ONE_M`` positions (a cluster a chunk
@@ -582,7 +573,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     dtype = normalize_dtype(dtype)
     unforced = fused is None and expand is None and chunks is None and whole and tile is None
     share = one_share(in_features, n_slices, max_rank, dtype)
-    if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype, max_rank, out_features)
+    if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype, max_rank)
                            and one_fits(bucket, max_rank) is None):
         why = (one_fits(bucket, max_rank) or (None if clusters else "lora_one needs thread-block clusters (sm_90)")
                or (None if whole else "lora_one runs the whole delta in one launch, not in halves")

@@ -109,7 +109,9 @@ def test_chunk_serves_a_fused_target_whole(make_case, check, dtype, name, T, mix
     positions at rank width 16 (test_kernel_backend_cpu checks which)."""
     case = make_case(T=T, in_f=200, dtype=dtype, mix=mix, num_slots=17, active=9, **SLICED[name])
     be = backend_for(case.spec)
-    by_default = cb.default_chunk(case.spec.bucket_for(T), case.spec.max_rank, len(SLICED[name]["slices"]))
+    b, R, n = case.spec.bucket_for(T), case.spec.max_rank, len(SLICED[name]["slices"])
+    one = cb.default_one(b, True, cb.one_share(200, n, R, dtype), dtype, R)  # lora_one first where it is the default
+    by_default = cb.default_chunk(b, R, n) and not one
     assert (be.plan(T, dev_weights(case.w), dtype).expand == "chunk") == by_default
     be = backend_for(case.spec, **CHUNK)
     check(case, run_cupy(be, case), dtype)
@@ -193,9 +195,12 @@ def test_chunk_decode_buckets_in_clusters_and_by_ticket(make_case, check, name, 
     kw = CLUSTER_CASES[name]
     case = make_case(dtype=dtype, **kw)
     T, sliced = case.token_order.shape[0], len(kw["slices"]) > 1
+    b = case.spec.bucket_for(T)
+    one = cb.default_one(b, True, cb.one_share(kw["in_f"], len(kw["slices"]), kw["max_rank"], dtype), dtype,
+                         kw["max_rank"])  # lora_one first where it is the default
     assert backend_for(case.spec).plan(T, dev_weights(case.w), dtype).cluster == (
-        cb.default_chunk(case.spec.bucket_for(T), kw["max_rank"], len(kw["slices"]))
-        and cb.default_chunk_cluster(kw["in_f"], kw["max_rank"], sliced))
+        cb.default_chunk(b, kw["max_rank"], len(kw["slices"]))
+        and cb.default_chunk_cluster(kw["in_f"], kw["max_rank"], sliced) and not one)
     be = backend_for(case.spec, **CHUNK, cluster=cluster)
     assert be.plan(T, dev_weights(case.w), dtype).cluster == cluster
     check(case, run_cupy(be, case), dtype)
@@ -205,10 +210,12 @@ def test_chunk_decode_buckets_in_clusters_and_by_ticket(make_case, check, name, 
 
 def test_chunk_cl_grid_is_at_most_the_clusters_the_device_holds(make_case, check):
     """The backend asks the driver how many lora_chunk_cl clusters the device holds at once; the
-    default plan's grid is at most that (clusters past it ran as a second wave, NOTES.md)."""
+    plan's grid with lora_chunk asked for (lora_one is the default here) is at most that (clusters
+    past it ran as a second wave, NOTES.md)."""
     case = make_case(T=64, in_f=1024, slices=(4096,), max_rank=16, ranks=(16,), dtype="bfloat16", mix="distinct",
                      num_slots=33, active=32)
-    be = backend_for(case.spec)
+    assert backend_for(case.spec).plan(64, dev_weights(case.w), "bfloat16").expand == "one"
+    be = backend_for(case.spec, **CHUNK)
     plan = be.plan(64, dev_weights(case.w), "bfloat16")
     assert plan.cluster and be.limits.max_clusters > 0
     assert plan.blocks // cb.CHUNK_CLUSTER <= be.limits.max_clusters
