@@ -44,13 +44,14 @@
 //     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
 //     large steps on models with a silu gated MLP.
 //   lora_one<..., RW, ALIGNED, M> (one.cuh: clusters of 8 blocks, no workspace): M = 1 the capture
-//     bucket of one position on sm_90, every type, where a block's share of A is at most ONE_MAX_SHARE
-//     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets; rank 64 keeps lora_fused);
+//     bucket of one position on sm_90, every type, where a block's share of A is at most one_max_share
+//     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets and, in the 16-bit types,
+//     rank 64 of one slice at in = 4096; larger shares keep lora_chunk or lora_fused);
 //     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot: by default where
 //     default_one says (16-bit types at rank width 16; NOTES.md, "lora_one in chunks on tensor
 //     cores"), elsewhere where it is asked for (expand="one").
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
-//     that lora_chunk and lora_one do not take (one position below sm_90 or above ONE_MAX_SHARE; fp32;
+//     that lora_chunk and lora_one do not take (one position below sm_90 or above one_max_share; fp32;
 //     several slices with columns below 64
 //     positions or off its column blocks), on
 //     chunks from 2 to 32 positions (CHUNKED), on tiles at 1 and 64; lora_shrink and lora_expand
