@@ -30,6 +30,7 @@ import numpy as np
 
 PHASES = ("setup", "wait", "shrink", "barrier", "sum", "expand", "close")
 STAMPS = len(PHASES) + 1
+BLOCKS = 512  # the most blocks a traced launch may have (ONE_CHUNK_CLUSTERS x ONE_CLUSTER is 256)
 
 KERNEL = r"""
 __device__ __forceinline__ unsigned long long one_now() {
@@ -147,17 +148,19 @@ def main() -> None:
             out_ = []
             for k in ks:
                 if "one" in k.name:
+                    if k.grid[0] > BLOCKS:
+                        raise SystemExit(f"{k.grid[0]} blocks: the stamps have room for {BLOCKS}")
                     a_ = list(k.args)
                     a_[9] = np.uint64(buf.data.ptr)
                     k = dataclasses.replace(k, fn=fn, fn_aligned=fn, args=tuple(a_))
                 out_.append(k)
             return out_
 
-        # the shipped kernel's y, then the traced kernel's: the same
+        # the shipped kernel's y, then the traced kernel's, compared
         for name, w, x, y0 in calls:
             y1, y2 = y0.clone(), y0.clone()
             be.delta(y1, x, w, to, ip)
-            buf = cupy.zeros(256 * STAMPS, cupy.uint64)
+            buf = cupy.zeros(BLOCKS * STAMPS, cupy.uint64)
             bufs.append(buf)
             be._kernels = lambda c, p=("shrink", "expand"), buf=buf: traced(c, p, buf)
             be.delta(y2, x, w, to, ip)
