@@ -799,8 +799,10 @@ __device__ void one_chunk_fma_expand(const Args<T>& g, const OneChunk<M>& st, co
 
 // ---- Chunks on tensor cores (16-bit types) ------------------------------------------------------
 // The shrink: one_mma_rows with the chunk's m positions as the MMA's columns (lane 4 g + t reads
-// position g's row of x; rows past m read nothing), each warp's sums added into part with shared
-// atomics (part zeroed first; the 4 warps split the share's quads). part[i * W + j * RW + r].
+// position g's row of x; rows past m read nothing); the 4 warps split the share's quads, and their
+// sums meet in part[i * W + j * RW + r]: at rank width 16 through an array a warp and one pass that
+// adds the 4 (64 x 8 layer 42.7-43.3 -> 38.3-38.5 us warm on an H200, NOTES.md "Per-warp sums"),
+// wider through shared atomics into part (zeroed first).
 template <typename T, int RW, bool ALIGNED, int M>
 __device__ void one_chunk_mma_shrink(const Args<T>& g, const OneChunk<M>& st, float* part, int b) {
   static_assert(M <= 8, "a chunk's positions are the 8 columns of an m16n8k16 MMA");
@@ -811,13 +813,24 @@ __device__ void one_chunk_mma_shrink(const Args<T>& g, const OneChunk<M>& st, fl
   const int p0 = b * per_b, p1 = min(pieces, p0 + per_b);
   int rows = 0;
   for (int j = 0; j < n; ++j) rows += st.rank[j];
-  for (int e = threadIdx.x; e < M * W; e += blockDim.x) part[e] = 0.f;
+  // At rank width 16 each warp's sums go to a shared array of its own and one pass adds the 4 (a
+  // float add to shared memory is a compare-and-swap loop, contended by the 4 warps); wider, into
+  // part with shared atomics (the 4 arrays would take 4 x M x 8 x RW floats).
+  constexpr bool OWN = RW == 16;
+  __shared__ float wsum[OWN ? ONE_WARPS * M * ONE_SLICES * RW : 1];
+  if constexpr (!OWN)
+    for (int e = threadIdx.x; e < M * W; e += blockDim.x) part[e] = 0.f;
   one_rowmap<RW>(n, st, rowmap, rows);
   __syncthreads();
-  const int gq = (threadIdx.x & 31) >> 2;
+  const int gq = (threadIdx.x & 31) >> 2, warp = threadIdx.x >> 5;
   const T* xr = gq < m ? g.x + (size_t)st.row[gq] * in : nullptr;
   const T* as = g.A + (size_t)st.slot * n * g.max_rank * in;
-  auto out = [&](int q, int i, float v) { atomicAdd(part + i * W + rowmap[q], v); };
+  auto out = [&](int q, int i, float v) {
+    if constexpr (OWN)
+      wsum[warp * M * W + i * W + rowmap[q]] = v;  // every warp writes every (position < m, row) once
+    else
+      atomicAdd(part + i * W + rowmap[q], v);
+  };
   const int tiles = (rows + 15) / 16, qw = ((max(p1 - p0, 0) + 3) / 4 + ONE_WARPS - 1) / ONE_WARPS;
   if (tiles == 1 && qw > 4)  // `in` = 14336: 14 quads a warp, two rounds
     one_mma_rows<T, RW, ALIGNED, 1, 8, M>(g, xr, as, rowmap, rows, m, p0, p1, out);
@@ -825,6 +838,12 @@ __device__ void one_chunk_mma_shrink(const Args<T>& g, const OneChunk<M>& st, fl
     one_mma_rows<T, RW, ALIGNED, 1, 4, M>(g, xr, as, rowmap, rows, m, p0, p1, out);
   else
     one_mma_rows<T, RW, ALIGNED, 2, 4, M>(g, xr, as, rowmap, rows, m, p0, p1, out);
+  if constexpr (OWN) {
+    __syncthreads();
+    // (entries of ranks past r_j are never written: one_chunk_sum selects them away)
+    for (int e = threadIdx.x; e < m * W; e += blockDim.x)
+      part[e] = wsum[e] + wsum[M * W + e] + wsum[2 * M * W + e] + wsum[3 * M * W + e];
+  }
 }
 
 // The expand: for each tile of 16 columns of one slice (tiles start at the slice's first column),
@@ -837,8 +856,9 @@ __device__ void one_chunk_mma_shrink(const Args<T>& g, const OneChunk<M>& st, fl
 // The block's tiles are walked slice by slice; warp w takes tiles w, w + 4, ..., U at a time (every
 // load of them before the first MMA). A tile inside its slice with every k-step's 16 ranks below r_j,
 // ALIGNED, an even first column and y and B on their 16-byte paths (the Llama layer's every tile)
-// takes straight 8-byte and 4-byte loads; any other goes element by element (its branch the same in
-// the whole warp).
+// takes straight 8-byte and 4-byte loads and a branch-free epilogue (both columns' sums added to y's
+// 32-bit pair, a column whose sum is exactly zero keeping its bits by a mask, one store); any other
+// goes element by element (its branch the same in the whole warp).
 template <int RW>
 struct OneTiles {
   static constexpr int U = RW <= 16 ? 4 : RW <= 64 ? 2 : 1;  // tiles a warp has in flight (8 at rank width 16 measured slower)
@@ -935,6 +955,19 @@ __device__ void one_chunk_mma_expand(const Args<T>& g, const OneChunk<M>& st, co
           const unsigned a[4] = {bw[u][s][0][0], bw[u][s][1][0], bw[u][s][0][1], bw[u][s][1][1]};
           mma16816<T>(d, a, bv[s]);
         }
+        if (fast[u]) {  // whole tile: both columns inside the slice; no branch a lane
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {  // position 2t + c: columns a (d[c]) and b (d[2 + c])
+            const float da = d[c], db = d[2 + c];
+            const float2 f = unpack2<T>(yv[u][c]);
+            const unsigned w = pack2<T>(f.x + da, f.y + db), old = yv[u][c];
+            // y keeps its bits in a column whose delta is exactly zero
+            const unsigned keep = (da == 0.f ? 0xffffu : 0u) | (db == 0.f ? 0xffff0000u : 0u);
+            if (yr[c] && keep != 0xffffffffu)
+              *reinterpret_cast<unsigned*>(yr[c] + ca[u]) = (w & ~keep) | (old & keep);
+          }
+          continue;
+        }
 #pragma unroll
         for (int c = 0; c < 2; ++c) {  // position 2t + c: columns a (d[c]) and b (d[2 + c])
           if (!yr[c] || ca[u] >= hi) continue;
@@ -945,12 +978,8 @@ __device__ void one_chunk_mma_expand(const Args<T>& g, const OneChunk<M>& st, co
           if (da != 0.f) e[0] = from_float<T>(to_float(e[0]) + da);
           if (db != 0.f) e[1] = from_float<T>(to_float(e[1]) + db);
           T* p = yr[c] + ca[u];
-          if (fast[u]) {
-            *reinterpret_cast<unsigned*>(p) = *reinterpret_cast<const unsigned*>(&e[0]);
-          } else {
-            if (da != 0.f) p[0] = e[0];
-            if (db != 0.f) p[1] = e[1];
-          }
+          if (da != 0.f) p[0] = e[0];
+          if (db != 0.f) p[1] = e[1];
         }
       }
     }
