@@ -853,19 +853,75 @@ __device__ void one_chunk_mma_shrink(const Args<T>& g, const OneChunk<M>& st, fl
 // (logical rows g and g + 8) at positions 2t and 2t + 1: its y is two 32-bit pairs. Ranks are
 // permuted inside each 16: logical k {2t, 2t + 1, 2t + 8, 2t + 9} of k-step s is rank 16 s + 4 t + {0..3},
 // so a lane's B is one 8-byte piece a column and k-step, and its v one float4 (packed once a slice).
-// The block's tiles are walked slice by slice; warp w takes tiles w, w + 4, ..., U at a time (every
-// load of them before the first MMA). A tile inside its slice with every k-step's 16 ranks below r_j,
-// ALIGNED, an even first column and y and B on their 16-byte paths (the Llama layer's every tile)
-// takes straight 8-byte and 4-byte loads and a branch-free epilogue (both columns' sums added to y's
-// 32-bit pair, a column whose sum is exactly zero keeping its bits by a mask, one store); any other
-// goes element by element (its branch the same in the whole warp).
+// The block's tiles are walked slice by slice; warp w takes tiles w, w + 4, .... The tiles inside
+// their slice with every k-step's 16 ranks below r_j, an even first column and y and B on their
+// 16-byte paths (the Llama layer's every tile) run in a loop of their own (one_whole_tiles: U tiles
+// a warp in flight, straight loads, no branch a lane); the rest (a slice's last partial tile, or
+// every tile where B or y is off its 16-byte path) element by element, a tile a warp at a time (more
+// in flight there cost the whole-tile loop registers: spills in the shrink; NOTES.md "Whole tiles in
+// a loop of their own").
 template <int RW>
 struct OneTiles {
   static constexpr int U = RW <= 16 ? 4 : RW <= 64 ? 2 : 1;  // tiles a warp has in flight (8 at rank width 16 measured slower)
 };
+// The expand's whole tiles [ta, tz) of one slice: every tile inside the slice, whole k-steps, an even
+// first column, B and y on their 16-byte paths. Straight 8-byte loads of B and 4-byte loads of y's
+// pairs, U tiles a warp in flight, and a branch-free epilogue: both columns' sums added to the pair
+// and rounded together, a column whose sum is exactly zero keeping its bits by a mask, one store a
+// position (none where both sums are zero). Column offsets in 32 bits (a slot's B is far below 2^31
+// elements). cz: the column of tile 0 (tile i starts at cz + 16 i).
+template <typename T, int RW>
+__device__ __forceinline__ void one_whole_tiles(const T* bs, int R, T* const (&yr)[2], const unsigned (&bv)[RW / 16][2],
+                                                int steps, int cz, int ta, int tz, int warp, int gq, int t) {
+  constexpr int KS = RW / 16, U = OneTiles<RW>::U;
+  const T* bl = bs + 4 * t;
+  for (int tb = ta + warp; tb < tz; tb += ONE_WARPS * U) {
+    int ca[U];
+    unsigned bw[U][KS][2][2];  // B: [tile][k-step][column a, b][ranks 4t..4t+1, 4t+2..4t+3]
+    unsigned yv[U][2];         // y: [tile][position 2t, 2t + 1] as two T (columns a, b)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // the round's loads
+      ca[u] = cz + 16 * (tb + ONE_WARPS * u) + 2 * gq;
+      if (tb + ONE_WARPS * u >= tz) continue;
+      const T* p = bl + ca[u] * R;
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        if (s >= steps) break;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint2 w = *reinterpret_cast<const uint2*>(p + h * R + 16 * s);
+          bw[u][s][h][0] = w.x;
+          bw[u][s][h][1] = w.y;
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) yv[u][c] = yr[c] ? *reinterpret_cast<const unsigned*>(yr[c] + ca[u]) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // its MMAs and stores
+      if (tb + ONE_WARPS * u >= tz) break;
+      float d[4] = {};
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        if (s >= steps) break;
+        const unsigned a[4] = {bw[u][s][0][0], bw[u][s][1][0], bw[u][s][0][1], bw[u][s][1][1]};
+        mma16816<T>(d, a, bv[s]);
+      }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {  // position 2t + c: columns a (d[c]) and b (d[2 + c])
+        const float da = d[c], db = d[2 + c];
+        const float2 f = unpack2<T>(yv[u][c]);
+        const unsigned w = pack2<T>(f.x + da, f.y + db), old = yv[u][c];
+        const unsigned keep = (da == 0.f ? 0xffffu : 0u) | (db == 0.f ? 0xffff0000u : 0u);
+        if (yr[c] && keep != 0xffffffffu) *reinterpret_cast<unsigned*>(yr[c] + ca[u]) = (w & ~keep) | (old & keep);
+      }
+    }
+  }
+}
+
 template <typename T, int RW, bool ALIGNED, int M>
 __device__ void one_chunk_mma_expand(const Args<T>& g, const OneChunk<M>& st, const float* vs, int blk, int blocks) {
-  constexpr int KS = RW / 16, U = OneTiles<RW>::U;
+  constexpr int KS = RW / 16;
   const int n = g.n_slices, W = n * RW, m = st.m, out = g.out_features, R = g.max_rank;
   const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
   const bool vec = ALIGNED || ((g.flags & 6) == 6);  // B and y on their 16-byte paths
@@ -895,92 +951,54 @@ __device__ void one_chunk_mma_expand(const Args<T>& g, const OneChunk<M>& st, co
         bv[s][1] = pack2<T>(f.z, f.w);
       }
     }
+    // whole tiles [ta, fz) in their loop, the rest [sa, tz) element by element
     const bool fast_j = vec && !(lo & 1) && rj == 16 * steps;  // whole k-steps, pairs of y 4-byte aligned
-    for (int tb = ta + warp; tb < tz; tb += ONE_WARPS * U) {
-      int ca[U];
-      bool fast[U];
-      unsigned bw[U][KS][2][2];  // B: [tile][k-step][column a, b][ranks 4t..4t+1, 4t+2..4t+3]
-      unsigned yv[U][2];         // y: [tile][position 2t, 2t + 1] as two T (columns a, b)
+    const int full = fast_j ? first + ((hi - lo) >> 4) : first, fz = min(tz, full), sa = max(ta, full);
+    if (ta < fz) one_whole_tiles<T, RW>(bs, R, yr, bv, steps, lo - 16 * first, ta, fz, warp, gq, t);
+    for (int tile = sa + warp; tile < tz; tile += ONE_WARPS) {
+      const int ca = lo + 16 * (tile - first) + 2 * gq;  // the lane's columns a = ca, b = ca + 1
+      unsigned bw[KS][2][2];  // B: [k-step][column a, b][ranks 4t..4t+1, 4t+2..4t+3]
+      unsigned yv[2];         // y: [position 2t, 2t + 1] as two T (columns a, b)
 #pragma unroll
-      for (int u = 0; u < U; ++u) {  // the round's loads
-        const int tile = tb + ONE_WARPS * u, c0 = lo + 16 * (tile - first);
-        ca[u] = c0 + 2 * gq;
-        fast[u] = fast_j && c0 + 16 <= hi;
-        if (tile >= tz) continue;
-        if (fast[u]) {
-          const T* p = bs + (size_t)ca[u] * R + 4 * t;
+      for (int s = 0; s < KS; ++s)
 #pragma unroll
-          for (int s = 0; s < KS; ++s) {
-            if (s >= steps) break;
+        for (int h = 0; h < 2; ++h) {
+          const int c = ca + h, k = 16 * s + 4 * t, valid = c < hi ? min(max(rj - k, 0), 4) : 0;
+          const T* p = bs + (size_t)c * R + k;
+          T e[4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const uint2 w = *reinterpret_cast<const uint2*>(p + h * R + 16 * s);
-              bw[u][s][h][0] = w.x;
-              bw[u][s][h][1] = w.y;
-            }
-          }
-#pragma unroll
-          for (int c = 0; c < 2; ++c) yv[u][c] = yr[c] ? *reinterpret_cast<const unsigned*>(yr[c] + ca[u]) : 0u;
-        } else {
-#pragma unroll
-          for (int s = 0; s < KS; ++s)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int c = ca[u] + h, k = 16 * s + 4 * t, valid = c < hi ? min(max(rj - k, 0), 4) : 0;
-              const T* p = bs + (size_t)c * R + k;
-              T e[4];
-#pragma unroll
-              for (int i = 0; i < 4; ++i) e[i] = i < valid ? p[i] : zt;
-              bw[u][s][h][0] = *reinterpret_cast<const unsigned*>(&e[0]);
-              bw[u][s][h][1] = *reinterpret_cast<const unsigned*>(&e[2]);
-            }
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            T e[2] = {zt, zt};
-            if (yr[c] && ca[u] < hi) {
-              e[0] = yr[c][ca[u]];
-              if (ca[u] + 1 < hi) e[1] = yr[c][ca[u] + 1];
-            }
-            yv[u][c] = *reinterpret_cast<const unsigned*>(&e[0]);
-          }
+          for (int i = 0; i < 4; ++i) e[i] = i < valid ? p[i] : zt;
+          bw[s][h][0] = *reinterpret_cast<const unsigned*>(&e[0]);
+          bw[s][h][1] = *reinterpret_cast<const unsigned*>(&e[2]);
         }
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        T e[2] = {zt, zt};
+        if (yr[c] && ca < hi) {
+          e[0] = yr[c][ca];
+          if (ca + 1 < hi) e[1] = yr[c][ca + 1];
+        }
+        yv[c] = *reinterpret_cast<const unsigned*>(&e[0]);
+      }
+      float d[4] = {};
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        if (s >= steps) break;
+        const unsigned a[4] = {bw[s][0][0], bw[s][1][0], bw[s][0][1], bw[s][1][1]};
+        mma16816<T>(d, a, bv[s]);
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {  // its MMAs and stores
-        if (tb + ONE_WARPS * u >= tz) break;
-        float d[4] = {};
-#pragma unroll
-        for (int s = 0; s < KS; ++s) {
-          if (s >= steps) break;
-          const unsigned a[4] = {bw[u][s][0][0], bw[u][s][1][0], bw[u][s][0][1], bw[u][s][1][1]};
-          mma16816<T>(d, a, bv[s]);
-        }
-        if (fast[u]) {  // whole tile: both columns inside the slice; no branch a lane
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {  // position 2t + c: columns a (d[c]) and b (d[2 + c])
-            const float da = d[c], db = d[2 + c];
-            const float2 f = unpack2<T>(yv[u][c]);
-            const unsigned w = pack2<T>(f.x + da, f.y + db), old = yv[u][c];
-            // y keeps its bits in a column whose delta is exactly zero
-            const unsigned keep = (da == 0.f ? 0xffffu : 0u) | (db == 0.f ? 0xffff0000u : 0u);
-            if (yr[c] && keep != 0xffffffffu)
-              *reinterpret_cast<unsigned*>(yr[c] + ca[u]) = (w & ~keep) | (old & keep);
-          }
-          continue;
-        }
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {  // position 2t + c: columns a (d[c]) and b (d[2 + c])
-          if (!yr[c] || ca[u] >= hi) continue;
-          const float da = d[c], db = d[2 + c];  // db is 0 past the slice (B's row zero there)
-          if (da == 0.f && db == 0.f) continue;
-          T e[2];
-          *reinterpret_cast<unsigned*>(&e[0]) = yv[u][c];
-          if (da != 0.f) e[0] = from_float<T>(to_float(e[0]) + da);
-          if (db != 0.f) e[1] = from_float<T>(to_float(e[1]) + db);
-          T* p = yr[c] + ca[u];
-          if (da != 0.f) p[0] = e[0];
-          if (db != 0.f) p[1] = e[1];
-        }
+      for (int c = 0; c < 2; ++c) {  // position 2t + c: columns a (d[c]) and b (d[2 + c])
+        if (!yr[c] || ca >= hi) continue;
+        const float da = d[c], db = d[2 + c];  // db is 0 past the slice (B's row zero there)
+        if (da == 0.f && db == 0.f) continue;
+        T e[2];
+        *reinterpret_cast<unsigned*>(&e[0]) = yv[c];
+        if (da != 0.f) e[0] = from_float<T>(to_float(e[0]) + da);
+        if (db != 0.f) e[1] = from_float<T>(to_float(e[1]) + db);
+        T* p = yr[c] + ca;
+        if (da != 0.f) p[0] = e[0];
+        if (db != 0.f) p[1] = e[1];
       }
     }
   }
