@@ -862,7 +862,9 @@ __device__ void one_chunk_mma_shrink(const Args<T>& g, const OneChunk<M>& st, fl
 // a loop of their own").
 template <int RW>
 struct OneTiles {
-  static constexpr int U = RW <= 16 ? 4 : RW <= 64 ? 2 : 1;  // tiles a warp has in flight (8 at rank width 16 measured slower)
+  // tiles a warp has in flight in one_whole_tiles: at rank width 16 the most that fit the 168 registers
+  // of 3 blocks a multiprocessor without spills (7 spill 12-20 bytes, 8 40-72)
+  static constexpr int U = RW <= 16 ? 6 : RW <= 64 ? 2 : 1;
 };
 // The expand's whole tiles [ta, tz) of one slice: every tile inside the slice, whole k-steps, an even
 // first column, B and y on their 16-byte paths. Straight 8-byte loads of B and 4-byte loads of y's
