@@ -95,11 +95,11 @@ def main() -> None:
     floor_ok = [x for x in shares if x >= FLOOR_SHARE]
     print(f"goal 2: {len(bmm_ok)} of {len(s['g2'])} rows from T=256 within {BMM_BAR}x bmm; "
           f"{len(floor_ok)} of {len(shares)} from T=1024 at {FLOOR_SHARE:.0%} of the byte floor or more "
-          f"(shares {min(shares, default=0):.0%}-{max(shares, default=0):.0%})")
+          f"(shares {min(shares, default=0):.2%}-{max(shares, default=0):.2%})")
     for k, us, bmm, share in s["g2"]:
         ok = bmm and us <= BMM_BAR * bmm and (share is None or share >= FLOOR_SHARE)
         if not (ok and args.misses_only):
-            sh = f"  floor {share:.0%}" if share is not None else ""
+            sh = f"  floor {share:.2%}" if share is not None else ""
             print(f"  {'   ' if ok else 'MISS'} {k:34s} {us:6.1f} us  bmm {bmm:6.1f}  ({us / bmm:.2f}x){sh}")
     for name, rows in (("goal 3 (slots against one)", s["g3"]), ("goal 4 (rank)", s["g4"])):
         met = [x for x in rows if x[1] <= x[2]]
