@@ -68,11 +68,9 @@ def score(run: dict) -> dict:
             twin = k.replace(" r64 ", " r16 ")
             if twin in by:
                 g4.append((k, by[k]["us"] / by[twin]["us"], 1.3))
-    for T in (64, 1024, 4096):
-        pool = next((r for lab, r in by.items() if lab.startswith(f"poolrank T{T} ") and "pool128" in lab), None)
-        twin = by.get(f"core T{T} 4096->4096 r16 s32") if pool else None
-        if pool and twin:
-            g4.append((pool["label"], pool["us"] / twin["us"], 1.2))
+    for r in run["rows"]:  # the bench's own ratio of a rank-128 pool to its rank-16 twin
+        if "vs_pool16" in r:
+            g4.append((r["label"], r["vs_pool16"], 1.2))
     return {"missing": missing, "g1": g1, "g2": g2, "g3": g3, "g4": g4}
 
 
