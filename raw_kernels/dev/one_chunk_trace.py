@@ -10,7 +10,8 @@ after each replay the stamps are read back. Printed per call, medians over the r
 - span: the call's first block's entry to its last block's exit; gap: its first entry less the
   previous call's last exit (negative: the launches overlap);
 - ramp: the last block's entry less the first's;
-- each phase's median and largest duration over the blocks: setup (the chunks counted, the first
+- each phase's median and largest duration over the blocks: entry (the arguments and
+  `enter_grid`), count (slot_indptr read into shared memory and the chunks counted), setup (the first
   item's addressing), wait (for the grid before), shrink, the cluster barrier after it, the sum of
   the parts, the expand, the closing barrier.
 
@@ -28,7 +29,7 @@ import math
 
 import numpy as np
 
-PHASES = ("setup", "wait", "shrink", "barrier", "sum", "expand", "close")
+PHASES = ("entry", "count", "setup", "wait", "shrink", "barrier", "sum", "expand", "close")
 STAMPS = len(PHASES) + 1
 BLOCKS = 512  # the most blocks a traced launch may have (ONE_CHUNK_CLUSTERS x ONE_CLUSTER is 256)
 
@@ -45,6 +46,7 @@ __global__ void __cluster_dims__(lora::ONE_CLUSTER, 1, 1) __launch_bounds__(128,
   LORA_ARGS;
   const bool early = flags & lora::EARLY_READS;
   lora::enter_grid<lora::ONE_CHUNK_RELEASE>(early);
+  const unsigned long long t1 = one_now();
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::ChunkScan cs;
   __shared__ lora::OneChunk<M> st;
@@ -56,34 +58,35 @@ __global__ void __cluster_dims__(lora::ONE_CLUSTER, 1, 1) __launch_bounds__(128,
   T* xs = reinterpret_cast<T*>(vs + vf);
   int* s_indptr = reinterpret_cast<int*>(dsmem + 8 * vf + xbytes);
   lora::count_chunks<M>(cs, s_indptr, slot_indptr, num_slots, positions);
+  const unsigned long long t2 = one_now();
   const int clusters = gridDim.x / lora::ONE_CLUSTER, u = blockIdx.x / lora::ONE_CLUSTER, q = lora::cluster_rank();
   const int shares = max(1, clusters / max(cs.chunks, 1)), items = cs.chunks * shares;
   bool waited = !early;
-  unsigned long long ts[STAMPS] = {t0};
+  unsigned long long ts[STAMPS] = {t0, t1, t2};
   bool first = true;
   for (int it = u; it < items; it += clusters) {
     const bool live = lora::one_chunk_setup<T, M>(g, s_indptr, cs, st, it / shares);
-    if (first) ts[1] = one_now();
+    if (first) ts[3] = one_now();
     if (!waited) {
       lora::wait_prior_grid();
       waited = true;
     }
-    if (first) ts[2] = one_now();
+    if (first) ts[4] = one_now();
     if (!live) continue;
     const int blk = (it % shares) * lora::ONE_CLUSTER + q, blocks = shares * lora::ONE_CLUSTER;
     lora::one_chunk_shrink<T, RW, ALIGNED, M>(g, st, part, xs, q);
-    if (first) ts[3] = one_now();
+    if (first) ts[5] = one_now();
     lora::cluster_arrive();
     lora::cluster_wait();
-    if (first) ts[4] = one_now();
+    if (first) ts[6] = one_now();
     lora::one_chunk_sum<RW, M>(n_slices, st, vs, [&](int b, int f) { return lora::cluster_load4(part, b, f); });
     lora::cluster_arrive();
     __syncthreads();
-    if (first) ts[5] = one_now();
-    lora::one_chunk_expand<T, RW, ALIGNED, M>(g, st, vs, blk, blocks);
-    if (first) ts[6] = one_now();
-    lora::cluster_wait();
     if (first) ts[7] = one_now();
+    lora::one_chunk_expand<T, RW, ALIGNED, M>(g, st, vs, blk, blocks);
+    if (first) ts[8] = one_now();
+    lora::cluster_wait();
+    if (first) ts[9] = one_now();
     first = false;
   }
   if (threadIdx.x == 0)
