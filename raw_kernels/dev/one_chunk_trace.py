@@ -15,7 +15,7 @@ after each replay the stamps are read back. Printed per call, medians over the r
   item's addressing), wait (for the grid before), shrink, the cluster barrier after it, the sum of
   the parts, the expand, the closing barrier.
 
-    PYTHONPATH=. python raw_kernels/dev/one_chunk_trace.py --layer 64x8,64x32 [--replays 50]
+    PYTHONPATH=. python raw_kernels/dev/one_chunk_trace.py --layer 64x8,64x32 [--replays 50] [--clusters 16,32]
 
 The traced kernel must mirror `lora_one`'s chunk branch in lora_mma.cu (checked: its y is compared
 with the shipped kernel's before any timing).
@@ -119,14 +119,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layer", default="64x8,64x32", help="TxADAPTERS,...")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--clusters", default="", help="comma-separated ONE_CHUNK_CLUSTERS (default: the shipped one)")
     args = ap.parse_args()
+    from lora_cupy.backends import cupy as cb
     fn = module().get_function("lora_one_trace<__nv_bfloat16, 16, true, 8>")
     S, R = LAYER_SLOTS, LAYER_RANK
     targets = tuple(LoraTarget(name, in_f, sum(sl), 1, tuple(LoraSlice(f"{name}{j}", o) for j, o in enumerate(sl)))
                     for name, in_f, sl in LAYER_TARGETS)
     spec = LoraSpec(targets, num_slots=S, max_rank=R, dtype="bfloat16")
-    for spec_ in args.layer.split(","):
+    runs_of = [(spec_, int(c)) for spec_ in args.layer.split(",")
+               for c in (args.clusters.split(",") if args.clusters else [cb.ONE_CHUNK_CLUSTERS])]
+    for spec_, clusters in runs_of:
         T, adapters = (int(v) for v in spec_.split("x"))
+        cb.ONE_CHUNK_CLUSTERS = clusters
+        cb.plan_launch.cache_clear()  # plans are memoized: the new count applies from here
         be = CupyBackend(spec, early_reads=True)
         slots = 1 + (np.arange(T) * adapters) // T
         order, indptr = group_by_slot(slots, S)
@@ -194,7 +200,7 @@ def main() -> None:
             g.replay()
             torch.cuda.synchronize()
             runs.append([buf.get().reshape(-1, STAMPS).astype(np.int64) for buf in bufs])
-        print(f"layer {T}x{adapters}: medians over {args.replays} replays (ns; phase: median / largest over blocks)")
+        print(f"layer {T}x{adapters}, {clusters} clusters: medians over {args.replays} replays (ns; phase: median / largest over blocks)")
         print(f"  {'call':8s} {'span':>6s} {'gap':>6s} {'ramp':>6s} " + " ".join(f"{p:>13s}" for p in PHASES))
         for i, (name, *_rest) in enumerate(calls):
             span, gap, ramp, ph = [], [], [], []
