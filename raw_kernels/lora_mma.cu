@@ -1041,10 +1041,9 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
 // lora_one (one.cuh): the delta of the capture bucket of one position (M = 1), or of a step's chunks
 // of at most M positions of one slot (a cluster an item), in clusters of 8 blocks, the partial sums
 // of v met in distributed shared memory; every type, rank widths 16, 64 and 128. At one position no
-// dynamic shared memory; in chunks part, v, the chunk's x and slot_indptr in it, and `cpb` the
-// most shares of its columns a chunk takes (one_shares). No workspace, no counters. sm_90 only:
-// below it the body traps (the plan never launches it there) and the cluster attribute is left out
-// so the source still builds.
+// dynamic shared memory; in chunks part, v, the chunk's x and slot_indptr in it. No workspace, no
+// counters. sm_90 only: below it the body traps (the plan
+// never launches it there) and the cluster attribute is left out so the source still builds.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define LORA_ONE_CLUSTER __cluster_dims__(lora::ONE_CLUSTER, 1, 1)
 #else
@@ -1097,7 +1096,7 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one
     int* s_indptr = reinterpret_cast<int*>(dsmem + 8 * vf + xbytes);
     lora::count_chunks<M>(cs, s_indptr, slot_indptr, num_slots, positions);
     const int clusters = gridDim.x / lora::ONE_CLUSTER, u = blockIdx.x / lora::ONE_CLUSTER, q = lora::cluster_rank();
-    const int shares = lora::one_shares(clusters, cs.chunks, cpb), items = cs.chunks * shares;
+    const int shares = max(1, clusters / max(cs.chunks, 1)), items = cs.chunks * shares;
     bool waited = !early;
     for (int it = u; it < items; it += clusters) {  // the same items in every block of the cluster
       const bool live = lora::one_chunk_setup<T, M>(g, s_indptr, cs, st, it / shares);

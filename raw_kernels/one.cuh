@@ -544,31 +544,16 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
 // cluster's item is (chunk, share): its 8 blocks sum their eighths of `in` for every row of the chunk
 // (x[t_i, K_b] . A[s, j, r, K_b] for each of the chunk's m positions i), meet in distributed shared
 // memory, and block b writes the share's columns. Where a step has fewer chunks than the grid has
-// clusters, each chunk takes up to clusters / chunks shares of the columns (each cluster sums the
-// chunk's v again, from L2), at most the plan's `cpb` (about one a 8192 columns: more shares read
-// A again for little, the other clusters then idle and leave) unless fewer than ONE_MIN_CLUSTERS
-// clusters would work (one_shares). The 16-bit types run both halves on tensor cores with the
-// chunk's 8 positions as the MMA's 8 columns (one_chunk_mma_shrink, one_chunk_mma_expand: no tile
-// holding 1-8 of 16 rows, as lora_chunk's do); fp32 on CUDA cores (one_chunk_fma_shrink,
-// one_chunk_fma_expand: x staged in shared memory, a thread a column). No ticket, no ready counts
-// and no v in global memory.
+// clusters, each chunk takes clusters / chunks shares of the columns (each cluster sums the chunk's v
+// again, from L2). The 16-bit types run both halves on tensor cores with the chunk's 8 positions as
+// the MMA's 8 columns (one_chunk_mma_shrink, one_chunk_mma_expand: no tile holding 1-8 of 16 rows,
+// as lora_chunk's do); fp32 on CUDA cores (one_chunk_fma_shrink, one_chunk_fma_expand: x staged in
+// shared memory, a thread a column). No ticket, no ready counts and no v in global memory.
 constexpr int ONE_M = 8;  // positions a chunk (ONE_ROWS * ONE_M = 32: one lane a (row, position))
 // Whether a launch in chunks lets the next grid start at once (PDL) rather than as its blocks exit:
 // on an H200 the layer of 64 positions over 32 adapters took 89.7 us warm with it and 99.1 without
 // (NOTES.md, "lora_one in chunks on tensor cores").
 constexpr bool ONE_CHUNK_RELEASE = true;
-// The clusters at work at least, where the step has chunks to give them (one_shares). On an H200 the
-// decode layer of 64 positions over 8 adapters (8 chunks) ran q/k/v, o and down faster alone with one
-// cluster a chunk (8 at work) than with 2 or 4 (their shrink reads each slot's A once, not 4 times:
-// 3.6 against 4.8 us traced for q/k/v) and gate_up (28672 columns) faster with 4 (NOTES.md, "Fewer
-// shares of a chunk's columns").
-constexpr int ONE_MIN_CLUSTERS = 8;
-// The shares of its columns each of a step's `chunks` chunks takes, as many as `clusters` give every
-// chunk, at most `most` (the plan's), but at least enough for ONE_MIN_CLUSTERS clusters at work.
-__device__ __forceinline__ int one_shares(int clusters, int chunks, int most) {
-  const int c = max(chunks, 1);
-  return max(1, min(clusters / c, max(most, ONE_MIN_CLUSTERS / c)));
-}
 
 template <int M>
 struct OneChunk {

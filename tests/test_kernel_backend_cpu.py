@@ -487,15 +487,6 @@ def test_one_cuh_constants_match_the_planner():
     text = (kernels.kernel_dir() / "one.cuh").read_text()
     assert re.search(r"constexpr int ONE_CLUSTER = (\d+);", text).group(1) == str(kernels.ONE_CLUSTER)
     assert re.search(r"constexpr int ONE_SLICES = (\d+);", text).group(1) == str(cb.MAX_SLICES)
-    assert re.search(r"constexpr int ONE_MIN_CLUSTERS = (\d+);", text).group(1) == str(cb.ONE_MIN_CLUSTERS)
-
-
-def test_one_chunks_take_a_share_of_their_columns_for_each_8192():
-    """In chunks lora_one's ``cpb`` caps the shares of its columns (a cluster each) one chunk
-    takes: one for every ONE_SHARE_COLS columns, so narrow targets read each slot's A once."""
-    for out, most in ((4096, 1), (6144, 1), (8192, 1), (8193, 2), (14336, 2), (28672, 4)):
-        p = cb.plan_launch(64, 4096, out, 1, 16, "bfloat16", num_slots=33)
-        assert (p.expand, p.bm, p.splits, p.cpb) == ("one", cb.ONE_M, cb.ONE_CLUSTER, most), out
 
 
 def test_chunk_cluster_constant_matches_the_planner():

@@ -200,8 +200,7 @@ class LaunchPlan:
     #: tile and split reads x once for every slice
     packed: bool = False
     #: the grid of a launch whose blocks take their work by ticket (``lora_chunk``: one wave), or of
-    #: ``lora_one`` (clusters of ``ONE_CLUSTER`` blocks; in chunks ``cpb`` is the most shares of
-    #: its columns, a cluster each, one chunk takes: ``one_chunk_shares``)
+    #: ``lora_one`` (clusters of ``ONE_CLUSTER`` blocks)
     blocks: int = 0
     #: ``lora_chunk`` over several slices with columns (its ``SLICED`` instantiation); else one
     sliced: bool = False
@@ -393,17 +392,6 @@ def default_one(bucket: int, clusters: bool, share: int, dtype: str, max_rank: i
 #: device's count is known).
 ONE_CHUNK_TO = 256
 ONE_CHUNK_CLUSTERS = 32
-#: In chunks the plan's ``cpb`` is the most shares of its columns a chunk takes (one.cuh,
-#: one_shares: each share's cluster reads the chunk's A again): one a ``ONE_SHARE_COLS`` columns, so
-#: that a narrow target's chunks each take one cluster and a wide one's (gate_up, 28672) up to 4;
-#: the kernel still gives them more where fewer than ``ONE_MIN_CLUSTERS`` clusters would work.
-ONE_SHARE_COLS = 8192
-ONE_MIN_CLUSTERS = 8
-
-
-def one_chunk_shares(out_features: int) -> int:
-    """The most shares of its columns a chunk of ``lora_one`` takes (the plan's ``cpb``)."""
-    return max(1, _ceil(out_features, ONE_SHARE_COLS))
 
 
 def one_fits(bucket: int, max_rank: int) -> str | None:
@@ -599,8 +587,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
             clus = min(ONE_CHUNK_CLUSTERS, max_clusters or ONE_CHUNK_CLUSTERS)
             return LaunchPlan(bucket=bucket, bm=ONE_M, bn=_ceil(out_features, ONE_CLUSTER), splits=ONE_CLUSTER,
                               k_split=one_pieces(in_features, dtype) * (16 // _ITEMSIZE[dtype]), fused=False,
-                              tiles=1, rank_blocks=1, col_blocks=clus * ONE_CLUSTER, cpb=one_chunk_shares(out_features),
-                              n_slices=n_slices, expand="one", blocks=clus * ONE_CLUSTER)
+                              tiles=1, rank_blocks=1, col_blocks=clus * ONE_CLUSTER, cpb=1, n_slices=n_slices,
+                              expand="one", blocks=clus * ONE_CLUSTER)
         clus = one_clusters(out_features)
         return LaunchPlan(bucket=bucket, bm=1, bn=_ceil(out_features, clus * ONE_CLUSTER), splits=ONE_CLUSTER,
                           k_split=one_pieces(in_features, dtype) * (16 // _ITEMSIZE[dtype]), fused=False, tiles=1,

@@ -493,9 +493,7 @@ def _plan_label(plan) -> str:
     """A launch plan in a few characters: tile, fused, chunks, splits and (unfused) the expand."""
     label = f"{plan.bm}{'f' if plan.fused else ''}{'c' if plan.chunks else ''}/s{plan.splits}"
     if plan.expand == "one":  # clusters of ONE_CLUSTER blocks
-        from ..backends.cupy import ONE_CLUSTER
-
-        return label + f" one x{plan.blocks // ONE_CLUSTER}"
+        return label + f" one x{plan.blocks // plan.splits}"
     if plan.cluster:  # lora_chunk_cl: clusters of CHUNK_CLUSTER blocks, at most `splits` a chunk
         from ..backends.cupy import CHUNK_CLUSTER
 

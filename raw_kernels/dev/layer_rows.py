@@ -4,7 +4,6 @@ ab_bench.sh does; ``python -m`` and ``PYTHONPATH=.`` import the tree of the work
 
     (cd before && PYTHONPATH=. python ../raw_kernels/dev/layer_rows.py --tag before)
     PYTHONPATH=. python raw_kernels/dev/layer_rows.py --tag after --layer 1x1 --core "T1 "
-    PYTHONPATH=. python raw_kernels/dev/layer_rows.py --tag uncapped --share-cols 1 --layer 64x8
 
 Each line: the tag, the row, warm and flushed us (the bench's Timer: graphs of 20 calls, diff
 method; the layer's four calls also each alone warm), and the oracle check.
@@ -29,12 +28,7 @@ def main() -> None:
     ap.add_argument("--core", default="T1 ", help="the core and shapes rows (bf16) whose label contains this (empty: none)")
     ap.add_argument("--max-t", type=int, default=None, help="only the core rows of at most this many positions")
     ap.add_argument("--expand", default=None, help="the core rows also with this expand kernel forced (e.g. one)")
-    ap.add_argument("--share-cols", type=int, default=None,
-                    help="cb.ONE_SHARE_COLS for this run (1: every chunk of lora_one takes all the shares the grid gives)")
     args = ap.parse_args()
-    if args.share_cols is not None:
-        cb.ONE_SHARE_COLS = args.share_cols
-        cb.plan_launch.cache_clear()  # plans are memoized: the new value applies from here
     warm, flushed = Timer(args.replays, "diff", "none"), Timer(args.replays, "diff", "write")
     for spec in filter(None, args.layer.split(",")):
         T, adapters = (int(v) for v in spec.split("x"))

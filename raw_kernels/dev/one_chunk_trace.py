@@ -60,7 +60,7 @@ __global__ void __cluster_dims__(lora::ONE_CLUSTER, 1, 1) __launch_bounds__(128,
   lora::count_chunks<M>(cs, s_indptr, slot_indptr, num_slots, positions);
   const unsigned long long t2 = one_now();
   const int clusters = gridDim.x / lora::ONE_CLUSTER, u = blockIdx.x / lora::ONE_CLUSTER, q = lora::cluster_rank();
-  const int shares = lora::one_shares(clusters, cs.chunks, cpb), items = cs.chunks * shares;
+  const int shares = max(1, clusters / max(cs.chunks, 1)), items = cs.chunks * shares;
   bool waited = !early;
   unsigned long long ts[STAMPS] = {t0, t1, t2};
   bool first = true;

@@ -346,7 +346,7 @@ template <typename T, int RW, bool AL> static int run_one_chunks_rw(int blocks) 
   g_one_item = 1 << 30;  // count the chunks only
   emu::run_block(one_chunk_shrink<T, RW, AL>, 0);
   const int clusters = blocks / CL;
-  g_one_shares = lora::one_shares(clusters, g_one_chunks, L.cpb);
+  g_one_shares = std::max(1, clusters / std::max(g_one_chunks, 1));
   for (g_one_item = 0; g_one_item < g_one_chunks * g_one_shares; ++g_one_item) {
     g_one_parts.assign(CL * lora::ONE_M * L.n_slices * RW, NAN);
     for (int q = 0; q < CL; ++q) emu::run_block(one_chunk_shrink<T, RW, AL>, q);

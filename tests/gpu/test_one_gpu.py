@@ -146,25 +146,6 @@ def test_one_in_chunks_matches_oracle(make_case, check, name, dtype):
     check(case2, run_cupy(be, case2), dtype)
 
 
-@pytest.mark.parametrize("share_cols", [1, 64, 300, 8192])
-def test_one_in_chunks_under_any_cap_on_a_chunks_shares(make_case, check, share_cols, monkeypatch):
-    """Every cap on the shares of its columns one chunk takes (the plan's cpb: one a ONE_SHARE_COLS
-    columns, from all the grid gives down to one) writes every column of every chunk once, on steps
-    of few chunks (the ONE_MIN_CLUSTERS floor) and of many, over two slices."""
-    monkeypatch.setattr(cb, "ONE_SHARE_COLS", share_cols)
-    cb.plan_launch.cache_clear()  # plans are memoized
-    try:
-        for T, mix in ((3, "identical"), (20, "distinct"), (64, "zipf"), (64, "identical")):
-            case = make_case(T=T, in_f=264, slices=(600, 136), max_rank=16, ranks=(5, 16), dtype="bfloat16", mix=mix,
-                             num_slots=17, active=12)
-            be = backend_for(case.spec, **ONE)
-            plan = be.plan(case.token_order.shape[0], dev_weights(case.w), "bfloat16")
-            assert (plan.expand, plan.cpb) == ("one", max(1, -(-736 // share_cols))), (T, mix)
-            check(case, run_cupy(be, case), "bfloat16")
-    finally:
-        cb.plan_launch.cache_clear()
-
-
 def test_one_in_chunks_serves_each_member_of_a_fused_target(make_case, check):
     case = make_case(T=30, in_f=328, slices=(200, 56, 24), max_rank=48, ranks=(1, 5, 13, 40, 48), dtype="float16",
                      mix="zipf", num_slots=17, active=9)
