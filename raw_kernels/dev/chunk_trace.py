@@ -149,7 +149,8 @@ def main() -> None:
                     key = name_of(cb.rank_width(call.dims[2]), call.plan.bm, call.plan.sliced)
                     if key not in fns:
                         fns[key] = module([key]).get_function(key)
-                        fns[key].max_dynamic_shared_size_bytes = k.smem
+                    # this launch's shared memory (a later row of the same instantiation may take more)
+                    fns[key].max_dynamic_shared_size_bytes = max(fns[key].max_dynamic_shared_size_bytes, k.smem)
                     k = dataclasses.replace(k, fn=fns[key], fn_aligned=fns[key],
                                             args=(*k.args, np.uint64(stamps.data.ptr)))
                 out_.append(k)
