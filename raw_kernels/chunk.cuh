@@ -42,15 +42,18 @@
 //   3. the last part of the chunk to finish reading v zeroes it (each slice's ranks rounded up to
 //      16) and resets the chunk's counts; the last block to finish resets the ticket.
 // Grid (1-D, 128 threads): one wave of blocks (the plan's, a function of the capture bucket and
-// the slot count only: graph-safe; as many as its shared memory leaves resident), each taking
-// items (chunk, part) by ticket, chunk-major, until the step's are gone. A part waits only for
-// the other parts of its chunk, and every chunk but the last one handed out has all its parts
-// handed out, so at most P - 1 blocks wait on items not yet taken while the others run on and
-// take them (P is at most `splits`, far below the grid). Where the step has fewer items than the
-// grid has blocks (a small step in a large bucket), blocks past the items leave after counting
-// the chunks, with no ticket and no done count: each item's block is then one of the first. The
-// first min(splits, grid / 2) blocks (no step with a position has fewer items) take their first
-// ticket as they start, beside the count (chunk_task).
+// the slot count only: graph-safe; as many as its shared memory leaves resident). Where the grid
+// holds the step's items (chunk, part), block b takes item (b % chunks) * parts + b / chunks and
+// no other (neighbouring blocks take the same part, so the same share of A and B, of different
+// chunks), and the blocks past the items leave after counting the chunks, with no done count.
+// Where it does not (a step of more chunks than one wave takes), block b takes item b first, then
+// items past the grid by ticket, in order, until the step's are gone. A part waits only for the
+// other parts of its chunk: the first items all run at once, and past the grid every chunk but
+// the last one handed out has all its parts handed out, so at most P - 1 blocks wait on items not
+// yet taken while the others run on and take them (P is at most `splits`, far below the grid).
+// With EARLY_READS the chunks' count and the first item's setup (addressing, ranks, scalings,
+// offsets) run before the wait for the grid before (chunk_items); every block lets the next grid
+// start at once.
 // Counters: [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 units) v readers done
 // (units as Args::units(16) with chunked set: the most chunks of 16 a step can have, so taller
 // chunks use the first of them). ws: v [bucket, n, rw] f32, zero before and after.
@@ -614,50 +617,50 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 // most this: with the stages and the slot table it must leave 4 blocks a multiprocessor.
 constexpr int CHUNK_STATIC_SMEM = 768;
 
-// A block's items (chunk, part) of a step cut into chunks of BM_ positions, by ticket: `parts`
-// each, `items` in all (what the step has for this grid). `taken`: the block's first ticket is
-// already in `ticket`.
+// A block's items (chunk, part) of a step cut into chunks of BM_ positions, `parts` each, `items` in
+// all (what the step has for this grid). Where the grid holds them all, block b takes item
+// (b % chunks) * parts + b / chunks and no other: part b / chunks of chunk b % chunks, so the
+// blocks next to each other take the same part (the same share of A and B) of different chunks.
+// Otherwise (a step of more chunks than the grid takes at once) block b takes item b first and
+// the rest go by ticket. `early` (EARLY_READS): the first item's setup reads only the addressing,
+// ranks, scalings and offsets, so it runs before the wait for the grid before; x, A, B, y, v and
+// the counts after.
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
-                            ChunkWork& cw, int parts, int items, int& ticket, bool taken) {
-  // a block takes another ticket only where the items outnumber the grid (a step of more chunks
-  // than blocks); otherwise its first ticket was its only item, and a second would only add a
-  // round trip to the end of every block
-  for (bool first = true; first || items > (int)gridDim.x; first = false) {
-    if (!(first && taken)) {
-      if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
-      __syncthreads();
-    }
-    const int it = ticket;
-    __syncthreads();  // every thread has read the ticket before the next is taken
-    if (it >= items) break;
+                            ChunkWork& cw, int parts, int items, bool early) {
+  __shared__ int ticket;
+  const int grid = gridDim.x;
+  const int b = blockIdx.x, chunks = items / parts;
+  for (int it = items <= grid ? (b % chunks) * parts + b / chunks : b; it < items;) {
     const int c = it / parts, q = it % parts;
     chunk_setup<T, RW, BM_, SLICED>(g, s_indptr, tr, cs, cw, c);
+    if (early) {
+      wait_prior_grid();
+      early = false;
+    }
     chunk_shrink<T, RW, BM_, ALIGNED, SLICED>(g, dsmem, tr, cw, c, q, parts);
     chunk_expand<T, RW, BM_, ALIGNED, SLICED>(g, dsmem, tr, cw, c, q, parts);
+    if (items <= grid) break;  // no item past the grid: no ticket, no round trip at every block's end
+    if (threadIdx.x == 0) ticket = grid + atomicAdd(g.counters, 1);
+    __syncthreads();
+    it = ticket;
+    __syncthreads();  // every thread has read the ticket before the next is taken
   }
 }
 
-// One block of lora_chunk: the step's chunks of BM positions, its items by ticket. A step with a
-// position has at least min(splits, grid / 2) items (chunk_parts), so the blocks below that
-// take their first ticket as they start, its round trip beside the count of the chunks'; the
-// blocks that take tickets at all are the first min(grid, max(items, those)), and the others
-// leave once the chunks are counted (a small step's items then meet no more atomics than it has
-// items). The last taker to finish resets the ticket and done counts.
+// One block of lora_chunk: the step's chunks of BM positions, counted (and with `early` the first
+// item set up) before the wait for the grid before; the blocks past the step's items leave once
+// the chunks are counted (a small step's items then meet no atomics but their done counts). The
+// last taker to finish resets the ticket and done counts.
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
 __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
-                           ChunkWork& cw) {
-  __shared__ int ticket;
-  const int grid = gridDim.x, early = min(g.splits, grid / 2);
-  const bool taken = (int)blockIdx.x < early;
-  // the last warp takes it: it stages slot_indptr only for pools of 127 slots or more, so warp 0's
-  // loads go out beside the atomic (the barrier in count_chunks waits for both)
-  if (threadIdx.x == THREADS - 1 && taken) ticket = atomicAdd(g.counters, 1);
+                           ChunkWork& cw, bool early) {
+  const int grid = gridDim.x;
   count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
   const int parts = chunk_parts(g, cs.chunks, grid), items = cs.chunks * parts;
-  const int takers = min(grid, max(items, early));
+  const int takers = min(grid, items);
   if ((int)blockIdx.x >= takers) return;  // cs.chunks is the block's after count_chunks: uniform
-  chunk_items<T, RW, BM, ALIGNED, SLICED>(g, dsmem, s_indptr, tr, cs, cw, parts, items, ticket, taken);
+  chunk_items<T, RW, BM, ALIGNED, SLICED>(g, dsmem, s_indptr, tr, cs, cw, parts, items, early);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

@@ -88,17 +88,17 @@ __device__ __forceinline__ void release_next_grid() {
 
 // Access flag (Args::flags): the caller's word that the kernel queued just before this launch
 // writes neither the step's addressing nor the pool's weights, scalings, ranks and offsets, so a
-// kernel may read them before wait_prior_grid (lora_one at one position does; the backend sets it
+// kernel may read them before wait_prior_grid (lora_one and lora_chunk do; the backend sets it
 // where its owner says so: CupyBackend(early_reads=True)).
 constexpr int EARLY_READS = 8;
 
 // How every kernel of a packed launch starts (the backend launches them with PDL where the device
 // has it): wait for the grid before it (later where `early`: the kernel then waits itself after
 // reading only what EARLY_READS allows), then, where RELEASE, let the next grid start at once.
-// RELEASE where it was measured to pay (NOTES.md "Programmatic dependent launch of every kernel"):
-// lora_one at one position, lora_chunk in chunks of 32 or 64 and the tile kernels. Not lora_chunk
-// at the decode buckets and lora_chunk_cl: there the next grid started early cost 0.2-1 us a call
-// on an H200, and it starts as their blocks exit.
+// RELEASE where it was measured to pay (NOTES.md "Programmatic dependent launch of every kernel",
+// "Early reads in lora_chunk"): lora_one, lora_chunk and the tile kernels. Not lora_chunk_cl:
+// there the next grid started early cost 0.2-1 us a call on an H200 (before early reads), and it
+// starts as its blocks exit.
 template <bool RELEASE>
 __device__ __forceinline__ void enter_grid(bool early = false) {
   if (!early) wait_prior_grid();

@@ -1031,11 +1031,13 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   __shared__ lora::ChunkScan cs;
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;
-  lora::enter_grid<BM >= 32>();
+  // EARLY_READS: the chunks' count and the first item's setup before the wait (chunk_items)
+  const bool early = flags & lora::EARLY_READS;
+  lora::enter_grid<true>(early);
   g.chunked = 1;
   constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS;  // stages, the shrink's sums
   lora::require_smem(SMEM + 4 * (num_slots + 1));
-  lora::chunk_task<T, RW, BM, ALIGNED, SLICED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw);
+  lora::chunk_task<T, RW, BM, ALIGNED, SLICED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw, early);
 }
 
 // lora_one (one.cuh): the delta of the capture bucket of one position (M = 1), or of a step's chunks

@@ -669,7 +669,8 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_NARROW_BM`` positions of one slot a step
     can have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
     (``blocks``) one wave of ``chunk_blocks_per_sm`` blocks a multiprocessor (fewer where the
-    bucket's chunks and parts cannot fill it), whose blocks take (chunk, part) items by ticket.
+    bucket's chunks and parts cannot fill it), whose blocks take (chunk, part) items by block
+    (by ticket past one wave).
     The kernel cuts each of the step's chunks into as many parts (a share of ``in`` and of the
     column blocks) as fill the grid, at most ``splits``: ``CHUNK_MAX_PARTS``, or the stages of
     ``in`` or column blocks there are if fewer; at the decode buckets and rank width 16 the column

@@ -26,8 +26,8 @@ B's rows of that slice read as a view (the kernels' ``b_slot``); ``--halves`` ru
 target's shrink once and then each slice's expand alone so, as a prefill's q/k/v members run.
 ``--expand chunk`` runs ``lora_chunk`` (chunk.cuh; 16-bit cases of one slice, or each member with
 ``--members``): where the step's chunks take one part each (``--sms 1``: a grid of 4 blocks) the
-kernel's own block body (tickets, the loop over items, the done count), else each item as a block
-of its own, every shrink part before any expand part (a part waits for its chunk's others). At the
+kernel's own block body (items by block, tickets past the grid, the done count), else each item as
+a block of its own, every shrink part before any expand part (a part waits for its chunk's others). At the
 decode buckets (chunks of 16) the plan takes ``lora_chunk_cl``, lora_chunk in clusters, for one
 slice at rank width 16 (``--cluster always``: wherever it serves): each item's cluster runs its
 blocks' shrinks into parts of their own (NaN before each item), then each block its sum of them and

@@ -151,7 +151,7 @@ template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_block(
   if (g_chunk_phase == 0) lora::chunk_shrink<T, RW, BM, AL, SL>(g, dsm.data(), tr, cw, c, q, parts);
   else lora::chunk_expand<T, RW, BM, AL, SL>(g, dsm.data(), tr, cw, c, q, parts);
 }
-// The kernel's own block body (chunk_task: tickets, the loop over items, the done count), for a
+// The kernel's own block body (chunk_task: the first item by block, tickets past the grid, the done count), for a
 // step whose chunks are cut into one part each: no part then waits on another block.
 static int g_step_chunks = 0;
 template <typename T, int RW, int BM> static void chunk_count_block(int) {
@@ -167,7 +167,8 @@ template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_task_b
   static lora::ChunkWork cw;
   auto g = args<T>();
   lora::chunk_task<T, RW, BM, AL, SL>(g, dsm.data(),
-                                      reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS), tr, cs, cw);
+                                      reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS), tr, cs, cw,
+                                      true);  // early: the order the backend's calls take (the wait is a no-op here)
 }
 template <typename T, int RW, int BM, bool AL, bool SL> static int run_chunk_rw(int blocks) {
   emu::run_block(chunk_count_block<T, RW, BM>, 0);
