@@ -43,9 +43,8 @@
 //      16) and resets the chunk's counts; the last block to finish resets the ticket.
 // Grid (1-D, 128 threads): one wave of blocks (the plan's, a function of the capture bucket and
 // the slot count only: graph-safe; as many as its shared memory leaves resident). Where the grid
-// holds the step's items (chunk, part), block b takes one (item b, chunk-major; in chunks of 64
-// chunk-minor, chunk_items), and the blocks past the items leave after counting the chunks, with
-// no done count.
+// holds the step's items (chunk, part), block b takes item b (chunk-major) and no other, and the
+// blocks past the items leave after counting the chunks, with no done count.
 // Where it does not (a step of more chunks than one wave takes), block b takes item b first, then
 // items past the grid by ticket, in order, until the step's are gone. A part waits only for the
 // other parts of its chunk: the first items all run at once, and past the grid every chunk but
@@ -618,21 +617,21 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 constexpr int CHUNK_STATIC_SMEM = 768;
 
 // A block's items (chunk, part) of a step cut into chunks of BM_ positions, `parts` each, `items` in
-// all (what the step has for this grid). Where the grid holds them all, block b takes one item:
-// item b (part b % parts of chunk b / parts), or in chunks of 64 item (b % chunks) * parts + b /
-// chunks (part b / chunks of chunk b % chunks: the blocks next to each other take the same part,
-// the same share of A and B, of different chunks; measured faster there, slower in chunks of 32,
-// no different in 16: NOTES.md "Early reads in lora_chunk"). Otherwise (a step of more chunks
-// than the grid takes at once) block b takes item b first and the rest go by ticket. `early`
-// (EARLY_READS): the first item's setup reads only the addressing, ranks, scalings and offsets, so
-// it runs before the wait for the grid before; x, A, B, y, v and the counts after.
+// all (what the step has for this grid): block b takes item b (part b % parts of chunk b / parts)
+// first, and where the items outnumber the grid (a step of more chunks than one wave takes) the
+// rest by ticket. Chunk-major, so a chunk's parts are neighbouring blocks: blocks start in about
+// the order of their index, and a chunk whose blocks all run completes even where the grid is not
+// all resident (a smaller device than the plan assumed, or another stream's kernels beside it);
+// the chunk-minor order measured faster in chunks of 64 spreads every chunk over the whole grid
+// and could then wait for ever (NOTES.md "Early reads in lora_chunk"). `early` (EARLY_READS): the
+// first item's setup reads only the addressing, ranks, scalings and offsets, so it runs before
+// the wait for the grid before; x, A, B, y, v and the counts after.
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
                             ChunkWork& cw, int parts, int items, bool early) {
   __shared__ int ticket;
   const int grid = gridDim.x;
-  const int b = blockIdx.x, chunks = items / parts;
-  for (int it = BM_ == 64 && items <= grid ? (b % chunks) * parts + b / chunks : b; it < items;) {
+  for (int it = blockIdx.x; it < items;) {
     const int c = it / parts, q = it % parts;
     chunk_setup<T, RW, BM_, SLICED>(g, s_indptr, tr, cs, cw, c);
     if (early) {
