@@ -1,14 +1,14 @@
 """Where a lora_chunk call's parts spend their time, phase by phase (dev tool, not shipped).
 
-A bench core row (`--rows`, labels as the bench prints them) with its default plan, lora_chunk by
-ticket, launched as a traced copy (`lora_chunk_trace`, built here in a dev module of its own:
+A bench core row (`--rows`, labels as the bench prints them) with its default plan, lora_chunk (not
+in clusters), launched as a traced copy (`lora_chunk_trace`, built here in a dev module of its own:
 lora_mma.cu plus a copy of `chunk_task` / `chunk_items` with `%globaltimer` stamps written by each
 block's thread 0 into an extra argument). The call is captured in one CUDA graph and replayed;
 after each replay the stamps are read back. Printed per row, medians over the replays:
 
 - span: the first block's entry to the last block's exit;
 - for the blocks that took an item, each phase's median and largest duration over the blocks, for
-  the block's first item: count (slot_indptr staged, the chunks counted, the first ticket), setup
+  the block's first item (item blockIdx.x): count (slot_indptr staged, the chunks counted), setup
   (the chunk's rows, ranks and passes), shrink (its stages, the adds into v, the fence and the ready
   count), wait (for the chunk's other parts: a spin on the ready count added here, before the
   expand, which then finds the count complete), expand (its column blocks and the release of v),
@@ -47,30 +47,27 @@ __global__ void __launch_bounds__(128, 4) lora_chunk_trace(LORA_PARAMS, unsigned
   __shared__ int ticket;
   unsigned long long ts[STAMPS] = {chunk_now()};
   LORA_ARGS;
-  lora::enter_grid<BM >= 32>();
+  bool early = flags & lora::EARLY_READS;
+  lora::enter_grid<true>(early);
   g.chunked = 1;
   constexpr int SMEM = lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS;
   int* s_indptr = reinterpret_cast<int*>(dsmem + SMEM);
   // chunk_task
-  const int grid = gridDim.x, early = min(g.splits, grid / 2);
-  const bool taken = (int)blockIdx.x < early;
-  if (threadIdx.x == lora::THREADS - 1 && taken) ticket = atomicAdd(g.counters, 1);
+  const int grid = gridDim.x;
   lora::count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
   ts[1] = chunk_now();
   const int parts = lora::chunk_parts(g, cs.chunks, grid), items = cs.chunks * parts;
-  const int takers = min(grid, max(items, early));
+  const int takers = min(grid, items);
   if ((int)blockIdx.x < takers) {
     // chunk_items, the first item stamped
-    for (bool first = true; first || items > (int)gridDim.x; first = false) {
-      if (!(first && taken)) {
-        if (threadIdx.x == 0) ticket = atomicAdd(g.counters, 1);
-        __syncthreads();
-      }
-      const int it = ticket;
-      __syncthreads();
-      if (it >= items) break;
+    bool first = true;
+    for (int it = blockIdx.x; it < items; first = false) {
       const int c = it / parts, q = it % parts;
       lora::chunk_setup<T, RW, BM, SLICED>(g, s_indptr, tr, cs, cw, c);
+      if (early) {
+        lora::wait_prior_grid();
+        early = false;
+      }
       if (first) ts[2] = chunk_now();
       lora::chunk_shrink<T, RW, BM, ALIGNED, SLICED>(g, dsmem, tr, cw, c, q, parts);
       if (first) ts[3] = chunk_now();
@@ -82,6 +79,11 @@ __global__ void __launch_bounds__(128, 4) lora_chunk_trace(LORA_PARAMS, unsigned
       if (first) ts[4] = chunk_now();
       lora::chunk_expand<T, RW, BM, ALIGNED, SLICED>(g, dsmem, tr, cw, c, q, parts);
       if (first) ts[5] = chunk_now();
+      if (items <= grid) break;
+      if (threadIdx.x == 0) ticket = grid + atomicAdd(g.counters, 1);
+      __syncthreads();
+      it = ticket;
+      __syncthreads();
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -163,7 +165,7 @@ def main() -> None:
         be.delta(y_tr, d.x, w, d.token_order, d.slot_indptr)
         torch.cuda.synchronize()
         if plan is None or plan.expand != "chunk" or plan.cluster:
-            print(f"{row.label}: its default plan is not lora_chunk by ticket ({plan}); skipped")
+            print(f"{row.label}: its default plan is not lora_chunk outside clusters ({plan}); skipped")
             continue
         r1, r2 = y_ref.double() - d.y0.double(), y_tr.double() - d.y0.double()
         rel = float(torch.linalg.norm(r2 - r1) / torch.linalg.norm(r1))
