@@ -51,8 +51,8 @@
 // the last one handed out has all its parts handed out, so at most P - 1 blocks wait on items not
 // yet taken while the others run on and take them (P is at most `splits`, far below the grid).
 // With EARLY_READS the chunks' count and the first item's setup (addressing, ranks, scalings,
-// offsets) run before the wait for the grid before (chunk_items); every block lets the next grid
-// start at once.
+// offsets) run before the wait for the grid before (chunk_items). With or without it, every block
+// lets the next grid start at once (lora_chunk's enter_grid<true>).
 // Counters: [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 units) v readers done
 // (units as Args::units(16) with chunked set: the most chunks of 16 a step can have, so taller
 // chunks use the first of them). ws: v [bucket, n, rw] f32, zero before and after.
