@@ -19,12 +19,15 @@ class LoraAddressing:
 
     ``token_order[T]`` and ``slot_indptr[num_slots + 1]`` are int32 arrays on the pool's
     device. ``active`` is whether any row addresses a slot other than 0 (host-side, so a
-    layer can return without a launch).
+    layer can return without a launch). ``rank_bound``: the rank class the step's launches are
+    planned for (:class:`~lora_cupy.planning.LaunchViews`; None: the pool's maximum rank), part
+    of what a captured graph of the step depends on.
     """
 
     token_order: Any
     slot_indptr: Any
     active: bool = True
+    rank_bound: int | None = None
 
     @property
     def num_tokens(self) -> int:

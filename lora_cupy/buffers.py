@@ -130,12 +130,17 @@ class SlotBank:
     def __init__(self, spec: LoraSpec, device: Device):
         self.spec, self.device = spec, device
         self.targets = {t.name: SlotWeights(spec, t, device) for t in spec.targets}
+        #: ``[slots]`` each slot's largest rank over every target, layer and slice (host): what a
+        #: step's planner reads for the rank its launches need (StepPlanner.rank_bound)
+        self.slot_ranks = np.zeros(spec.num_slots, np.int32)
 
     def install(self, slot: int, image: AdapterWeights) -> None:
         """Queue ``image`` into ``slot`` for every target (zeros where it has nothing), keeping
         the image alive until the copies have run."""
         for name, w in self.targets.items():
             w.install(slot, image.targets.get(name))
+        self.slot_ranks[slot] = max((int(w.host_ranks[:, slot].max(initial=0)) for w in self.targets.values()),
+                                    default=0)
         self.device.keep_alive(image)
 
     def layer(self, target: str, layer_idx: int) -> LayerWeights:

@@ -10,6 +10,14 @@ Parities and fences. plan(N+1) must not overwrite the host buffer that step N's 
 reads (seed 000, ``force_double_buffer``): each parity keeps the event after its last copy, and
 staging into a parity first waits for it. Alternating parities (double-buffering) makes that
 wait free, and lets a pre-planned step N+1 fill buffers step N's graph is not reading.
+
+Rank classes (the README's invariant 12). A pool's layout holds every slot at its maximum rank,
+but a step whose slots all have smaller ranks need not pay for it: the planner reads each slot's
+largest rank from the host copy the slot weights keep (``SlotBank.slot_ranks``, written with the
+weights at install), takes the class holding the step's largest (16 or 64 below the maximum:
+:func:`~lora_cupy.backends.cupy.planned_rank`), and hands the layers launch views of that class
+(one object per bucket, parity and class, over the same buffers), so each layer packs a launch per
+class and the runner's graph key tells the classes apart.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .addressing import LoraAddressing
+from .backends.cupy import planned_rank
 from .device import Device
 from .engine.resource import StepRows
 from .spec import LoraSpec
@@ -34,14 +43,20 @@ class LaunchViews:
     """What a layer's kernels read for one capture bucket and parity: ``token_order[bucket]`` over
     the whole bucket (positions past ``slot_indptr[-1]`` address nothing) and ``slot_indptr[S+1]``.
 
-    One object per buffer, the same step after step, hashed by identity: a backend keys the
-    launch it prepared for a layer by it. Iterates as ``(token_order, slot_indptr)``.
+    One object per buffer (and rank bound), the same step after step, hashed by identity: a
+    backend keys the launch it prepared for a layer by it. Iterates as ``(token_order, slot_indptr)``.
+
+    ``rank_bound``: no slot with positions in the step has a rank above it (None: no promise),
+    so a layer's whole delta is planned for that rank, not the pool's maximum
+    (:func:`~lora_cupy.backends.cupy.planned_rank`); the planner hands out one object per bound
+    it uses, over the same buffers.
     """
 
     bucket: int
     parity: int
     token_order: Any
     slot_indptr: Any
+    rank_bound: int | None = None
 
     def __iter__(self):
         return iter((self.token_order, self.slot_indptr))
@@ -125,16 +140,30 @@ class AddressingBuffers:
         self.host = [device.host_zeros(width, np.int32) for _ in range(2)]
         self.dev = {(b, p): device.zeros(b + self.S + 1, np.int32) for b in self.buckets for p in range(2)}
         self.launch = {(b, p): LaunchViews(b, p, d[:b], d[b:b + self.S + 1]) for (b, p), d in self.dev.items()}
+        self._bounded: dict[tuple[int, int, int], LaunchViews] = {}  # (bucket, parity, rank bound) -> views
         self._arange = np.arange(self.buckets[-1], dtype=np.int32)
         self._slot_ids = np.arange(self.S + 1, dtype=slot_dtype(self.S))
-        self._views: dict[tuple, LoraAddressing] = {}  # (bucket, parity, rows, active) -> views
+        self._views: dict[tuple, LoraAddressing] = {}  # (bucket, parity, rows, active, rank bound) -> views
 
-    def stage(self, rows: StepRows, slots: np.ndarray, parity: int) -> tuple[LoraAddressing, LaunchViews, tuple]:
+    def views(self, bucket: int, parity: int, rank_bound: int | None = None) -> LaunchViews:
+        """The launch views of a bucket and parity under ``rank_bound`` (None: the plain ones):
+        one object per bound, over the same buffers."""
+        if rank_bound is None:
+            return self.launch[(bucket, parity)]
+        key = (bucket, parity, rank_bound)
+        v = self._bounded.get(key)
+        if v is None:
+            base = self.launch[(bucket, parity)]
+            v = self._bounded[key] = LaunchViews(bucket, parity, base.token_order, base.slot_indptr, rank_bound)
+        return v
+
+    def stage(self, rows: StepRows, slots: np.ndarray, parity: int,
+              rank_bound: int | None = None) -> tuple[LoraAddressing, LaunchViews, tuple]:
         """Group ``rows`` (row i on ``slots[i]``) by slot into host buffer ``parity``.
 
-        Returns the step's addressing (views sized to its rows), the bucket's launch views, and
-        the ``(device, host)`` copy the caller queues. Vectorized; only small temporaries are
-        allocated, and the views are cached."""
+        Returns the step's addressing (views sized to its rows), the bucket's launch views (those
+        of ``rank_bound``: see :class:`LaunchViews`), and the ``(device, host)`` copy the caller
+        queues. Vectorized; only small temporaries are allocated, and the views are cached."""
         per, starts, total = rows.grouped(self.grouping)
         k = bisect.bisect_left(self.buckets, max(total, 1))
         if k == len(self.buckets):
@@ -155,12 +184,13 @@ class AddressingBuffers:
             np.add(self._arange[:total], np.repeat(starts[order] - cum[:-1], sp), out=h[:total],
                    casting="unsafe")
             indptr[...] = cum[row_ptr]
-        launch = self.launch[(bucket, parity)]
+        launch = self.views(bucket, parity, rank_bound)
         active = bool(row_ptr[1] != len(per))  # some row is past slot 0
-        key = (bucket, parity, total, active)
+        key = (bucket, parity, total, active, rank_bound)
         addr = self._views.get(key)
         if addr is None:
-            addr = self._views[key] = LoraAddressing(launch.token_order[:total], launch.slot_indptr, active=active)
+            addr = self._views[key] = LoraAddressing(launch.token_order[:total], launch.slot_indptr, active=active,
+                                                     rank_bound=rank_bound)
         return addr, launch, (self.dev[(bucket, parity)], h[:bucket + S + 1])
 
 
@@ -174,6 +204,7 @@ class StepPlanner:
 
     def __init__(self, spec: LoraSpec, device: Device, double_buffer: bool):
         self.device = device
+        self.max_rank = spec.max_rank
         self.double_buffer = double_buffer
         groupings = sorted({1, *(t.row_grouping for t in spec.targets)})
         self.buffers = {g: AddressingBuffers(spec, device, g) for g in groupings}
@@ -183,9 +214,12 @@ class StepPlanner:
         self._parity = 0
         self._fences: list[Any] = [None, None]  # each parity's event after its last copy (cuda: re-recorded)
 
-    def plan(self, seq: int, rows: StepRows, slots: np.ndarray, preplanned: bool) -> LoraStepPlan:
+    def plan(self, seq: int, rows: StepRows, slots: np.ndarray, preplanned: bool,
+             slot_ranks: np.ndarray | None = None) -> LoraStepPlan:
         """Stage ``rows`` (row i on ``slots[i]``) for every grouping and queue the copy; the plan
-        becomes ``current`` unless the step is pre-planned (the runner activates it later)."""
+        becomes ``current`` unless the step is pre-planned (the runner activates it later).
+        ``slot_ranks[S]``: each slot's largest rank (host copy); the step's launch views then carry
+        the rank class its slots need (:meth:`rank_bound`)."""
         if self.double_buffer or preplanned:
             self._parity ^= 1
         parity = self._parity
@@ -193,8 +227,9 @@ class StepPlanner:
         if fence is not None and not fence.done:
             fence.synchronize()  # the copy that last read this parity's host buffers has run
         addressing, launch, copies = {}, {}, []
+        bound = self.rank_bound(slots, slot_ranks)
         for g, b in self.buffers.items():
-            addressing[g], launch[g], copy = b.stage(rows, slots, parity)
+            addressing[g], launch[g], copy = b.stage(rows, slots, parity, bound)
             copies.append(copy)
         fence = self._fences[parity] = self.device.copy_batch(copies, reuse=fence)
         plan = LoraStepPlan(seq, addressing, launch, {g: a.num_tokens for g, a in addressing.items()},
@@ -202,6 +237,20 @@ class StepPlanner:
         if not preplanned:
             self.current = plan
         return plan
+
+    def rank_bound(self, slots: np.ndarray, slot_ranks: np.ndarray | None) -> int | None:
+        """The rank class a step on ``slots`` is launched for: the smallest of
+        :data:`~lora_cupy.backends.cupy.RANK_CLASSES` holding every one of its slots' ranks, where
+        narrower than the pool's maximum rank (None: the maximum; also without ``slot_ranks`` or
+        with no row on an adapter).
+        A class, not the exact rank, so a layer keeps at most a few launches (and graphs) a bucket."""
+        if slot_ranks is None or not len(slots):
+            return None
+        most = int(slot_ranks[slots].max())
+        if most == 0:  # no row on an adapter: nothing launches
+            return None
+        r = planned_rank(self.max_rank, most)
+        return None if r == self.max_rank else r
 
     def running(self) -> LoraStepPlan | None:
         """The current plan where deltas add something: None with no step, no adapter row, or in

@@ -263,7 +263,7 @@ class LoraAdapterPool:
             with self._step_lock:
                 with self._lock:
                     slots = self._settled.slots_of(rows.rids, self._planner.slot_dtype)
-                plan = self._planner.plan(ctx.seq, rows, slots, ctx.preplanned)
+                plan = self._planner.plan(ctx.seq, rows, slots, ctx.preplanned, self._slot_weights.slot_ranks)
         elif not ctx.preplanned:
             self._planner.current = None
         ctx.plan_results[self] = plan
@@ -361,11 +361,16 @@ class LoraAdapterPool:
 
     # -- checks ------------------------------------------------------------------------------------------
     def check_valid(self) -> None:
-        """Assert the README's invariants 1-9 as far as state shows them (AssertionError if not)."""
+        """Assert the README's invariants 1-9 and 12 as far as state shows them (AssertionError if not)."""
         with self._lock:
             self.slots.check_valid()
             assert self.decides or not self.slots.reserved, "a rank that does not decide keeps reservations (6)"
             self._catalog.check_valid(self.slots, self._settled)
+            bank = self._slot_weights
+            for s in range(self.spec.num_slots):
+                most = max((int(w.host_ranks[:, s].max(initial=0)) for w in bank.targets.values()), default=0)
+                assert bank.slot_ranks[s] == most, f"slot {s}: the planner reads rank {bank.slot_ranks[s]}, " \
+                                                   f"its weights hold {most} (12)"
 
     def snapshot(self):
         """The slot table as plain data (see :class:`~lora_cupy.slots.SlotSnapshot`)."""

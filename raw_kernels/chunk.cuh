@@ -168,7 +168,7 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr
           lo = g.out_offsets[tid];
           hi = min(g.out_offsets[tid + 1], g.out_features);
         }
-        r = min(g.ranks[s * n + tid], g.max_rank);
+        r = min(g.ranks[s * n + tid], g.rank_cap());
         sc = g.scaling[s * n + tid];
       }
       const unsigned live = __ballot_sync(0xffffffffu, mine && hi > lo);
@@ -199,7 +199,7 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr
     }
     cw.lo[tid] = lo;
     cw.hi[tid] = hi;
-    cw.r[tid] = hi > lo ? min(g.ranks[s * n + tid], g.max_rank) : 0;
+    cw.r[tid] = hi > lo ? min(g.ranks[s * n + tid], g.rank_cap()) : 0;
     cw.sc[tid] = g.scaling[s * n + tid];
   }
   if (tid == 0) {

@@ -19,7 +19,7 @@ __global__ void lora_shrink_simt(float* __restrict__ v, const T* __restrict__ x,
   if (p >= bucket) return;
   const int s = lora::slot_of_position(slot_indptr, num_slots, p);
   if (s <= 0) return;
-  const int r = min(ranks[s * n_slices + j], max_rank);
+  const int r = min(ranks[s * n_slices + j], min(max_rank, rw));
   const long long t = token_order[p];
   const T* xr = x + t * in_features;
   for (int k = 0; k < r; ++k) {
@@ -47,7 +47,7 @@ __global__ void lora_expand_simt(T* __restrict__ y, const float* __restrict__ v,
   for (int p = p0; p < p0 + rows_per_block && p < bucket; ++p) {
     const int s = lora::slot_of_position(slot_indptr, num_slots, p);
     if (s <= 0) continue;
-    const int r = min(ranks[s * n_slices + j], max_rank);
+    const int r = min(ranks[s * n_slices + j], min(max_rank, rw));
     if (r == 0) continue;
     const float* vp = v + ((long long)p * n_slices + j) * rw;
     const T* b = B + (long long)s * b_slot + (long long)c * max_rank;

@@ -96,7 +96,12 @@ struct Args {
       col_blocks, cpb, flags;
   long long b_slot;  // B's elements from one slot to the next (out * R, more for a slice's view of a fused B)
   int chunked = 0;  // work units are chunks of one slot (lora_fused<..., true>), else tiles
-  __device__ int rank_blocks() const { return (max_rank + 63) / 64; }
+  // The ranks a call runs: the layout's max_rank, or the narrower rank width the host planned the
+  // call for (a pool of a large max_rank whose step's slots all have smaller ranks; rw = that width
+  // rounded up to 16, < max_rank). Every slot's rank is clamped to it, so a slot above it reads no
+  // A row or v entry past the width (its delta is then cut to the width: the host's promise broken).
+  __device__ int rank_cap() const { return min(max_rank, rw); }
+  __device__ int rank_blocks() const { return (rank_cap() + 63) / 64; }
   __device__ int tiles(int bm) const { return (bucket + bm - 1) / bm; }
   // Work units a launch is sized for: tiles of BM positions, or (chunked) the most chunks of one
   // slot a step can have: a slot's range cut from its start into pieces of at most BM, so
@@ -323,7 +328,7 @@ __device__ void read_run_meta(const Args<T>& g, const TileRows<BM>& tr, RunMeta<
   if (tid <= n) rm.s_off[tid] = g.out_offsets ? g.out_offsets[tid] : (tid == 0 ? 0 : g.out_features);
   for (int e = tid; e < n * nrun; e += THREADS) {
     const int jj = e / nrun, k = e % nrun, idx = tr.run_slot[k] * n + jj;
-    rm.pr[jj][k] = min(g.ranks[idx], g.max_rank);
+    rm.pr[jj][k] = min(g.ranks[idx], g.rank_cap());
     rm.ps[jj][k] = g.scaling[idx];
   }
   __syncthreads();
@@ -376,7 +381,7 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
   auto no_cols = [&](int jj) { return g.out_offsets != nullptr && g.out_offsets[jj] == g.out_offsets[jj + 1]; };
   // slot s's rank of slice jj inside this block (0: nothing to compute)
   auto rank_in = [&](int s, int jj) {
-    return no_cols(jj) ? 0 : min(max(min(g.ranks[s * g.n_slices + jj], g.max_rank) - rb * C::RB, 0), C::RB);
+    return no_cols(jj) ? 0 : min(max(min(g.ranks[s * g.n_slices + jj], g.rank_cap()) - rb * C::RB, 0), C::RB);
   };
   if (tid < BM) {
     const int s = tr.slot[tid];

@@ -149,7 +149,7 @@ __device__ bool one_setup(const Args<T>& g, OneStep& st) {
   int r = 0;
   float scale = 0.f;
   if (tid < n && st.off[tid + 1] > st.off[tid]) {
-    r = min(max(second ? g.ranks[s * n + tid] : st.rank[tid], 0), g.max_rank);
+    r = min(max(second ? g.ranks[s * n + tid] : st.rank[tid], 0), g.rank_cap());
     scale = second ? g.scaling[s * n + tid] : st.scale[tid];
   }
   __syncthreads();  // every thread has read st.rank and st.scale before they are rewritten
@@ -580,7 +580,7 @@ __device__ bool one_chunk_setup(const Args<T>& g, const int* s_indptr, ChunkScan
       const int rr = g.ranks[s * n + j];
       const float ss = g.scaling[s * n + j];
       if (hi > lo) {
-        r = min(max(rr, 0), g.max_rank);
+        r = min(max(rr, 0), g.rank_cap());
         sc = ss;
       }
     }

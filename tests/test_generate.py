@@ -325,3 +325,25 @@ def test_comparison_with_peft_finds_a_wrong_adapter(tmp_path):
             parted += 1
             assert c.margin is None or c.margin > 10 * NEAR_TIE, c
     assert parted >= 3
+
+
+def test_static_decode_keys_its_graphs_by_the_steps_rank_class(tmp_path):
+    """A pool of maximum rank 128 serving adapters of rank 4 and 40: decode steps holding only the
+    rank-4 one are planned (and their graphs keyed) for rank 16, steps with the rank-40 one for 64;
+    the tokens stay PEFT's."""
+    base = tiny("llama")
+    dirs = adapters_for("llama", base, tmp_path, [4, 40])
+    ref = PeftReference(base, dirs)
+    reqs = [GenerationRequest("a", [3, 4, 5], "ad0", max_new_tokens=4),
+            GenerationRequest("b", [6, 7], "ad0", max_new_tokens=5),
+            GenerationRequest("c", [5, 9, 2, 8], "ad1", max_new_tokens=3)]
+    gen = serve(base, dirs, num_slots=3, max_len=24, max_batch=4, max_prefill=1, static_decode=True, max_rank=128)
+    try:
+        assert gen.pool.spec.max_rank == 128
+        out = gen.run(reqs)
+        bounds = {where[-1] for _, wheres, active in gen.graphs.keys if active for where in wheres}
+    finally:
+        gen.close()
+        gen.pool.close()
+    assert {16, 64} <= bounds, bounds
+    assert_equal_to_peft(ref, reqs, out, gen.eos_token_id)

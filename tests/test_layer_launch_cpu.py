@@ -369,3 +369,37 @@ def test_expand_v_packs_each_slice_and_v_and_refuses_misaligned_rows():
     _, four, _ = _v_layer(S, R, (1024, 1024, 1024, 1024))
     with pytest.raises(ValueError, match="up\\s+to 3 slices"):
         four.expand_v(ys, v, _views(64, S), 64)
+
+
+def test_views_with_a_rank_bound_plan_and_build_the_call_for_the_narrower_rank():
+    """A pool of maximum rank 128 whose step's slots reach rank 16 at most: the whole delta is planned
+    and its kernels picked and sized for rank 16 (lora_one at width 16, v rows of 16), A and B still
+    read with rank 128's strides; another bound is another packed launch; the halves keep rank 128."""
+    be, layer, spec = _layer(R=128)
+    x, y = FakeDeviceArray((64, 64), "<u2"), FakeDeviceArray((64, 96), "<u2")
+    plain, bounded = _views(64), LaunchViews(64, 0, *_views(64), rank_bound=16)
+    layer(y, x, bounded, 64)
+    layer(y, x, plain, 64)
+    layer(y, x, bounded, 64)
+    narrow, wide = be.prepared  # one packing per views object
+    assert (narrow.rank, narrow.rw, narrow.width_rank, narrow.dims[2]) == (16, 16, 16, 128)
+    assert (wide.rank, wide.rw, wide.dims[2]) == (128, 128, 128)
+    assert narrow.plan == cb.plan_launch(64, 64, 96, 1, 16, "bfloat16", num_slots=5, num_sms=cb.DEFAULT_SMS)
+    assert narrow.plan.expand == "one" and wide.plan.expand == "chunk"
+    layer.half("shrink", x, bounded, 64)
+    assert be.prepared[-1].rank == 128 and be.prepared[-1].rw == 128
+
+    class Kernels:  # what CupyBackend._kernels reads of its backend
+        kernel, early_reads, aligned = "mma", 0, None
+        workspace = counters = type("Buf", (), {"data": type("D", (), {"ptr": 1 << 20})()})()
+
+        def _kernel_fn(self, dtype, key):
+            return key
+
+    got = cb.CupyBackend._kernels(Kernels(), narrow)
+    [one] = got
+    assert one.fn[:2] == ("one", 16) and one.smem == cb.one_smem(16, 1, 5, 64, "bfloat16")
+    R_at, rw_at = 13, 18  # max_rank and rw among lora_mma's parameters
+    assert one.args[R_at] == 128 and one.args[rw_at] == 16
+    [chunk] = cb.CupyBackend._kernels(Kernels(), wide)
+    assert chunk.fn[:2] == ("chunk", 128) and chunk.args[R_at] == 128 and chunk.args[rw_at] == 128

@@ -30,3 +30,15 @@ def test_launch_views_hash_by_identity_and_unpack_as_a_pair():
     assert v != w and len({v, w, v}) == 2
     order, indptr = v
     assert order is to and indptr is ip
+
+
+def test_planned_rank_takes_the_smallest_class_narrower_than_the_pool():
+    from lora_cupy.backends.cupy import planned_rank
+
+    assert [planned_rank(128, b) for b in (None, 0, 1, 16, 17, 64, 65, 128, 500)] == [128, 16, 16, 16, 64, 64, 128,
+                                                                                       128, 128]
+    assert [planned_rank(64, b) for b in (8, 16, 17, 63)] == [16, 16, 64, 64]
+    assert [planned_rank(20, b) for b in (16, 17)] == [16, 20]  # 16 is narrower than 20's width of 32
+    assert [planned_rank(16, b) for b in (1, 16)] == [16, 16] and planned_rank(13, 4) == 13  # nothing narrower
+    with pytest.raises(ValueError, match="negative"):
+        planned_rank(128, -1)

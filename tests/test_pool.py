@@ -580,3 +580,28 @@ def test_a_follower_read_failing_after_the_first_agreement_fails_the_rows_on_eve
     finally:
         for p in pools:
             p.close()
+
+
+def test_a_steps_launch_views_carry_the_rank_class_its_slots_need(tmp_path):
+    """A pool of maximum rank 128: a step of rank-16 adapters is launched for rank 16 (a rank-16
+    pool's kernels), one with a rank-40 adapter for 64, one with a rank-100 adapter for 128 (no
+    bound); each bound its own views over the same buffers, so its own launches and graphs."""
+    spec = small_spec(num_slots=5, max_rank=128)
+    paths = make_adapters(tmp_path, spec, 4, ranks=(16, 9, 40, 100))
+    with LoraAdapterPool(spec, "cpu", adapters=paths) as pool:
+        rids = open_requests(pool, ["ad0", "ad1", None, "ad2", "ad3"])
+        reserve_all(pool, rids)
+        seen = {}
+        for batch, want in (([0, 1, 2], 16), ([1, 2], 16), ([0, 3], 64), ([3, 4, 0], None), ([2], None)):
+            _, addr, ctx = run_step(pool, [rids[i] for i in batch])
+            views = ctx.plan_results[pool].launch[1]
+            assert addr.rank_bound == views.rank_bound == want, batch
+            slots = [pool._settled[rids[i]] for i in batch]
+            if want is not None:  # every slot of the step within the class, and the class the smallest
+                assert all(pool._slot_weights.slot_ranks[s] <= want for s in slots)
+            plain = pool._planner.buffers[1].launch[(views.bucket, views.parity)]
+            assert views.token_order is plain.token_order and views.slot_indptr is plain.slot_indptr
+            assert (views is plain) == (want is None)
+            assert seen.setdefault((views.bucket, views.parity, want), views) is views  # one object a bound
+        ranks = pool._slot_weights.slot_ranks
+        assert ranks[0] == 0 and sorted(ranks[ranks > 0].tolist()) == [9, 16, 40, 100]

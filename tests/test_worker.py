@@ -358,3 +358,30 @@ def test_submits_and_removes_from_many_threads_while_the_loop_runs(engine):
     w.stop()
     assert sorted(w.removed) == sorted(futs)
     check_empty(eng)
+
+
+def test_graph_keys_tell_the_rank_classes_of_a_wide_pool_apart(engine):
+    """A pool of maximum rank 128 serving adapters of ranks 4 and 40: steps of the rank-4 adapter alone
+    run under rank class 16, steps that hold the rank-40 one under 64, each its own graph key; the
+    results stay those of the float64 reference."""
+    adapters = {"small": 4, "wide": 40}
+    reader = RandomAdapters(adapters, seed=3)
+    pool = LoraAdapterPool(decode_spec(num_slots=4, max_rank=128), Device("cpu"), reader=reader,
+                           adapters={n: f"memory:{n}" for n in adapters})
+    eng = decode_engine(pool, seed=3)
+    eng.reader = reader
+    try:
+        w = eng.worker
+        alone = [w.submit(Request("s0", "small", max_new_tokens=2))]
+        w.drain()
+        both = [w.submit(Request(f"m{i}", a, max_new_tokens=3)) for i, a in enumerate(("small", "wide"))]
+        w.drain()
+        for (req, f) in zip([Request("s0", "small", max_new_tokens=2), Request("m0", "small", max_new_tokens=3),
+                             Request("m1", "wide", max_new_tokens=3)], alone + both):
+            check_result(eng, req, f.result())
+        at = w.resources.index(pool)
+        classes = {k[3][at] for k in w.chain.graphs.launches}
+        assert {16, 64} <= classes, classes
+        check_empty(eng)
+    finally:
+        eng.close()

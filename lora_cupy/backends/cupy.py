@@ -64,6 +64,26 @@ def rank_width(max_rank: int) -> int:
     return _ceil(max_rank, 16) * 16
 
 
+#: The ranks a call of a pool of a larger maximum rank may be planned for (:func:`planned_rank`):
+#: the rank widths lora_one and lora_chunk are built for below their widest. At most three plans
+#: (so three packed launches, and graphs) a layer and bucket.
+RANK_CLASSES = (16, 64)
+
+
+def planned_rank(max_rank: int, rank_bound: int | None = None) -> int:
+    """The rank a call is planned and launched for: the layout's ``max_rank``, or where
+    ``rank_bound`` (no slot the call addresses has a larger rank) is lower, the smallest of
+    :data:`RANK_CLASSES` holding it, if narrower than ``max_rank``'s width. A pool of maximum rank
+    128 running rank-16 adapters then takes the plans (and kernels) of a rank-16 pool; A and B are
+    still read with ``max_rank``'s strides."""
+    if rank_bound is None or rank_bound >= max_rank:
+        return max_rank
+    if rank_bound < 0:
+        raise ValueError(f"rank_bound {rank_bound} is negative")
+    c = next((w for w in RANK_CLASSES if rank_bound <= w), None)
+    return c if c is not None and c < rank_width(max_rank) else max_rank
+
+
 # -- shared-memory sizes: these mirror Shrink / Expand in lora_mma.cu (a launch given less traps) --
 def shrink_smem(dtype: str, bm: int) -> int:
     size = _ITEMSIZE[dtype]
@@ -1003,13 +1023,19 @@ class LaunchArgs:
 
     dtype: str
     plan: LaunchPlan
-    rw: int
+    rw: int  # floats a (position, slice) row of v: rank_width(rank)
     flags: int
     ptrs: tuple[int, ...]
     dims: tuple[int, int, int, int, int]
     positions: int
     torch: bool
     b_slot: int  # w.b's elements from one slot to the next (WeightArgs.b_slot)
+    rank: int = 0  # the rank the call is planned for (planned_rank; 0: dims' R)
+
+    @property
+    def width_rank(self) -> int:
+        """The rank the kernels are picked and sized for: ``rank``, or the layout's R."""
+        return self.rank or self.dims[2]
 
 
 def _check_xy(limits: CallLimits, wa: WeightArgs, Y: DeviceArg, X: DeviceArg) -> None:
@@ -1028,9 +1054,10 @@ def _check_xy(limits: CallLimits, wa: WeightArgs, Y: DeviceArg, X: DeviceArg) ->
 
 
 def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO: DeviceArg, IP: DeviceArg,
-                 torch: bool, halves: bool = False) -> LaunchArgs | None:
+                 torch: bool, halves: bool = False, rank_bound: int | None = None) -> LaunchArgs | None:
     """The launch of a call whose x and y were checked against ``wa``: None with no positions.
-    ``halves``: planned as two launches (see :meth:`LayerLaunch.half`)."""
+    ``halves``: planned as two launches (see :meth:`LayerLaunch.half`), always for the layout's
+    rank (their v is shared between launches). ``rank_bound``: see :meth:`CupyBackend.delta`."""
     for nm, d in (("token_order", TO), ("slot_indptr", IP)):
         if d.dtype != "int32":
             raise TypeError(f"{nm} must be int32, got {d.dtype}")
@@ -1043,16 +1070,18 @@ def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO:
         return None
     if T > limits.spec.max_tokens:
         raise ValueError(f"{T} positions exceed the largest capture bucket {limits.spec.max_tokens}")
-    plan = limits.plan(T, in_f, out, n, R, wa.dtype, S, wa.live, halves, wa.align)
+    rank = R if halves else planned_rank(R, rank_bound)
+    plan = limits.plan(T, in_f, out, n, rank, wa.dtype, S, wa.live, halves, wa.align)
     if plan.counter_ints() > limits.counter_ints:
         raise ValueError(f"{plan.tiles} work units exceed the counters built for the spec")
     a, b, sc, rk, offs = wa.ptrs
-    return LaunchArgs(dtype=wa.dtype, plan=plan, rw=rank_width(R), flags=_xy_flags(wa.flags, x_ptr, y_ptr),
+    return LaunchArgs(dtype=wa.dtype, plan=plan, rw=rank_width(rank), flags=_xy_flags(wa.flags, x_ptr, y_ptr),
                       ptrs=(y_ptr, x_ptr, a, b, sc, rk, offs, TO.ptr, IP.ptr), dims=wa.dims, positions=T,
-                      torch=torch, b_slot=wa.b_slot)
+                      torch=torch, b_slot=wa.b_slot, rank=rank)
 
 
-def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indptr) -> LaunchArgs | None:
+def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indptr,
+               rank_bound: int | None = None) -> LaunchArgs | None:
     """Validate every argument of a delta call (TypeError / ValueError) before any launch.
 
     Returns what the launch needs, or None when there are no positions at all.
@@ -1064,7 +1093,7 @@ def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indp
         raise TypeError(f"x has dtype {X.dtype}; use float16, bfloat16 or float32")
     wa = check_weights(limits, w)
     _check_xy(limits, wa, Y, X)
-    return _launch_args(limits, wa, Y.ptr, X.ptr, TO, IP, Y.is_torch or X.is_torch)
+    return _launch_args(limits, wa, Y.ptr, X.ptr, TO, IP, Y.is_torch or X.is_torch, rank_bound=rank_bound)
 
 
 # -- launching: kernel parameters packed once, launched through the driver ------------------------
@@ -1378,13 +1407,16 @@ class CupyBackend:
         GEMM reads (:class:`GatherLaunch`)."""
         return GatherLaunch(self, pairs)
 
-    def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None) -> LaunchPlan:
-        """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``."""
+    def plan(self, num_tokens: int, w: LayerWeights, dtype: str | None = None,
+             rank_bound: int | None = None) -> LaunchPlan:
+        """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``
+        (``rank_bound``: as :meth:`delta`'s)."""
         S, n, R, in_f = w.a.shape
-        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, R, normalize_dtype(dtype or self.spec.dtype), S,
+        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, planned_rank(R, rank_bound),
+                                normalize_dtype(dtype or self.spec.dtype), S,
                                 live_slices(w.out_offsets), slice_align=slice_alignment(w.out_offsets))
 
-    def delta(self, y, x, w: LayerWeights, token_order, slot_indptr) -> None:
+    def delta(self, y, x, w: LayerWeights, token_order, slot_indptr, rank_bound: int | None = None) -> None:
         """``y[t, cols_j] += scaling[s, j] * (x[t] @ a[s, j, :r].T) @ b[s, cols_j, :r].T`` for each
         position p of slot s's range of ``token_order`` (s >= 1), t = token_order[p], r = ranks[s, j].
 
@@ -1397,8 +1429,15 @@ class CupyBackend:
         The launch depends on ``len(token_order)`` (its bucket and the position count), so a
         captured graph serves later steps only if ``token_order`` spans the whole capture bucket
         (as :class:`~lora_cupy.delta.LoraLayerDelta` passes it), with ``slot_indptr[S] <= T``.
+
+        ``rank_bound``: a promise that no slot with positions in this call has a rank above it
+        (the pool's planner knows each slot's ranks on the host: ``LaunchViews.rank_bound``). The
+        call is then planned for :func:`planned_rank` (a pool of maximum rank 128 running rank-16
+        adapters takes a rank-16 pool's kernels). A slot above the bound has its delta cut to the
+        planned width (the kernels clamp every rank to it, so nothing is read or written outside
+        the buffers). None: the layout's R.
         """
-        call = check_call(self.limits, y, x, w, token_order, slot_indptr)
+        call = check_call(self.limits, y, x, w, token_order, slot_indptr, rank_bound)
         if call is not None:
             self._run(call)
 
@@ -1475,16 +1514,17 @@ class CupyBackend:
                         fused_smem(dtype, plan.bm, plan.bn))]
         if plan.expand in ("chunk", "one") and set(parts) != {"shrink", "expand"}:
             raise ValueError(f"lora_{plan.expand} runs the shrink and the expand in one launch: neither runs alone")
+        Rw = call.width_rank  # what the kernels are built and sized for; R stays A's and B's stride
         if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute)
-            rw = built_width(ONE_RW, R)
+            rw = built_width(ONE_RW, Rw)
             smem = 0 if plan.bm == 1 else one_smem(rw, n, S, in_f, dtype)
             return [mma("one", ("one", rw, plan.bm), plan.blocks, smem, extra=0)]
         if plan.expand == "chunk" and plan.cluster:  # clusters of CHUNK_CLUSTER blocks (the kernel's attribute)
-            rw = chunk_geometry(R)[0]
-            return [mma("chunk_cl", ("chunk_cl", rw, plan.sliced), plan.blocks, chunk_cl_smem(dtype, S, n, R), extra=0)]
+            rw = chunk_geometry(Rw)[0]
+            return [mma("chunk_cl", ("chunk_cl", rw, plan.sliced), plan.blocks, chunk_cl_smem(dtype, S, n, Rw), extra=0)]
         if plan.expand == "chunk":  # shrink and expand in one launch
-            rw = chunk_geometry(R)[0]
-            return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, R, plan.bm))]
+            rw = chunk_geometry(Rw)[0]
+            return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, Rw, plan.bm))]
         out_calls = []
         if "shrink" in parts:
             out_calls.append(mma("shrink", ("shrink", plan.bm), plan.shrink_blocks, shrink_smem(dtype, plan.bm)))
@@ -1783,7 +1823,8 @@ class LayerLaunch:
         TO = inspect_arg("token_order", views.token_order)
         IP = inspect_arg("slot_indptr", views.slot_indptr)
         _check_placed(be.limits, (("token_order", TO), ("slot_indptr", IP)))
-        call = _launch_args(be.limits, self.weights, y_ptr, x_ptr, TO, IP, torch, halves=part is not None)
+        call = _launch_args(be.limits, self.weights, y_ptr, x_ptr, TO, IP, torch, halves=part is not None,
+                            rank_bound=getattr(views, "rank_bound", None))
         with be.device:  # a RawKernel loads its module on the current device
             packed = self._launches[key] = (None if call is None else
                                             PackedLaunch(be._kernels(call) if part is None else be._kernels(call, (part,))))

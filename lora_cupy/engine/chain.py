@@ -217,7 +217,8 @@ class ChainLane:
         bufs = model.buffers(bucket, parity)
         # the graph key: what the step's launch shape and buffers depend on (graphs.py)
         active = tuple(bool(getattr(p, "active", False)) for p in plans)
-        rec.key = (bucket, parity, active)
+        # a pool's launches also depend on the rank class its step's slots need (planning.LaunchViews)
+        rec.key = (bucket, parity, active, tuple(getattr(p, "rank_bound", None) for p in plans))
         reads = tuple(_addr(getattr(p, "slot_indptr", None)) for p in plans)
         out = model.output(bufs, n)
         graphs = self.graphs

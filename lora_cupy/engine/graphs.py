@@ -3,9 +3,11 @@
 A chain step's device work reads only fixed buffers: the model's inputs and outputs per capture
 bucket, and each resource's plan buffers, which a resource that sets ``force_double_buffer`` (or
 is pre-planned) keeps per buffer parity, so that plan(N+1) never overwrites what step N still
-reads. A graph records the buffers' addresses, so its key is ``(bucket, parity, active)``:
+reads. A graph records the buffers' addresses, so its key is ``(bucket, parity, active, ranks)``:
 ``active`` says which resources launch anything this step (a LoRA pool whose rows are all on the
-base model launches nothing, and a graph captured then would skip its kernels for good).
+base model launches nothing, and a graph captured then would skip its kernels for good), ``ranks``
+the rank class each pool's launches were planned for (a pool of maximum rank 128 whose step holds
+only rank-16 adapters runs a rank-16 pool's kernels; a step with a rank-64 adapter needs others).
 
 On cuda the first step of a key runs eagerly (kernels compile and load outside any capture),
 the second captures on the lane's stream and replays, and every later one replays. On cpu, and

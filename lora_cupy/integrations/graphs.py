@@ -10,8 +10,10 @@ cache's whole ``max_len`` (a static shape). The graph ends with each row's greed
 
 Graphs are keyed by the bucket, by the addressing buffers the step's plan launches with (the
 pool alternates two per bucket when it double-buffers, so this is the parity, read from the
-plan rather than chosen by the user), and by whether any row has an adapter (a step with none
-launches no delta, so its graph records none). Captures share one memory pool.
+plan rather than chosen by the user) with the rank class the step's launches are planned for
+(``LaunchViews.rank_bound``: a graph of rank-16 kernels must not replay a step holding a rank-64
+adapter), and by whether any row has an adapter (a step with none launches no delta, so its graph
+records none). Captures share one memory pool.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ def buffer_address(a) -> int:
 
 
 def buffers_key(views) -> tuple:
-    """Which fixed addressing buffers one grouping's launch views are: their capture bucket and
-    parity where the views say so, else where their arrays start."""
+    """Which fixed addressing buffers one grouping's launch views are, and what their launches are
+    planned for: their capture bucket, parity and rank bound where the views say so, else where
+    their arrays start."""
     if hasattr(views, "parity"):
-        return (views.bucket, views.parity)
+        return (views.bucket, views.parity, getattr(views, "rank_bound", None))
     return tuple(buffer_address(a) for a in views)
 
 

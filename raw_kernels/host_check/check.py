@@ -116,7 +116,17 @@ CASES = {**GPU_CASES,
          "half-chunk": dict(T=45, in_f=328, slices=(200, 56, 28), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48),
                             mix="zipf", num_slots=17, active=9, pad_to=64),
          # lora_chunk_cl's cases in tests/gpu/test_chunk_gpu.py (decode buckets, long `in`)
-         **{f"cl-{k}": v for k, v in CLUSTER_CASES.items()}}
+         **{f"cl-{k}": v for k, v in CLUSTER_CASES.items()},
+         # pools of a larger maximum rank than their adapters': with --bound planned for the class of
+         # their largest rank (16 or 64), A and B read with the pool's strides (NaN past each rank)
+         "bound-qkv": dict(T=150, in_f=136, slices=(256, 128, 128), max_rank=128, ranks=(0, 5, 16), mix="zipf",
+                           num_slots=9, active=6),
+         "bound-dec": dict(T=50, in_f=136, slices=(200, 56), max_rank=128, ranks=(0, 3, 16), mix="distinct",
+                           num_slots=33, active=20),
+         "bound-one": dict(T=1, in_f=264, slices=(136, 40), max_rank=64, ranks=(5, 16), mix="distinct"),
+         "bound-64": dict(T=333, in_f=200, slices=(192, 192), max_rank=128, ranks=(0, 17, 40, 64), mix="skewed",
+                          num_slots=17, active=9, pad_to=384),
+         "bound-48": dict(T=700, in_f=72, slices=(200,), max_rank=48, ranks=(0, 1, 13, 16), mix="uniform")}
 #: Cases of one position whose row is moved among more rows of x and y: (rows, the row).
 ROW_AT = {"one-row": (5, 3)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -215,13 +225,23 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
 #: lora_chunk in clusters (lora_chunk_cl): None (the planner's default), True (``--cluster always``:
 #: wherever it serves) or False (``--cluster never``: the ticket kernel everywhere).
 CLUSTER: bool | None = None
+#: ``--bound``: plan each whole call for its case's largest rank, as a pool's planner does
+#: (``planned_rank``; the halves always for the pool's maximum rank).
+BOUND = False
+
+
+def planned(case, whole: bool = True) -> int:
+    """The rank ``case``'s call is planned and launched for (its v's rows: rank_width of it)."""
+    R = case.w.a.shape[2]
+    return cb.planned_rank(R, int(case.w.ranks.max())) if BOUND and whole else R
 
 
 def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
-             chunks: bool | None = None, out: int | None = None) -> cb.LaunchPlan:
+             chunks: bool | None = None, out: int | None = None, whole: bool = True) -> cb.LaunchPlan:
     """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``); ``out``: y's
-    columns where a call serves one slice alone."""
+    columns where a call serves one slice alone; ``whole``: not a half (see :func:`planned`)."""
     S, n, R, in_f = case.w.a.shape
+    R = planned(case, whole)
     return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, out or case.y0.shape[1], n, R,
                           case.spec.dtype, num_slots=S, tile=tile or None, fused=fused, expand=None if fused else expand,
                           chunks=chunks, num_sms=sms, live_slices=None if out is None else 1,
@@ -252,7 +272,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
              | (2 if R % ch == 0 and b.ctypes.data % 16 == 0 else 0)
              | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
     use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
-    rw = cb.rank_width(R)
+    rw = cb.rank_width(planned(case, part is None))
     if ws is None:
         ws = np.zeros(plan.bucket * n * rw, np.float32)
         counters = np.zeros(plan.counter_ints(), np.int32)
@@ -285,13 +305,13 @@ def run_halves(lib, case, *, expand: str, tile: int, sms: int, misalign: bool,
     after the last expand (each expand zeroes only its own slice's v)."""
     S, n, R, in_f = case.w.a.shape
     offs = case.w.out_offsets
-    whole = plan_for(case, expand=expand, tile=tile, sms=sms)
+    whole = plan_for(case, expand=expand, tile=tile, sms=sms, whole=False)
     ws = np.zeros(whole.bucket * n * cb.rank_width(R), np.float32)
     counters = np.zeros(whole.counter_ints(), np.int32)
     run(lib, case, whole, misalign=misalign, aligned=aligned, part="shrink", ws=ws, counters=counters)
     y = np.empty_like(case.y0)
     for j in range(len(offs) - 1):
-        p = plan_for(case, expand=expand, tile=tile, sms=sms, out=offs[j + 1] - offs[j])
+        p = plan_for(case, expand=expand, tile=tile, sms=sms, out=offs[j + 1] - offs[j], whole=False)
         yj, flags, al = run(lib, case, p, misalign=misalign, aligned=aligned, member=j, part="expand",
                             ws=ws, counters=counters)
         y[:, offs[j]:offs[j + 1]] = yj
@@ -409,7 +429,7 @@ def run_glu(lib, case, spec: dict, sms: int) -> dict:
         h, bufs["h"] = hb[:, :inter], hb
     ld_h = h.strides[0] // h.itemsize
     rw = cb.rank_width(R)
-    plan = plan_for(case, expand="expand", tile=64, sms=sms)
+    plan = plan_for(case, expand="expand", tile=64, sms=sms, whole=False)
     ws = np.zeros(plan.bucket * n * rw, np.float32)
     counters = np.zeros(plan.counter_ints(), np.int32)
     if plain:
@@ -529,10 +549,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", choices=("auto", "never", "always"), default="auto",
                     help="with --expand chunk: lora_chunk_cl where it is the default (auto), wherever it serves "
                          "(always: the decode buckets), or never (the ticket kernel)")
+    ap.add_argument("--bound", action="store_true",
+                    help="plan each whole call for its case's largest rank, as a pool's planner does "
+                         "(the bound-* cases: narrower than the pool's maximum rank)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    global CLUSTER
+    global CLUSTER, BOUND
     CLUSTER = {"auto": None, "never": False, "always": True}[args.cluster]
+    BOUND = args.bound
     with tempfile.TemporaryDirectory() as tmp:
         lib = ctypes.CDLL(str(build(Path(tmp), args.asan)))
         lib.emu_set_cp_early(int(args.cp_async == "early"))
