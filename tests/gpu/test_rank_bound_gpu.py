@@ -109,8 +109,10 @@ def test_every_kernel_under_a_bound(make_case, check, variant, shape, T):
 
 @pytest.mark.parametrize("T", [16, 64, 256])
 def test_a_rank16_step_of_a_rank128_pool_takes_the_rank16_plan(make_case, T):
-    """The point of the bound: lora_one (a rank-16 pool's decode kernel), not lora_chunk at rank 128."""
-    case = _case(make_case, T, "r128-16", "bfloat16")
+    """The point of the bound: lora_one (a rank-16 pool's decode kernel), not lora_chunk at rank 128
+    (one slice: lora_chunk serves several only on its column blocks)."""
+    case = make_case(T=T, in_f=264, slices=(200,), max_rank=128, ranks=(0, 3, 16), dtype="bfloat16", mix="uniform",
+                     num_slots=17, active=8)
     be, w = backend_for(case.spec), dev_weights(case.w)
     narrow, wide = be.plan(T, w, "bfloat16", rank_bound=16), be.plan(T, w, "bfloat16")
     assert narrow.expand == "one" and wide.expand == "chunk"
