@@ -98,7 +98,8 @@ def main() -> None:
         ok = bmm and us <= BMM_BAR * bmm and (share is None or share >= FLOOR_SHARE)
         if not (ok and args.misses_only):
             sh = f"  floor {share:.2%}" if share is not None else ""
-            print(f"  {'   ' if ok else 'MISS'} {k:34s} {us:6.1f} us  bmm {bmm:6.1f}  ({us / bmm:.2f}x){sh}")
+            vs = f"bmm {bmm:6.1f}  ({us / bmm:.2f}x)" if bmm else "bmm not timed"
+            print(f"  {'   ' if ok else 'MISS'} {k:34s} {us:6.1f} us  {vs}{sh}")
     for name, rows in (("goal 3 (slots against one)", s["g3"]), ("goal 4 (rank)", s["g4"])):
         met = [x for x in rows if x[1] <= x[2]]
         print(f"{name}: {len(met)} of {len(rows)}")
