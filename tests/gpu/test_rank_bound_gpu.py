@@ -130,3 +130,8 @@ def test_a_broken_bound_cuts_the_delta_to_the_width(make_case, check, dtype, T):
     cut = LayerWeights(case.w.a, case.w.b, case.w.scaling, np.minimum(ranks, rank_width(16)), case.w.out_offsets)
     want = replace(case, ref=case.y0.astype(np.float64) + dense_delta64(case.x, _finite(cut), case.row_slots))
     check(replace(want, w=cut), _run(backend_for(case.spec), case, 16, False), dtype)
+
+
+def test_every_forced_launch_has_a_case():
+    """The list above is computed from the planner: no launch may drop out of it unnoticed."""
+    assert {v for v, _, _ in _forced_cases()} == set(FORCED)
