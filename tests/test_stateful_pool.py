@@ -133,8 +133,9 @@ class PoolVsSimMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(3, 7), label="adapters")
         self.touches = {f"a{i}": data.draw(st.sampled_from(TOUCHES[:2] * 3 + TOUCHES[2:]),
                                            label=f"a{i} touches") for i in range(n)}
-        self.reader = HarnessReader(SyntheticReader(self.touches, rank={"a0": 1, "a1": 8}))
-        self.pool = LoraAdapterPool(small_spec(num_slots=num_slots), "cpu", reader=self.reader,
+        self.ranks = {"a0": 1, "a1": 8, "a2": 20}  # the rest at the spec's maximum, 32
+        self.reader = HarnessReader(SyntheticReader(self.touches, rank=self.ranks))
+        self.pool = LoraAdapterPool(small_spec(num_slots=num_slots, max_rank=32), "cpu", reader=self.reader,
                                     adapters={a: f"synthetic/{a}" for a in self.touches})
         self.model = sim.SimPool(num_slots)
         for a, t in self.touches.items():
@@ -247,6 +248,19 @@ class PoolVsSimMachine(RuleBasedStateMachine):
                 out.append(rid)
         return out
 
+    def _check_rank_class(self, settled, addr, ctx) -> None:
+        """Invariant 12: each row's slot carries its adapter's rank on the host, and the step's
+        launch views the smallest class holding the largest (None: the pool's maximum, 32)."""
+        most = 0
+        for rid in settled:
+            name = self.model.requests[rid].adapter
+            want = self.ranks.get(name, 32) if name is not None and self.touches[name] else 0
+            slot = self.pool._settled[rid]
+            assert self.pool._slot_weights.slot_ranks[slot] == want, f"row {rid} ({name}) on slot {slot}"
+            most = max(most, want)
+        cls = None if most == 0 or most > 16 else 16
+        assert addr.rank_bound == ctx.plan_results[self.pool].launch[1].rank_bound == cls, (settled, most)
+
     def _step(self, rows, finish: str) -> sim.AdmitResult:
         rows = list(rows)
         if any(self.model.tier.get(self.model.requests[r].adapter) is Copy.PENDING for r in rows):
@@ -267,6 +281,7 @@ class PoolVsSimMachine(RuleBasedStateMachine):
             addr = self.pool.plan(pstep, ctx)
             self.pool.device.synchronize()
             assert planned_slots(addr, len(settled)) == self.model.plan(settled).tolist(), f"plan {settled}"
+            self._check_rank_class(settled, addr, ctx)
         if finish == "rollback":
             self.pool.rollback_admit(step, ctx)
             self.model.rollback_admit()
