@@ -139,9 +139,12 @@ class SlotBank:
         the image alive until the copies have run."""
         for name, w in self.targets.items():
             w.install(slot, image.targets.get(name))
-        self.slot_ranks[slot] = max((int(w.host_ranks[:, slot].max(initial=0)) for w in self.targets.values()),
-                                    default=0)
+        self.slot_ranks[slot] = self.largest_rank(slot)
         self.device.keep_alive(image)
+
+    def largest_rank(self, slot: int) -> int:
+        """``slot``'s largest rank over every target, layer and slice, from the host ranks."""
+        return max((int(w.host_ranks[:, slot].max(initial=0)) for w in self.targets.values()), default=0)
 
     def layer(self, target: str, layer_idx: int) -> LayerWeights:
         t = self.spec.target(target)

@@ -368,7 +368,7 @@ class LoraAdapterPool:
             self._catalog.check_valid(self.slots, self._settled)
             bank = self._slot_weights
             for s in range(self.spec.num_slots):
-                most = max((int(w.host_ranks[:, s].max(initial=0)) for w in bank.targets.values()), default=0)
+                most = bank.largest_rank(s)
                 assert bank.slot_ranks[s] == most, f"slot {s}: the planner reads rank {bank.slot_ranks[s]}, " \
                                                    f"its weights hold {most} (12)"
 

@@ -382,7 +382,7 @@ def test_views_with_a_rank_bound_plan_and_build_the_call_for_the_narrower_rank()
     layer(y, x, plain, 64)
     layer(y, x, bounded, 64)
     narrow, wide = be.prepared  # one packing per views object
-    assert (narrow.rank, narrow.rw, narrow.width_rank, narrow.dims[2]) == (16, 16, 16, 128)
+    assert (narrow.rank, narrow.rw, narrow.dims[2]) == (16, 16, 128)
     assert (wide.rank, wide.rw, wide.dims[2]) == (128, 128, 128)
     assert narrow.plan == cb.plan_launch(64, 64, 96, 1, 16, "bfloat16", num_slots=5, num_sms=cb.DEFAULT_SMS)
     assert narrow.plan.expand == "one" and wide.plan.expand == "chunk"

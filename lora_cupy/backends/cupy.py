@@ -1030,12 +1030,7 @@ class LaunchArgs:
     positions: int
     torch: bool
     b_slot: int  # w.b's elements from one slot to the next (WeightArgs.b_slot)
-    rank: int = 0  # the rank the call is planned for (planned_rank; 0: dims' R)
-
-    @property
-    def width_rank(self) -> int:
-        """The rank the kernels are picked and sized for: ``rank``, or the layout's R."""
-        return self.rank or self.dims[2]
+    rank: int  # the rank the kernels are planned, picked and sized for (planned_rank; R: dims[2])
 
 
 def _check_xy(limits: CallLimits, wa: WeightArgs, Y: DeviceArg, X: DeviceArg) -> None:
@@ -1514,7 +1509,7 @@ class CupyBackend:
                         fused_smem(dtype, plan.bm, plan.bn))]
         if plan.expand in ("chunk", "one") and set(parts) != {"shrink", "expand"}:
             raise ValueError(f"lora_{plan.expand} runs the shrink and the expand in one launch: neither runs alone")
-        Rw = call.width_rank  # what the kernels are built and sized for; R stays A's and B's stride
+        Rw = call.rank  # what the kernels are built and sized for; R stays A's and B's stride
         if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute)
             rw = built_width(ONE_RW, Rw)
             smem = 0 if plan.bm == 1 else one_smem(rw, n, S, in_f, dtype)

@@ -605,7 +605,7 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
     result["kernels"] = kernels
     result["parts"] = parts
     if rb < row.pool_rank:  # the same call planned for the pool's maximum rank, as before the bound
-        be = CupyBackend(d.spec, **kernel_variants(row, False, torch.cuda.get_device_capability()[0] >= 9)["default"])
+        be = CupyBackend(d.spec)  # the default variant's backend
         d.y.copy_(d.y0)
         be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
         torch.cuda.synchronize()

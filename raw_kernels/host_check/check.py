@@ -242,9 +242,9 @@ def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
              chunks: bool | None = None, out: int | None = None, whole: bool = True) -> cb.LaunchPlan:
     """The launch plan of ``case`` at its capture bucket (unfused unless ``fused``); ``out``: y's
     columns where a call serves one slice alone; ``whole``: not a half (see :func:`planned`)."""
-    S, n, R, in_f = case.w.a.shape
-    R = planned(case, whole)
-    return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, out or case.y0.shape[1], n, R,
+    S, n, _, in_f = case.w.a.shape
+    return cb.plan_launch(case.spec.bucket_for(case.token_order.shape[0]), in_f, out or case.y0.shape[1], n,
+                          planned(case, whole),
                           case.spec.dtype, num_slots=S, tile=tile or None, fused=fused, expand=None if fused else expand,
                           chunks=chunks, num_sms=sms, live_slices=None if out is None else 1,
                           slice_align=cb.slice_alignment(case.w.out_offsets), cluster=CLUSTER)

@@ -45,7 +45,7 @@ def _forced_cases():
     planner refuses or replaces the others: lora_chunk_cl one slice at decode buckets only, lora_one
     up to 256 positions, lora_chunk in chunks of 16 at decode buckets)."""
     from lora_cupy.backends import cupy as cb
-    from lora_cupy.spec import LoraSlice, LoraTarget
+    from lora_cupy.spec import LoraSlice, LoraSpec, LoraTarget
 
     out = []
     for name, (kw, want) in FORCED.items():
@@ -57,7 +57,7 @@ def _forced_cases():
                     continue
                 opts = {k: v for k, v in kw.items() if k != "kernel"}
                 try:
-                    p = cb.plan_launch(cb.LoraSpec((t,), num_slots=17, max_rank=16).bucket_for(T), 264, sum(sl),
+                    p = cb.plan_launch(LoraSpec((t,), num_slots=17, max_rank=16).bucket_for(T), 264, sum(sl),
                                        len(sl), 16, "bfloat16", num_slots=17, live_slices=len(sl),
                                        slice_align=cb.slice_alignment(t.out_offsets()), **opts)
                 except ValueError:
