@@ -381,9 +381,14 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     __syncthreads();  // part complete; the stages are free for the expand (the caller's cluster barrier publishes part)
     return;
   }
-  __threadfence();
-  __syncthreads();  // every thread's sums issued and fenced; the stages are free for the expand
-  if (tid == 0) atomicAdd(g.counters + 2 + c, 1);
+  // every thread's sums issued, and the stages free for the expand; one thread's fence then makes
+  // the block's sums visible before its count (the barrier orders the other threads' adds before
+  // it: the release pattern of a grid barrier), so the other warps go on to the expand's first loads
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(g.counters + 2 + c, 1);
+  }
 }
 
 // CL (the cluster launch): vs[row, e] = the sum over the cluster's blocks b of their part[row, e]
