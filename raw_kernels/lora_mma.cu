@@ -568,12 +568,10 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
       }
     }
   }
-  if (fused) {  // as lora_chunk's parts (chunk_shrink): one thread fences and counts after the barrier
+  if (fused) {
+    __threadfence();
     __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(g.counters + 2 + tile, 1);
-    }
+    if (tid == 0) atomicAdd(g.counters + 2 + tile, 1);
   }
 }
 
