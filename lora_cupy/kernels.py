@@ -53,9 +53,11 @@ STREAM_BN = 32
 #: registers) and ``expand_ring`` (tiles of 64 positions, y and B through a ring of cp.async stages,
 #: v in registers), each after ``lora_shrink``; and ``chunk`` (``lora_chunk``, chunk.cuh: the shrink
 #: and the expand of each chunk of one slot in the same blocks, one launch). There is one fused
-#: kernel for decode sizes (``lora_fused``); and ``one`` (``lora_one``, one.cuh: the whole delta of a
-#: step of one position in thread-block clusters, sm_90).
-EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring", "chunk", "one")
+#: kernel for decode sizes (``lora_fused``); ``one`` (``lora_one``, one.cuh: the whole delta of a
+#: step of one position in thread-block clusters, sm_90); and ``pair`` (``lora_pair_shrink`` then
+#: ``lora_pair_expand``, pair.cuh: the decode buckets' delta in two light launches that overlap the
+#: call before under programmatic dependent launch).
+EXPAND_KERNELS = ("expand", "expand_stream", "expand_ring", "chunk", "one", "pair")
 #: Tile height and column block of ``lora_expand_ring`` (``Ring<T>`` in expand_ring.cuh).
 RING_BM = 64
 RING_BN = 64
@@ -165,6 +167,20 @@ def one_name(ctype: str, rw: int, *, aligned: bool, m: int = 1) -> str:
     return f"lora_one<{ctype}, {rw}, {_cbool(aligned)}, {m}>"
 
 
+#: Slices a ``lora_pair_shrink`` instantiation is built for (pair.cuh: its row tiles at rank width 16; a
+#: target of n slices takes the smallest at least n), and positions a chunk of the pair.
+PAIR_RT = (1, 2, 3, 4, 8)
+PAIR_M = 8
+
+
+def pair_name(ctype: str, part: str, *, aligned: bool, rt: int = 0) -> str:
+    """The name expression of ``lora_pair_shrink`` (``part="shrink"``, for ``rt`` slices, one of
+    ``PAIR_RT``) or ``lora_pair_expand`` (pair.cuh, in the 16-bit tensor-core families)."""
+    if part == "shrink":
+        return f"lora_pair_shrink<{ctype}, {rt}, {_cbool(aligned)}>"
+    return f"lora_pair_expand<{ctype}, {_cbool(aligned)}>"
+
+
 def _mma_names(ctype: str) -> tuple[str, ...]:
     glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
     chunk = tuple(chunk_name(ctype, rw, bm, aligned=a, sliced=sl) for rw, bm in CHUNK_SHAPES
@@ -172,8 +188,10 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
     chunk_cl = tuple(chunk_cl_name(ctype, rw, aligned=a, sliced=sl) for rw in CHUNK_RW
                      for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
     one = tuple(one_name(ctype, rw, aligned=a, m=m) for rw in ONE_RW for a in (False, True) for m in ONE_MS)
+    pair = (tuple(pair_name(ctype, "shrink", aligned=a, rt=rt) for rt in PAIR_RT for a in (False, True))
+            + tuple(pair_name(ctype, "expand", aligned=a) for a in (False, True))) if ctype != "float" else ()
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
-                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + chunk_cl + one
+                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + chunk_cl + one + pair
 
 
 #: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.

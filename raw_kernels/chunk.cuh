@@ -669,7 +669,10 @@ __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRo
   count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
   const int parts = chunk_parts(g, cs.chunks, grid), items = cs.chunks * parts;
   const int takers = min(grid, items);
-  if ((int)blockIdx.x >= takers) return;  // cs.chunks is the block's after count_chunks: uniform
+  if ((int)blockIdx.x >= takers) {  // cs.chunks is the block's after count_chunks: uniform
+    if (early && blockIdx.x == 0) wait_prior_grid();  // no grid finishes before the one before it
+    return;
+  }
   chunk_items<T, RW, BM, ALIGNED, SLICED>(g, dsmem, s_indptr, tr, cs, cw, parts, items, early);
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -50,6 +50,10 @@
 //     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot: by default where
 //     default_one says (16-bit types at rank width 16; NOTES.md, "lora_one in chunks on tensor
 //     cores"), elsewhere where it is asked for (expand="one").
+//   lora_pair_shrink<..., RT, ALIGNED> then lora_pair_expand<..., ALIGNED> (pair.cuh: two light launches
+//     that overlap the call before under programmatic dependent launch, partial sums of v through
+//     ws): the decode buckets from 2 to PAIR_TO positions in the 16-bit types at rank width 16, by
+//     default (backends/cupy.py, default_pair; NOTES.md, "lora_pair"); RT slices (1, 2, 3, 4, 8).
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
 //     that lora_chunk and lora_one do not take (one position below sm_90 or above one_max_share; fp32;
 //     several slices with columns below 64
@@ -929,6 +933,7 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
 #include "expand_glu.cuh"
 #include "chunk.cuh"
 #include "one.cuh"
+#include "pair.cuh"
 
 #define LORA_PARAMS                                                                                   \
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
@@ -1067,7 +1072,10 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one
     lora::enter_grid<true>(early);
     __shared__ lora::OneStep st;
     __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
-    if (!lora::one_setup(g, st)) return;  // the same in every block: a cluster leaves whole
+    if (!lora::one_setup(g, st)) {  // the same in every block: a cluster leaves whole
+      if (early && blockIdx.x == 0) lora::wait_prior_grid();  // no grid finishes before the one before it
+      return;
+    }
     lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first columns, in flight through the shrink
     lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
     if (early) {
@@ -1122,6 +1130,7 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one
                                                shares * lora::ONE_CLUSTER);
       lora::cluster_wait();  // ... and they ours: the next item may rewrite it, or the block leave
     }
+    if (!waited && blockIdx.x == 0) lora::wait_prior_grid();  // no grid finishes before the one before it
   }
 #else
   __trap();
@@ -1179,4 +1188,21 @@ __global__ void LORA_CHUNK_CLUSTER __launch_bounds__(128, 4) lora_chunk_cl(LORA_
 #else
   __trap();
 #endif
+}
+
+// lora_pair (pair.cuh): the decode buckets' delta in two launches, the shrink's parts of v in ws.
+// Dynamic shared memory: slot_indptr and the chunks before each slot (2 x (S + 1) ints).
+template <typename T, int RT, bool ALIGNED>
+__global__ void __launch_bounds__(lora::PAIR_SW * 32) lora_pair_shrink(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  LORA_ARGS;
+  lora::require_smem(8 * (num_slots + 1));
+  lora::pair_shrink<T, RT, ALIGNED>(g, reinterpret_cast<int*>(dsmem));
+}
+template <typename T, bool ALIGNED>
+__global__ void __launch_bounds__(lora::PAIR_EW * 32, 3) lora_pair_expand(LORA_PARAMS) {
+  extern __shared__ __align__(16) char dsmem[];
+  LORA_ARGS;
+  lora::require_smem(8 * (num_slots + 1));
+  lora::pair_expand<T, ALIGNED>(g, reinterpret_cast<int*>(dsmem));
 }

@@ -48,6 +48,9 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
         # its decode buckets in thread-block clusters (sm_90)
         wanted |= {f"lora_chunk_cl<{ct}, {rw}, {al}, {sl}>" for rw in kernels.CHUNK_RW
                    for al in ("false", "true") for sl in ("false", "true")}
+        # the decode buckets' pair at rank width 16: the shrink for 1, 2, 3, 4 or 8 slices, the expand
+        wanted |= {f"lora_pair_shrink<{ct}, {rt}, {al}>" for rt in kernels.PAIR_RT for al in ("false", "true")}
+        wanted |= {f"lora_pair_expand<{ct}, {al}>" for al in ("false", "true")}
     # one position, or chunks of ONE_M, in thread-block clusters (sm_90): every dtype, each rank width
     wanted |= {f"lora_one<{ct}, {rw}, {al}, {m}>" for rw in kernels.ONE_RW for al in ("false", "true")
                for m in kernels.ONE_MS}
@@ -136,6 +139,12 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         if prev is not None and prev.bucket == b:
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
+        if p.expand == "pair":  # lora_pair: its own workspace, no counters
+            assert cb.default_pair(b, dtype, R) and cb.pair_fits(b, dtype, R, n) is None
+            assert (p.bm, p.tiles) == (cb.PAIR_M, cb.pair_chunks(b, spec.num_slots)) and p.counter_ints() == 0
+            assert p.blocks == p.tiles * p.splits and p.col_blocks >= p.tiles and p.splits <= cb.PAIR_MAX_SPLITS
+            assert cb.pair_floats(b, in_f, n, spec.num_slots) <= cb.pair_workspace(spec)
+            continue
         if p.expand == "one":  # lora_one: clusters, no workspace or counters
             assert cb.default_one(b, True, cb.one_share(in_f, n, R, dtype), dtype, R)
             assert cb.one_fits(b, R) is None and p.bm == (1 if b == cb.ONE_BUCKET else cb.ONE_M)
@@ -306,9 +315,9 @@ def test_each_shipped_kernel_is_a_default_somewhere():
                     p = cb.plan_launch(b, 4096, out, n, r, dt, num_slots=33, live_slices=live)
                     chosen.add("fused" if p.fused else p.expand)
                     fits = cb.chunk_fits(dt, r, n, live) is None
-                    one = p.expand == "one"  # lora_one first where default_one takes the call
+                    one = p.expand in ("one", "pair")  # lora_pair, then lora_one first where they take the call
                     assert (p.expand == "chunk") == (not p.fused and not one and fits and cb.default_chunk(b, r))
-                    if p.expand == "one":  # the bucket of one position (test_one_position_...)
+                    if one:  # the decode buckets at rank width 16 (test_decode_buckets_...), one position
                         continue
                     if p.expand == "chunk":
                         widths.add(cb.chunk_geometry(r)[0])
@@ -399,27 +408,64 @@ def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(o
             assert (p.expand, p.n_slices, p.col_blocks) == ("chunk", n, -(-out // cb.chunk_geometry(R)[2]))
 
 
-def test_decode_buckets_run_lora_one_in_chunks_at_rank_width_16():
-    """From 2 up to ONE_CHUNK_TO positions lora_one runs in chunks of ONE_M by default in the 16-bit
-    types at rank width 16 on a device with clusters, every target of the Llama-8B layer; never in
-    fp32, at rank 64, without clusters, in halves or where something else is forced."""
+def test_decode_buckets_run_lora_pair_at_rank_width_16():
+    """From PAIR_FROM up to PAIR_TO positions lora_pair runs by default in the 16-bit types at rank width
+    16, every target of the Llama-8B layer, with or without clusters; never in fp32, at rank 64, in
+    halves or where something else is forced. Its grids: the shrink a block an item (the most chunks a
+    step can have x the splits of `in`), the expand at least a block a chunk, more for wide outputs."""
     layer = {"qkv": (4096, 6144, 3), "o": (4096, 4096, 1), "gate_up": (4096, 28672, 2), "down": (14336, 4096, 1)}
     for dtype in ("bfloat16", "float16"):
         for name, (in_f, out, n) in layer.items():
-            ones = [b for b in DEFAULT_CAPTURE_BUCKETS[1:]
-                    if cb.plan_launch(b, in_f, out, n, 16, dtype, num_slots=33, slice_align=128).expand == "one"]
-            assert ones == [b for b in DEFAULT_CAPTURE_BUCKETS[1:] if b <= cb.ONE_CHUNK_TO], name
-            for b in ones:
+            pairs = [b for b in DEFAULT_CAPTURE_BUCKETS
+                     if cb.plan_launch(b, in_f, out, n, 16, dtype, num_slots=33, slice_align=128).expand == "pair"]
+            assert pairs == [b for b in DEFAULT_CAPTURE_BUCKETS if cb.PAIR_FROM <= b <= cb.PAIR_TO], name
+            for b in pairs:
                 p = cb.plan_launch(b, in_f, out, n, 16, dtype, num_slots=33, slice_align=128)
-                assert (p.bm, p.blocks) == (cb.ONE_M, cb.ONE_CHUNK_CLUSTERS * cb.ONE_CLUSTER)
-                assert cb.plan_launch(b, in_f, out, n, 8, dtype, num_slots=33, slice_align=128).expand == "one"
-                for kw in (dict(clusters=False), dict(whole=False), dict(fused=True), dict(expand="chunk")):
+                per_sm = cb.PAIR_EXPAND_PER_SM_WIDE if out >= cb.PAIR_WIDE else cb.PAIR_EXPAND_PER_SM
+                assert (p.bm, p.splits) == (cb.PAIR_M, cb.pair_splits(in_f, n))
+                assert p.col_blocks == max(p.tiles, per_sm * cb.DEFAULT_SMS)
+                # the splits cover `in` in one round of each block's k-blocks
+                assert p.splits * cb.PAIR_SW * cb.PAIR_KB[cb.pair_rt(n)] * 32 >= in_f
+                for kw in (dict(clusters=False), dict(max_rank=8)):
+                    args = dict(max_rank=16) | kw
+                    assert cb.plan_launch(b, in_f, out, n, args.pop("max_rank"), dtype, num_slots=33,
+                                          slice_align=128, **args).expand == "pair"
+                for kw in (dict(whole=False), dict(fused=True), dict(expand="chunk"), dict(expand="one")):
                     assert cb.plan_launch(b, in_f, out, n, 16, dtype, num_slots=33, slice_align=128,
-                                          **kw).expand != "one"
+                                          **kw).expand != "pair"
     for b in DEFAULT_CAPTURE_BUCKETS[1:]:
-        assert cb.plan_launch(b, 4096, 4096, 1, 16, "float32", num_slots=33).expand != "one"
-        assert cb.plan_launch(b, 4096, 4096, 1, 64, "bfloat16", num_slots=33).expand != "one"
-    assert cb.plan_launch(2 * cb.ONE_CHUNK_TO, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand != "one"
+        assert cb.plan_launch(b, 4096, 4096, 1, 16, "float32", num_slots=33).expand != "pair"
+        assert cb.plan_launch(b, 4096, 4096, 1, 64, "bfloat16", num_slots=33).expand != "pair"
+    assert cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand == "one"
+    assert cb.plan_launch(2 * cb.PAIR_TO, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand != "pair"
+
+
+def test_pair_plans_refuse_what_the_kernels_do_not_serve():
+    for kw, why in ((dict(dtype="float32"), "float16 and bfloat16"), (dict(max_rank=64), "ranks up to 16"),
+                    (dict(bucket=512), "up to 256 positions"), (dict(n_slices=9), "up to 8 slices"),
+                    (dict(whole=False), "not in halves"), (dict(tile=16), "no tile")):
+        args = dict(bucket=64, max_rank=16, dtype="bfloat16", n_slices=1) | kw
+        with pytest.raises(ValueError, match=why):
+            cb.plan_launch(args.pop("bucket"), 4096, 4096, args.pop("n_slices"), args.pop("max_rank"),
+                           args.pop("dtype"), num_slots=33, expand="pair", **args)
+
+
+def test_pair_chunk_bound_holds_every_step():
+    """``pair_chunks``: no step of `bucket` positions over the slots has more chunks of PAIR_M (the grids
+    and the workspace are sized for it): random steps, and the step of most chunks (every slot but one
+    with one position, the rest on the last)."""
+    rng = np.random.default_rng(7)
+    for bucket in (2, 3, 8, 9, 64, 256):
+        for slots in (2, 3, 9, 33, 513):
+            bound = cb.pair_chunks(bucket, slots)
+            most = 0
+            for _ in range(200):
+                counts = rng.multinomial(bucket, rng.dirichlet(np.ones(slots - 1) * rng.uniform(0.05, 2)))
+                most = max(most, int(sum(-(-c // cb.PAIR_M) for c in counts)))
+                assert most <= bound
+            k = min(slots - 1, bucket)  # k slots of one position each, the rest on one of them
+            worst = (k - 1) + -(-(bucket - (k - 1)) // cb.PAIR_M)
+            assert worst <= bound
 
 
 def test_unknown_kernels_are_refused():
@@ -597,7 +643,7 @@ def test_chunks_where_the_step_is_small_and_only_for_the_fused_kernel():
         assert cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=True).chunks
         tiles = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=True, chunks=False)
         assert not tiles.chunks and tiles.tiles == -(-b // tiles.bm)
-        for expand in set(kernels.EXPAND_KERNELS) - {"chunk", "one"}:  # the pair's kernels run tiles, whatever is asked
+        for expand in set(kernels.EXPAND_KERNELS) - {"chunk", "one", "pair"}:  # the pair's kernels run tiles, whatever is asked
             assert not cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, fused=False,
                                       expand=expand, chunks=True).chunks
 
@@ -773,6 +819,8 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         assert "default" in names
         assert (set(bench.VERSIONS) - set(bench.ONE_LAUNCH) <= names) == (not fused)
         assert ("one" in names) == ((row.bucket or row.T) <= cb.ONE_CHUNK_TO)  # lora_one: the decode buckets
+        assert ("pair" in names) == (cb.pair_fits(row.bucket or row.T, row.dtype, row.pool_rank,
+                                                  len(row.slices)) is None)
         assert "one" not in bench.kernel_variants(row, sweep=False, clusters=False)  # below sm_90
         assert (set(bench.DECODE_VERSIONS) <= names) == fused
         # lora_chunk is timed wherever it serves the row: 16-bit, a pool of rank <= 128, one slice or

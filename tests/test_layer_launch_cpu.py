@@ -188,10 +188,10 @@ def test_a_half_is_packed_once_per_views_and_part_planned_unfused():
     layer.half("expand", y, v16, 16)
     layer.half("shrink", x, v16, 16)
     assert be.parts == [("shrink",), ("expand",)]  # one packing per (views, part)
-    # planned as the pair: bucket 16 runs one launch when whole (lora_one in chunks here)
-    assert all(not c.plan.fused and c.plan.expand not in ("chunk", "one") for c in be.prepared)
+    # planned as lora_shrink and an expand: bucket 16 runs lora_pair when whole
+    assert all(not c.plan.fused and c.plan.expand not in ("chunk", "one", "pair") for c in be.prepared)
     whole = cb.plan_launch(16, 64, 96, 1, 16, "bfloat16", num_slots=5, num_sms=cb.DEFAULT_SMS)
-    assert whole.fused or whole.expand in ("chunk", "one")
+    assert whole.expand == "pair"
     px, py = x.__cuda_array_interface__["data"][0], y.__cuda_array_interface__["data"][0]
     assert [launch[2:4] for launch in be.launched] == [(px, px), (py, py), (px, px)]
     assert be.launched[0][0] is be.launched[2][0] is not be.launched[1][0]
@@ -373,7 +373,7 @@ def test_expand_v_packs_each_slice_and_v_and_refuses_misaligned_rows():
 
 def test_views_with_a_rank_bound_plan_and_build_the_call_for_the_narrower_rank():
     """A pool of maximum rank 128 whose step's slots reach rank 16 at most: the whole delta is planned
-    and its kernels picked and sized for rank 16 (lora_one at width 16, v rows of 16), A and B still
+    and its kernels picked and sized for rank 16 (lora_pair, v rows of 16), A and B still
     read with rank 128's strides; another bound is another packed launch; the halves keep rank 128."""
     be, layer, spec = _layer(R=128)
     x, y = FakeDeviceArray((64, 64), "<u2"), FakeDeviceArray((64, 96), "<u2")
@@ -385,21 +385,22 @@ def test_views_with_a_rank_bound_plan_and_build_the_call_for_the_narrower_rank()
     assert (narrow.rank, narrow.rw, narrow.dims[2]) == (16, 16, 128)
     assert (wide.rank, wide.rw, wide.dims[2]) == (128, 128, 128)
     assert narrow.plan == cb.plan_launch(64, 64, 96, 1, 16, "bfloat16", num_slots=5, num_sms=cb.DEFAULT_SMS)
-    assert narrow.plan.expand == "one" and wide.plan.expand == "chunk"
+    assert narrow.plan.expand == "pair" and wide.plan.expand == "chunk"
     layer.half("shrink", x, bounded, 64)
     assert be.prepared[-1].rank == 128 and be.prepared[-1].rw == 128
 
     class Kernels:  # what CupyBackend._kernels reads of its backend
         kernel, early_reads, aligned = "mma", 0, None
-        workspace = counters = type("Buf", (), {"data": type("D", (), {"ptr": 1 << 20})()})()
+        workspace = counters = pair_ws = type("Buf", (), {"data": type("D", (), {"ptr": 1 << 20})(), "size": 1 << 30})()
 
         def _kernel_fn(self, dtype, key):
             return key
 
-    got = cb.CupyBackend._kernels(Kernels(), narrow)
-    [one] = got
-    assert one.fn[:2] == ("one", 16) and one.smem == cb.one_smem(16, 1, 5, 64, "bfloat16")
+    shrink, expand = cb.CupyBackend._kernels(Kernels(), narrow)
+    assert shrink.fn[:2] == ("pair_shrink", 1) and expand.fn[:1] == ("pair_expand",)
+    assert shrink.smem == expand.smem == 8 * (5 + 1) and (shrink.block[0], expand.block[0]) == (128, 256)
     R_at, rw_at = 13, 18  # max_rank and rw among lora_mma's parameters
-    assert one.args[R_at] == 128 and one.args[rw_at] == 16
+    for call in (shrink, expand):
+        assert call.args[R_at] == 128 and call.args[rw_at] == 16
     [chunk] = cb.CupyBackend._kernels(Kernels(), wide)
     assert chunk.fn[:2] == ("chunk", 128) and chunk.args[R_at] == 128 and chunk.args[rw_at] == 128

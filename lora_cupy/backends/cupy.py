@@ -31,8 +31,8 @@ import numpy as np
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       ONE_CLUSTER, ONE_M, ONE_RW, STREAM_BN, chunk_cl_name, chunk_name, expand_v_name, glu_name,
-                       load_module, mma_family, mma_kernels, mma_name, one_name)
+                       ONE_CLUSTER, ONE_M, ONE_RW, PAIR_M, PAIR_RT, STREAM_BN, chunk_cl_name, chunk_name, expand_v_name,
+                       glu_name, load_module, mma_family, mma_kernels, mma_name, one_name, pair_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
 
@@ -219,8 +219,9 @@ class LaunchPlan:
     #: an unfused shrink whose slices share one rank block (``packed_slices``): one task per
     #: tile and split reads x once for every slice
     packed: bool = False
-    #: the grid of a launch whose blocks take their work by ticket (``lora_chunk``: one wave), or of
-    #: ``lora_one`` (clusters of ``ONE_CLUSTER`` blocks)
+    #: the grid of a launch whose blocks take their work by ticket (``lora_chunk``: one wave), of
+    #: ``lora_one`` (clusters of ``ONE_CLUSTER`` blocks), or of ``lora_pair_shrink`` (``tiles`` chunks x
+    #: ``splits``; its expand's grid is ``col_blocks``)
     blocks: int = 0
     #: ``lora_chunk`` over several slices with columns (its ``SLICED`` instantiation); else one
     sliced: bool = False
@@ -230,7 +231,7 @@ class LaunchPlan:
 
     @property
     def shrink_blocks(self) -> int:
-        if self.expand in ("chunk", "one"):  # one launch: every block shrinks, then expands
+        if self.expand in ("chunk", "one", "pair"):  # one launch (every block shrinks, then expands), or the pair's shrink
             return self.blocks
         return self.tiles * self.splits * (1 if self.packed else self.n_slices * self.rank_blocks)
 
@@ -238,13 +239,15 @@ class LaunchPlan:
     def expand_blocks(self) -> int:
         if self.expand in ("chunk", "one"):
             return self.blocks
+        if self.expand == "pair":  # lora_pair_expand's grid: at least one block a chunk (tiles)
+            return self.col_blocks
         return self.tiles * _ceil(self.col_blocks, self.cpb)
 
     def workspace_floats(self, rw: int) -> int:
         return self.bucket * self.n_slices * rw
 
     def counter_ints(self) -> int:
-        return 2 + 2 * self.tiles
+        return 0 if self.expand == "pair" else 2 + 2 * self.tiles
 
 
 def default_tile(bucket: int) -> int:
@@ -389,8 +392,10 @@ def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int
     return n_slices * rank_width(max_rank) * one_pieces(in_features, dtype) * 16
 
 
-#: Above one position ``lora_one`` runs in chunks of ``ONE_M`` by default in the 16-bit types at rank
-#: width 16 (both halves on tensor cores, one.cuh), every target, up to ``ONE_CHUNK_TO`` positions. On
+#: Above one position ``lora_one`` runs in chunks of ``ONE_M`` where it is asked for (``expand="one"``):
+#: ``lora_pair`` took its place as the default there (``default_pair``). Until then it was the default
+#: in the 16-bit types at rank width 16 (both halves on tensor cores, one.cuh), every target, up to
+#: ``ONE_CHUNK_TO`` positions. On
 #: an H200 (raw_kernels/NOTES.md, "lora_one in chunks on tensor cores"; the Llama-8B layer's calls each
 #: alone, warm) against lora_chunk, the default before: q/k/v, o, gate_up and down 12.8 / 8.2 / 28.1 /
 #: 10.0 us against 21.1 / 11.5 / 35.9 / 15.1 at 64 positions over 32 adapters; gate_up 13.4 against
@@ -399,12 +404,88 @@ def default_one(bucket: int, clusters: bool, share: int, dtype: str, max_rank: i
     """Whether a call of ``bucket`` positions runs ``lora_one`` by default, on a device with
     thread-block clusters (compute capability 9.0 or above): the bucket of one position where a
     block's share of A (``one_share``) is at most ``one_max_share(dtype)``; from 2 positions up to
-    ``ONE_CHUNK_TO``, chunks of ``ONE_M`` in the 16-bit types at rank width 16."""
+    ``ONE_CHUNK_TO``, chunks of ``ONE_M`` in the 16-bit types at rank width 16 where ``lora_pair``
+    does not take the call first (the planner asks ``default_pair`` before this)."""
     if not clusters:
         return False
     if bucket == ONE_BUCKET:
         return share <= one_max_share(dtype)
     return _ITEMSIZE[normalize_dtype(dtype)] == 2 and rank_width(max_rank) == 16 and bucket <= ONE_CHUNK_TO
+
+
+#: The capture buckets ``lora_pair`` (pair.cuh: a shrink and an expand launch that overlap the call
+#: before under programmatic dependent launch) serves by default, in the 16-bit types at rank width
+#: 16: on an H200 (raw_kernels/NOTES.md, "lora_pair") the Llama-8B layer's four calls back to back ran
+#: 16 x 8 / 64 x 8 / 64 x 32 / 256 x 32 (positions x adapters) in 24.8 / 25.7 / 55.6 / 65.8 us warm
+#: where lora_one in chunks, the default before, took 31.3 / 35.5 / 56.9 / 69.6.
+PAIR_FROM = 2
+PAIR_TO = 256
+#: Warps of a ``lora_pair_shrink`` block, the 32-wide k-blocks each holds by the slices the kernel is
+#: built for (``PairKB``, pair.cuh), and the most splits of ``in`` a chunk (the expand sums them).
+PAIR_SW = 4
+PAIR_KB = {1: 4, 2: 3, 3: 2, 4: 2, 8: 1}
+PAIR_MAX_SPLITS = 32
+#: Warps of a ``lora_pair_expand`` block, and its blocks a multiprocessor: ``PAIR_EXPAND_PER_SM``,
+#: ``PAIR_EXPAND_PER_SM_WIDE`` for outputs of ``PAIR_WIDE`` columns or more (gate_up over 32 adapters
+#: ran 19-20 us at 3 against 23 at 2; o and down ran faster at 2).
+PAIR_EW = 8
+PAIR_EXPAND_PER_SM = 2
+PAIR_EXPAND_PER_SM_WIDE = 3
+PAIR_WIDE = 8192
+
+
+def pair_rt(n_slices: int) -> int:
+    """The slices of the ``lora_pair_shrink`` instantiation a target of ``n_slices`` runs."""
+    return next(rt for rt in PAIR_RT if rt >= n_slices)
+
+
+def pair_chunks(bucket: int, num_slots: int) -> int:
+    """The most chunks of at most ``PAIR_M`` positions of one slot a step of ``bucket`` positions over
+    slots 1..num_slots-1 can have: sum of ceil(count / PAIR_M) <= (bucket + (PAIR_M - 1) * slots) / PAIR_M."""
+    return max(1, min(bucket, (bucket + (PAIR_M - 1) * min(num_slots - 1, bucket)) // PAIR_M))
+
+
+def pair_splits(in_features: int, n_slices: int) -> int:
+    """Splits of ``in`` a chunk's shrink takes: one round of the block's k-blocks each, at most
+    ``PAIR_MAX_SPLITS`` (the kernel then takes several rounds a block)."""
+    per = PAIR_SW * PAIR_KB[pair_rt(n_slices)]
+    return max(1, min(PAIR_MAX_SPLITS, _ceil(_ceil(in_features, 32), per)))
+
+
+def pair_floats(bucket: int, in_features: int, n_slices: int, num_slots: int) -> int:
+    """Floats of the parts of v a ``lora_pair`` call writes (its workspace): chunks x splits x
+    ``PAIR_M`` x n x 16."""
+    return pair_chunks(bucket, num_slots) * pair_splits(in_features, n_slices) * PAIR_M * n_slices * 16
+
+
+def pair_fits(bucket: int, dtype: str, max_rank: int, n_slices: int) -> str | None:
+    """Why ``lora_pair`` cannot serve a call (None: it can): the 16-bit types, rank width 16, up to
+    ``PAIR_TO`` positions and ``PAIR_RT[-1]`` slices."""
+    if _ITEMSIZE[normalize_dtype(dtype)] != 2:
+        return f"lora_pair runs on tensor cores in float16 and bfloat16, not {normalize_dtype(dtype)}"
+    if rank_width(max_rank) != 16:
+        return f"lora_pair is built for ranks up to 16, not {max_rank}"
+    if bucket > PAIR_TO:
+        return f"lora_pair serves capture buckets of up to {PAIR_TO} positions, not {bucket}"
+    if n_slices > PAIR_RT[-1]:
+        return f"lora_pair is built for up to {PAIR_RT[-1]} slices, not {n_slices}"
+    return None
+
+
+def default_pair(bucket: int, dtype: str, max_rank: int) -> bool:
+    """Whether a call of ``bucket`` positions runs ``lora_pair`` by default: ``PAIR_FROM`` to
+    ``PAIR_TO`` positions, 16-bit types, rank width 16."""
+    return PAIR_FROM <= bucket <= PAIR_TO and _ITEMSIZE[normalize_dtype(dtype)] == 2 and rank_width(max_rank) == 16
+
+
+def pair_workspace(spec: LoraSpec) -> int:
+    """Floats the parts of v of ``lora_pair`` take for every target of a spec, at its largest bucket
+    the pair serves (0: a dtype it does not serve)."""
+    if normalize_dtype(spec.dtype) not in CHUNK_DTYPES or spec.max_tokens < 1:
+        return 0
+    bucket = min(spec.max_tokens, PAIR_TO)
+    return max(pair_floats(bucket, t.in_features, t.num_slices, spec.num_slots) for t in spec.targets
+               if t.num_slices <= PAIR_RT[-1])
 
 
 #: The largest capture bucket ``lora_one`` serves in chunks of ``ONE_M`` positions (a cluster a chunk
@@ -564,6 +645,10 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     launch splits ``in`` for those alone, so the member's shrink fills the device as a one-slice
     target's does. None: every slice.
 
+    From ``PAIR_FROM`` to ``PAIR_TO`` positions in the 16-bit types at rank width 16 a call runs
+    ``lora_pair`` (``default_pair``: a shrink launch and an expand launch, see pair.cuh) unless a
+    tile, fusing, chunks or another expand are forced, or ``whole`` is False; ``expand="pair"``
+    forces it wherever ``pair_fits``.
     The bucket of one position runs ``lora_one`` (``default_one``: one launch of clusters, see
     one.cuh) where a block's share of A is small enough, unless a tile, fusing, chunks or another
     expand are forced, or ``whole`` is False; ``expand="one"`` forces it at any share.
@@ -592,6 +677,18 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     """
     dtype = normalize_dtype(dtype)
     unforced = fused is None and expand is None and chunks is None and whole and tile is None
+    if expand == "pair" or (unforced and default_pair(bucket, dtype, max_rank)):
+        why = (pair_fits(bucket, dtype, max_rank, n_slices)
+               or (None if whole else "lora_pair runs the whole delta, not in halves")
+               or (None if not (fused or chunks or tile) else "lora_pair takes no tile, fusing or chunks"))
+        if why:
+            raise ValueError(why)
+        bound, splits = pair_chunks(bucket, num_slots), pair_splits(in_features, n_slices)
+        per_sm = PAIR_EXPAND_PER_SM_WIDE if out_features >= PAIR_WIDE else PAIR_EXPAND_PER_SM
+        return LaunchPlan(bucket=bucket, bm=PAIR_M, bn=16, splits=splits,
+                          k_split=32 * PAIR_SW * PAIR_KB[pair_rt(n_slices)], fused=False, tiles=bound,
+                          rank_blocks=1, col_blocks=max(bound, per_sm * num_sms), cpb=1, n_slices=n_slices,
+                          expand="pair", blocks=bound * splits)
     share = one_share(in_features, n_slices, max_rank, dtype)
     if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype, max_rank)
                            and one_fits(bucket, max_rank) is None):
@@ -1287,6 +1384,8 @@ class CupyBackend:
             sms = int(num_sms or self._device.attributes["MultiProcessorCount"])
             floats, ints = plan_workspace(spec)
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
+            #: lora_pair's parts of v (written whole by its shrink before its expand reads them)
+            self.pair_ws = cupy.zeros(max(1, pair_workspace(spec) if kernel == "mma" else 0), np.float32)
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
             clusters = int(self._device.compute_capability) >= 90
@@ -1358,6 +1457,15 @@ class CupyBackend:
                         fn = mod.get_function(chunk_cl_name(ct, rw, aligned=aligned, sliced=sliced))
                         fn.max_dynamic_shared_size_bytes = chunk_cl_smem(dtype, MAX_SLOTS, MAX_SLICES, rw)
                         self._fns[(dtype, "chunk_cl", rw, sliced, aligned)] = fn
+        if dtype in CHUNK_DTYPES:  # lora_pair: slot_indptr and the chunks before each slot
+            for aligned in (False, True):
+                for rt in PAIR_RT:
+                    fn = mod.get_function(pair_name(ct, "shrink", aligned=aligned, rt=rt))
+                    fn.max_dynamic_shared_size_bytes = 8 * (MAX_SLOTS + 1)
+                    self._fns[(dtype, "pair_shrink", rt, aligned)] = fn
+                fn = mod.get_function(pair_name(ct, "expand", aligned=aligned))
+                fn.max_dynamic_shared_size_bytes = 8 * (MAX_SLOTS + 1)
+                self._fns[(dtype, "pair_expand", aligned)] = fn
         for rw in ONE_RW:  # static shared memory at one position; part, v, x and slot_indptr in chunks
             for aligned in (False, True):
                 self._fns[(dtype, "one", rw, 1, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
@@ -1507,6 +1615,22 @@ class CupyBackend:
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
+        if plan.expand == "pair":  # two launches, the parts of v in the pair's own workspace
+            need = pair_floats(plan.bucket, in_f, n, S)
+            if need > self.pair_ws.size:
+                raise ValueError(f"lora_pair needs {need} floats of workspace for this call; the backend built "
+                                 f"{self.pair_ws.size} for its spec")
+            pargs = args[:9] + (np.uint64(self.pair_ws.data.ptr),) + args[10:]
+            smem = 8 * (S + 1)
+            out_calls = []
+            for part, key, grid, warps in (("shrink", ("pair_shrink", pair_rt(n)), plan.blocks, PAIR_SW),
+                                           ("expand", ("pair_expand",), plan.col_blocks, PAIR_EW)):
+                if part in parts:
+                    out_calls.append(KernelCall(
+                        f"pair_{part}", self._kernel_fn(dtype, (*key, False)), (grid, 1, 1), (32 * warps, 1, 1), smem,
+                        pargs, 0, 1, len(pargs) - 2,
+                        None if self.aligned is False else self._kernel_fn(dtype, (*key, True)), pdl=True))
+            return out_calls
         if plan.expand in ("chunk", "one") and set(parts) != {"shrink", "expand"}:
             raise ValueError(f"lora_{plan.expand} runs the shrink and the expand in one launch: neither runs alone")
         Rw = call.rank  # what the kernels are built and sized for; R stays A's and B's stride
@@ -1539,7 +1663,7 @@ class CupyBackend:
                 res[c.name] = {"registers": int(attrs["num_regs"]), "local_bytes": int(attrs["local_size_bytes"]),
                                "smem": int(c.smem) + int(attrs["shared_size_bytes"]),
                                "blocks_per_sm": int(self._driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                                   fn.kernel.ptr, THREADS, int(c.smem))),
+                                   fn.kernel.ptr, int(c.block[0]), int(c.smem))),
                                "aligned": fn is c.fn_aligned}
         return res
 

@@ -494,6 +494,8 @@ def _plan_label(plan) -> str:
     label = f"{plan.bm}{'f' if plan.fused else ''}{'c' if plan.chunks else ''}/s{plan.splits}"
     if plan.expand == "one":  # clusters of ONE_CLUSTER blocks
         return label + f" one x{plan.blocks // plan.splits}"
+    if plan.expand == "pair":  # the shrink's and the expand's grids
+        return label + f" pair {plan.blocks}+{plan.col_blocks}"
     if plan.cluster:  # lora_chunk_cl: clusters of CHUNK_CLUSTER blocks, at most `splits` a chunk
         from ..backends.cupy import CHUNK_CLUSTER
 
@@ -528,9 +530,10 @@ VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
 #: at rank width 16, backends/cupy.py default_one).
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
             "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk", cluster=False),
-            "chunk_cl": dict(expand="chunk", cluster=True), "one": dict(expand="one")}
-#: The versions that run shrink and expand in one launch (no kernel timed alone).
-ONE_LAUNCH = ("chunk", "chunk_cl", "one")
+            "chunk_cl": dict(expand="chunk", cluster=True), "one": dict(expand="one"), "pair": dict(expand="pair")}
+#: The versions that run shrink and expand in one launch, or (lora_pair) a pair of their own: no
+#: kernel timed alone.
+ONE_LAUNCH = ("chunk", "chunk_cl", "one", "pair")
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
                    "unfused": dict(fused=False)}
 
@@ -539,7 +542,7 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
     """The backend options timed on one row: the default, then each expand kernel (unfused
     buckets) or the unfused launches (fused buckets). ``clusters``: the device has thread-block
     clusters (sm_90; lora_one needs them)."""
-    from ..backends.cupy import chunk_cl_fits, chunk_fits, default_fused, one_fits, slice_alignment
+    from ..backends.cupy import chunk_cl_fits, chunk_fits, default_fused, one_fits, pair_fits, slice_alignment
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
@@ -557,6 +560,8 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
         out.update(chunk)
     if clusters and one_fits(bucket, row.pool_rank) is None:  # one position, or chunks of ONE_M
         out["one"] = VERSIONS["one"]
+    if pair_fits(bucket, row.dtype, row.pool_rank, len(row.slices)) is None:  # the decode buckets' pair
+        out["pair"] = VERSIONS["pair"]
     return out
 
 
@@ -657,7 +662,8 @@ def _versions_table(results: list[dict]) -> str:
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
     alone_keys = ["shrink", *(v for v in VERSIONS if v not in ONE_LAUNCH)]
     short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring",
-             "chunk": "chunk", "chunk_cl": "chunk_cl", "one": "one", "fused_chunks": "chunks", "fused_tiles": "tiles",
+             "chunk": "chunk", "chunk_cl": "chunk_cl", "one": "one", "pair": "pair", "fused_chunks": "chunks",
+             "fused_tiles": "tiles",
              "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)
             + f" {'best':>7s} {'base':>6s} {'floor':>6s} bars | alone: " + " ".join(alone_keys))

@@ -166,8 +166,7 @@ def main() -> None:
                                    ("pdl, release after wait", 1, True), ("pdl, release first", 2, True)):
             print(f"chain {name:26s} {chain(mod, launcher, warm, release, pdl):6.2f} us a grid", flush=True)
     rel = EARLY | E_RELEASE
-    variants = [("u4 e2", rel, 2, 4, 8), ("u4 e3", rel, 3, 4, 8), ("u4 e2 sf", rel | S_FIRST, 2, 4, 8),
-                ("u4 e3 sf", rel | S_FIRST, 3, 4, 8), ("u4w4e6 sf", rel | S_FIRST, 6, 4, 4), ("u4w4e4", rel, 4, 4, 4)]
+    variants = [("u4 e2 sf", rel | S_FIRST, 2, 4, 8), ("u4 e3 sf", rel | S_FIRST, 3, 4, 8)]
     rows = [tuple(int(v) for v in r.split("x")) for r in args.rows.split(",")]
     print(f"{'row':7s} {'variant':10s} {'warm':>6s} {'flushed':>7s}  calls warm (qkv o gate_up down; pair: then each's shrink, expand alone)  err")
     for _ in range(args.rounds):

@@ -35,7 +35,8 @@ FORCED = {"simt": (dict(kernel="simt"), {}),
           "expand_ring": (dict(fused=False, expand="expand_ring", tile=64), dict(fused=False, expand="expand_ring")),
           "chunk": (dict(fused=False, expand="chunk", cluster=False), dict(expand="chunk", cluster=False)),
           "chunk_cl": (dict(fused=False, expand="chunk", cluster=True), dict(expand="chunk", cluster=True)),
-          "one": (dict(expand="one"), dict(expand="one"))}
+          "one": (dict(expand="one"), dict(expand="one")),
+          "pair": (dict(expand="pair"), dict(expand="pair"))}
 #: the forced launches' shapes: three slices on lora_chunk's 128-column boundaries, and one slice
 FORCED_SLICES = {"qkv": (256, 128, 128), "one-slice": (200,)}
 
@@ -43,7 +44,7 @@ FORCED_SLICES = {"qkv": (256, 128, 128), "one-slice": (200,)}
 def _forced_cases():
     """(variant, shape, T) where the forced launch serves a pool of rank 128 bounded at 16 (the
     planner refuses or replaces the others: lora_chunk_cl one slice at decode buckets only, lora_one
-    up to 256 positions, lora_chunk in chunks of 16 at decode buckets)."""
+    and lora_pair up to 256 positions, lora_chunk in chunks of 16 at decode buckets)."""
     from lora_cupy.backends import cupy as cb
     from lora_cupy.spec import LoraSlice, LoraSpec, LoraTarget
 
@@ -109,13 +110,13 @@ def test_every_kernel_under_a_bound(make_case, check, variant, shape, T):
 
 @pytest.mark.parametrize("T", [16, 64, 256])
 def test_a_rank16_step_of_a_rank128_pool_takes_the_rank16_plan(make_case, T):
-    """The point of the bound: lora_one (a rank-16 pool's decode kernel), not lora_chunk at rank 128
+    """The point of the bound: lora_pair (a rank-16 pool's decode kernels), not lora_chunk at rank 128
     (one slice: lora_chunk serves several only on its column blocks)."""
     case = make_case(T=T, in_f=264, slices=(200,), max_rank=128, ranks=(0, 3, 16), dtype="bfloat16", mix="uniform",
                      num_slots=17, active=8)
     be, w = backend_for(case.spec), dev_weights(case.w)
     narrow, wide = be.plan(T, w, "bfloat16", rank_bound=16), be.plan(T, w, "bfloat16")
-    assert narrow.expand == "one" and wide.expand == "chunk"
+    assert narrow.expand == "pair" and wide.expand == "chunk"
     assert be.plan(T, w, "bfloat16", rank_bound=128) == wide
 
 
