@@ -210,11 +210,11 @@ def test_chunk_decode_buckets_in_clusters_and_by_ticket(make_case, check, name, 
 
 def test_chunk_cl_grid_is_at_most_the_clusters_the_device_holds(make_case, check):
     """The backend asks the driver how many lora_chunk_cl clusters the device holds at once; the
-    plan's grid with lora_chunk asked for (lora_one is the default here) is at most that (clusters
+    plan's grid with lora_chunk asked for (lora_pair is the default here) is at most that (clusters
     past it ran as a second wave, NOTES.md)."""
     case = make_case(T=64, in_f=1024, slices=(4096,), max_rank=16, ranks=(16,), dtype="bfloat16", mix="distinct",
                      num_slots=33, active=32)
-    assert backend_for(case.spec).plan(64, dev_weights(case.w), "bfloat16").expand == "one"
+    assert backend_for(case.spec).plan(64, dev_weights(case.w), "bfloat16").expand == "pair"
     be = backend_for(case.spec, **CHUNK)
     plan = be.plan(64, dev_weights(case.w), "bfloat16")
     assert plan.cluster and be.limits.max_clusters > 0
