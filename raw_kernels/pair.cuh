@@ -156,10 +156,11 @@ __device__ __forceinline__ void pair_prefetch_l2(const void* p) {
 // ---- the shrink ------------------------------------------------------------------------------------
 // Block `item` = (chunk c, split q): k-blocks [q * SW * KB, (q + 1) * SW * KB) of 32 features, warp w
 // the KB from q * SW * KB + w * KB, A's loaded before the wait; where `in` is longer than
-// PAIR_MAX_SPLITS such splits cover, split q's share of the k-blocks, a warp one in turn (after the wait). Lane 4 g + t holds, per k-block, 16 bytes of x (position g,
-// features 8 t .. 8 t + 7) and of A (rows g and g + 8 of each row tile): features are permuted inside
-// each k-block, the MMA's logical k {2t, 2t+1, 2t+8, 2t+9} of the first k-step being features
-// 8t..8t+3 and of the second 8t+4..8t+7 (the same permutation in A and x, so the sum is the same).
+// PAIR_MAX_SPLITS such splits cover, split q's share of the k-blocks, a warp one in turn (after the
+// wait). Lane 4 g + t holds, per k-block, 16 bytes of x (position g, features 8 t .. 8 t + 7) and of
+// A (rows g and g + 8 of each row tile): features are permuted inside each k-block, the MMA's logical
+// k {2t, 2t+1, 2t+8, 2t+9} of the first k-step being features 8t..8t+3 and of the second 8t+4..8t+7
+// (the same permutation in A and x, so the sum is the same).
 template <typename T, int RT, bool ALIGNED>
 __device__ void pair_shrink(const Args<T>& g, int* dsm) {
   constexpr int KB = PairKB<RT>::KB, W = RT * 16;

@@ -231,7 +231,7 @@ class LaunchPlan:
 
     @property
     def shrink_blocks(self) -> int:
-        if self.expand in ("chunk", "one", "pair"):  # one launch (every block shrinks, then expands), or the pair's shrink
+        if self.expand in ("chunk", "one", "pair"):  # every block shrinks, then expands; or the pair's shrink
             return self.blocks
         return self.tiles * self.splits * (1 if self.packed else self.n_slices * self.rank_blocks)
 
