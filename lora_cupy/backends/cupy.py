@@ -426,8 +426,9 @@ PAIR_SW = 4
 PAIR_KB = {1: 4, 2: 3, 3: 2, 4: 2, 8: 1}
 PAIR_MAX_SPLITS = 32
 #: Warps of a ``lora_pair_expand`` block, and its blocks a multiprocessor: ``PAIR_EXPAND_PER_SM``,
-#: ``PAIR_EXPAND_PER_SM_WIDE`` for outputs of ``PAIR_WIDE`` columns or more (gate_up over 32 adapters
-#: ran 19-20 us at 3 against 23 at 2; o and down ran faster at 2).
+#: ``PAIR_EXPAND_PER_SM_WIDE`` for outputs of ``PAIR_WIDE`` columns or more (on an H200 within 0.4 us of
+#: the best of six settings on every layer row; 2 / 2 ran 64 x 32 6 us slower, 3 / 3 64 x 8 4 us slower:
+#: NOTES.md, "lora_pair").
 PAIR_EW = 8
 PAIR_EXPAND_PER_SM = 2
 PAIR_EXPAND_PER_SM_WIDE = 3
@@ -446,8 +447,9 @@ def pair_chunks(bucket: int, num_slots: int) -> int:
 
 
 def pair_splits(in_features: int, n_slices: int) -> int:
-    """Splits of ``in`` a chunk's shrink takes: one round of the block's k-blocks each, at most
-    ``PAIR_MAX_SPLITS`` (the kernel then takes several rounds a block)."""
+    """Splits of ``in`` a chunk's shrink takes: one round of the block's k-blocks each (A held in
+    registers from before the wait), at most ``PAIR_MAX_SPLITS`` (past that a split's warps walk its
+    k-blocks in turn)."""
     per = PAIR_SW * PAIR_KB[pair_rt(n_slices)]
     return max(1, min(PAIR_MAX_SPLITS, _ceil(_ceil(in_features, 32), per)))
 
