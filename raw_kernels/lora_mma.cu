@@ -47,9 +47,9 @@
 //     bucket of one position on sm_90, every type, where a block's share of A is at most one_max_share
 //     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets and, in the 16-bit types,
 //     rank 64 of one slice at in = 4096; larger shares keep lora_chunk or lora_fused);
-//     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot: by default where
-//     default_one says (16-bit types at rank width 16; NOTES.md, "lora_one in chunks on tensor
-//     cores"), elsewhere where it is asked for (expand="one").
+//     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot: where it is asked
+//     for (expand="one"); the default of the 16-bit types at rank width 16 until lora_pair took its
+//     place (NOTES.md, "lora_one in chunks on tensor cores", "lora_pair").
 //   lora_pair_shrink<..., RT, ALIGNED> then lora_pair_expand<..., ALIGNED> (pair.cuh: two light launches
 //     that overlap the call before under programmatic dependent launch, partial sums of v through
 //     ws): the decode buckets from 2 to PAIR_TO positions in the 16-bit types at rank width 16, by
