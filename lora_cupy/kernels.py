@@ -285,6 +285,15 @@ def cuda_include_dirs() -> list[str]:
 
 def _nvrtc(source: str, name: str, arch: str, name_expressions, cubin: bool):
     """``(PTX or CUBIN, {name expression: lowered name})`` of one NVRTC compile, as at run time."""
+    ptx, bin_, lowered = _nvrtc_both(source, name, arch, tuple(name_expressions))
+    return (bin_ if cubin else ptx), dict(lowered)
+
+
+@functools.lru_cache(maxsize=16)
+def _nvrtc_both(source: str, name: str, arch: str, name_expressions: tuple[str, ...]):
+    """One NVRTC compile's PTX, CUBIN and lowered names (a sorted tuple of pairs), kept for the
+    process: the compile check, the code sizes and a prebuild of the same family and architecture
+    share one compile (a tensor-core family takes minutes)."""
     from cupy_backends.cuda.libs import nvrtc
 
     opts = [*run_options(), f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
@@ -297,8 +306,8 @@ def _nvrtc(source: str, name: str, arch: str, name_expressions, cubin: bool):
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise KernelCompileError(f"NVRTC failed for {arch}: {e}\n{log}", path=name) from None
-        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
-        return (nvrtc.getCUBIN(prog) if cubin else nvrtc.getPTX(prog)), lowered
+        lowered = tuple((expr, nvrtc.getLoweredName(prog, expr)) for expr in name_expressions)
+        return nvrtc.getPTX(prog), nvrtc.getCUBIN(prog), lowered
     finally:
         nvrtc.destroyProgram(prog)
 
