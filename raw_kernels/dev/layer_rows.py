@@ -27,14 +27,16 @@ def main() -> None:
     ap.add_argument("--layer", default="1x1", help="TxADAPTERS,... (empty: none)")
     ap.add_argument("--core", default="T1 ", help="the core and shapes rows (bf16) whose label contains this (empty: none)")
     ap.add_argument("--max-t", type=int, default=None, help="only the core rows of at most this many positions")
+    ap.add_argument("--layer-expand", default=None, help="the layer rows with this expand kernel forced (e.g. pair)")
     ap.add_argument("--expand", default=None, help="the core rows also with this expand kernel forced (e.g. one)")
     args = ap.parse_args()
     warm, flushed = Timer(args.replays, "diff", "none"), Timer(args.replays, "diff", "write")
     for spec in filter(None, args.layer.split(",")):
         T, adapters = (int(v) for v in spec.split("x"))
-        r = run_layer(T, adapters, warm, flushed, 1000)
+        r = run_layer(T, adapters, warm, flushed, 1000, {"expand": args.layer_expand} if args.layer_expand else None)
         calls = " ".join(f"{k} {v:.1f}" for k, v in r["calls_warm_us"].items())
-        print(f"{args.tag:8s} layer {T}x{adapters:<32d} warm {r['warm_us']:6.1f} flushed {r['flushed_us']:6.1f}  "
+        tag = args.tag + (f" [{args.layer_expand}]" if args.layer_expand else "")
+        print(f"{tag:8s} layer {T}x{adapters:<32d} warm {r['warm_us']:6.1f} flushed {r['flushed_us']:6.1f}  "
               f"{calls}  ok {r['ok']}", flush=True)
     for row in rows():
         group = row.label.split()[0]
