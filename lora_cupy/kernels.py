@@ -167,18 +167,20 @@ def one_name(ctype: str, rw: int, *, aligned: bool, m: int = 1) -> str:
     return f"lora_one<{ctype}, {rw}, {_cbool(aligned)}, {m}>"
 
 
-#: Slices a ``lora_pair_shrink`` instantiation is built for (pair.cuh: its row tiles at rank width 16; a
-#: target of n slices takes the smallest at least n), and positions a chunk of the pair.
-PAIR_RT = (1, 2, 3, 4, 8)
+#: Slices a ``lora_pair_shrink`` instantiation is built for at each rank width of the pair (pair.cuh:
+#: NS slices of RW / 16 row tiles each; a target of n slices takes the smallest at least n), and
+#: positions a chunk of the pair.
+PAIR_RT = {16: (1, 2, 3, 4, 8), 64: (1, 2)}
 PAIR_M = 8
 
 
-def pair_name(ctype: str, part: str, *, aligned: bool, rt: int = 0) -> str:
+def pair_name(ctype: str, part: str, *, aligned: bool, rw: int = 16, rt: int = 0) -> str:
     """The name expression of ``lora_pair_shrink`` (``part="shrink"``, for ``rt`` slices, one of
-    ``PAIR_RT``) or ``lora_pair_expand`` (pair.cuh, in the 16-bit tensor-core families)."""
+    ``PAIR_RT[rw]``) or ``lora_pair_expand`` at rank width ``rw`` (a key of ``PAIR_RT``; pair.cuh, in
+    the 16-bit tensor-core families)."""
     if part == "shrink":
-        return f"lora_pair_shrink<{ctype}, {rt}, {_cbool(aligned)}>"
-    return f"lora_pair_expand<{ctype}, {_cbool(aligned)}>"
+        return f"lora_pair_shrink<{ctype}, {rt}, {rw}, {_cbool(aligned)}>"
+    return f"lora_pair_expand<{ctype}, {rw}, {_cbool(aligned)}>"
 
 
 def _mma_names(ctype: str) -> tuple[str, ...]:
@@ -188,8 +190,10 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
     chunk_cl = tuple(chunk_cl_name(ctype, rw, aligned=a, sliced=sl) for rw in CHUNK_RW
                      for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
     one = tuple(one_name(ctype, rw, aligned=a, m=m) for rw in ONE_RW for a in (False, True) for m in ONE_MS)
-    pair = (tuple(pair_name(ctype, "shrink", aligned=a, rt=rt) for rt in PAIR_RT for a in (False, True))
-            + tuple(pair_name(ctype, "expand", aligned=a) for a in (False, True))) if ctype != "float" else ()
+    pair = (tuple(pair_name(ctype, "shrink", aligned=a, rw=rw, rt=rt) for rw in PAIR_RT for rt in PAIR_RT[rw]
+                  for a in (False, True))
+            + tuple(pair_name(ctype, "expand", aligned=a, rw=rw) for rw in PAIR_RT for a in (False, True))
+            ) if ctype != "float" else ()
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
                  for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + chunk_cl + one + pair
 

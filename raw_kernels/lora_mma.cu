@@ -50,10 +50,11 @@
 //     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot: where it is asked
 //     for (expand="one"); the default of the 16-bit types at rank width 16 until lora_pair took its
 //     place (NOTES.md, "lora_one in chunks on tensor cores", "lora_pair").
-//   lora_pair_shrink<..., RT, ALIGNED> then lora_pair_expand<..., ALIGNED> (pair.cuh: two light launches
-//     that overlap the call before under programmatic dependent launch, partial sums of v through
-//     ws): the decode buckets from 2 to PAIR_TO positions in the 16-bit types at rank width 16, by
-//     default (backends/cupy.py, default_pair; NOTES.md, "lora_pair"); RT slices (1, 2, 3, 4, 8).
+//   lora_pair_shrink<..., NS, RW, ALIGNED> then lora_pair_expand<..., RW, ALIGNED> (pair.cuh: two light
+//     launches that overlap the call before under programmatic dependent launch, partial sums of v
+//     through ws): the decode buckets from 2 to PAIR_TO positions in the 16-bit types at rank width
+//     RW = 16 (NS slices: 1, 2, 3, 4, 8) and 64 (NS: 1, 2), by default (backends/cupy.py,
+//     default_pair; NOTES.md, "lora_pair", "lora_pair at rank width 64").
 //   lora_fused<..., CHUNKED, ALIGNED> (both in one launch): launches of 64 positions or fewer (decode)
 //     that lora_chunk and lora_one do not take (one position below sm_90 or above one_max_share; fp32;
 //     several slices with columns below 64
@@ -1192,17 +1193,17 @@ __global__ void LORA_CHUNK_CLUSTER __launch_bounds__(128, 4) lora_chunk_cl(LORA_
 
 // lora_pair (pair.cuh): the decode buckets' delta in two launches, the shrink's parts of v in ws.
 // Dynamic shared memory: slot_indptr and the chunks before each slot (2 x (S + 1) ints).
-template <typename T, int RT, bool ALIGNED>
+template <typename T, int NS, int RW, bool ALIGNED>
 __global__ void __launch_bounds__(lora::PAIR_SW * 32) lora_pair_shrink(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   LORA_ARGS;
   lora::require_smem(8 * (num_slots + 1));
-  lora::pair_shrink<T, RT, ALIGNED>(g, reinterpret_cast<int*>(dsmem));
+  lora::pair_shrink<T, NS, RW, ALIGNED>(g, reinterpret_cast<int*>(dsmem));
 }
-template <typename T, bool ALIGNED>
+template <typename T, int RW, bool ALIGNED>
 __global__ void __launch_bounds__(lora::PAIR_EW * 32, 3) lora_pair_expand(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
   LORA_ARGS;
   lora::require_smem(8 * (num_slots + 1));
-  lora::pair_expand<T, ALIGNED>(g, reinterpret_cast<int*>(dsmem));
+  lora::pair_expand<T, RW, ALIGNED>(g, reinterpret_cast<int*>(dsmem));
 }

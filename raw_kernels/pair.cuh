@@ -1,4 +1,5 @@
-// lora_pair: the delta of a decode step (2 to PAIR_TO positions, the 16-bit types, rank width 16) as
+// lora_pair: the delta of a decode step (2 to PAIR_TO positions, the 16-bit types, rank width RW: 16,
+// or 64 for one or two slices) as
 // two light launches built to overlap under programmatic dependent launch, where lora_one runs each
 // call as one launch of clusters whose setup, shrink, cluster sum and expand run in series. Included
 // by lora_mma.cu (it uses Args from there).
@@ -11,18 +12,19 @@
 // call's setup and its loads of A and B overlap the call before (NOTES.md, "lora_pair").
 //
 // Algebra (chunk c: up to PAIR_M positions of one slot s, rows t_i = token_order[start_c + i]; slice
-// j with columns [lo_j, hi_j) and rank r_j = min(ranks[s, j], rw)):
+// j with columns [lo_j, hi_j) and rank r_j = min(ranks[s, j], rw), rw <= RW):
 //   lora_pair_shrink, item (c, q):  P[c, q, i, j, r] = x[t_i, K_q] . A[s, j, r, K_q]   (fp32, r < r_j)
 //   lora_pair_expand, item (c, h):  v[i, j, r] = scaling[s, j] * sum over q of P[c, q, i, j, r]
 //                                   y[t_i, col] += v[i, j, :r_j] . B[s, col, :r_j]   (col in share h)
-// P is the launch's workspace (ws: chunks x splits x PAIR_M x n * 16 floats), written whole by the
+// P is the launch's workspace (ws: chunks x splits x PAIR_M x n * RW floats), written whole by the
 // shrink before the expand reads it, so nothing needs zeroing. Rows of A and ranks of B past r_j are
 // zeroed in registers (they may hold NaN). y keeps its bits where the delta is exactly zero; nothing
 // is written for slot 0 (no adapter).
 // Grids: the shrink `bound x splits` blocks of 4 warps (bound: the most chunks a step of `bucket`
 // positions can have), an item a block, `splits` ranges of 32-wide k-blocks, each warp KB of them in
-// registers; the expand's blocks of 8 warps share the chunks' column tiles (16 columns of one slice)
-// out, U tiles a warp in flight, whole tiles (every Llama-shaped tile) on straight loads and stores
+// registers (the rows of A in NS * RW / 16 row tiles of 16); the expand's blocks of 8 warps share the
+// chunks' column tiles (16 columns of one slice, RW / 16 MMA k-steps) out, U tiles a warp in flight
+// (4 at RW = 16, 2 at 64), whole tiles (every Llama-shaped tile) on straight loads and stores
 // of pairs. Blocks past the step's items leave at once, but for block 0, which waits for the grid
 // before.
 // Order of a block: let the next grid launch; where EARLY_READS, the addressing, the chunk, the ranks
@@ -33,10 +35,10 @@
 // waiting for the grid before it (lora_one and lora_chunk too where they find no work), so no grid
 // finishes before the one before it: the next shrink's wait returns only once this expand has
 // finished.
-// Shapes: any in, out, slices up to 8 (the shrink built for RT slices: 1, 2, 3, 4 or 8), ranks up to
-// 16 below the pool's max_rank, any slots; ALIGNED (flags == 7) takes x, A and B in 16- and 8-byte
-// pieces, the other instantiation reads the flags and goes element by element where they say so; y
-// in 4-byte pairs where a tile is whole and y's rows allow it.
+// Shapes: any in, out, slices up to 8 (the shrink built for NS slices: 1, 2, 3, 4 or 8 at RW = 16; 1 or
+// 2 at RW = 64), ranks up to RW below the pool's max_rank, any slots; ALIGNED (flags == 7) takes x, A
+// and B in 16- and 8-byte pieces, the other instantiation reads the flags and goes element by element
+// where they say so; y in 4-byte pairs where a tile is whole and y's rows allow it.
 #pragma once
 
 namespace lora {
@@ -44,13 +46,17 @@ namespace lora {
 constexpr int PAIR_M = 8;   // positions a chunk: the n of an m16n8k16 MMA
 constexpr int PAIR_SW = 4;  // warps of a shrink block
 constexpr int PAIR_EW = 8;  // warps of an expand block
-constexpr int PAIR_U = 4;   // column tiles a warp of the expand has in flight
 
-// 32-wide k-blocks a warp of the shrink holds in registers (two 16-byte pieces of A a row tile and
-// one of x each): at most 16 pieces of A.
+// 32-wide k-blocks a warp of the shrink holds in registers for RT row tiles of 16 ranks (two 16-byte
+// pieces of A a row tile and one of x each): at most 16 pieces of A.
 template <int RT>
 struct PairKB {
   static constexpr int KB = RT == 1 ? 4 : RT == 2 ? 3 : RT <= 4 ? 2 : 1;
+};
+// Column tiles a warp of the expand has in flight at rank width RW (a tile's B is RW / 2 registers a lane).
+template <int RW>
+struct PairU {
+  static constexpr int U = RW == 16 ? 4 : 2;
 };
 
 struct PairChunk {
@@ -161,9 +167,9 @@ __device__ __forceinline__ void pair_prefetch_l2(const void* p) {
 // A (rows g and g + 8 of each row tile): features are permuted inside each k-block, the MMA's logical
 // k {2t, 2t+1, 2t+8, 2t+9} of the first k-step being features 8t..8t+3 and of the second 8t+4..8t+7
 // (the same permutation in A and x, so the sum is the same).
-template <typename T, int RT, bool ALIGNED>
+template <typename T, int NS, int RW, bool ALIGNED>
 __device__ void pair_shrink(const Args<T>& g, int* dsm) {
-  constexpr int KB = PairKB<RT>::KB, W = RT * 16;
+  constexpr int Q = RW / 16, RT = NS * Q, KB = PairKB<RT>::KB, W = RT * 16;  // row tile rt: slice rt / Q
   __shared__ __align__(16) float red[PAIR_SW][PAIR_M][W];
   const int S = g.num_slots, n = g.n_slices, in = g.in_features, R = g.max_rank, splits = g.splits;
   const bool early = g.flags & EARLY_READS;
@@ -182,18 +188,19 @@ __device__ void pair_shrink(const Args<T>& g, int* dsm) {
   const int q = item % splits, kbs = (in + 31) / 32, cap = g.rank_cap();
   const bool vec = ALIGNED || (g.flags & 1);
   const T* as = g.A + (size_t)ch.slot * n * R * in;
-  int rk[RT];  // loaded beside A (whose loads do not wait on them); rows past r_j are zeroed after
+  int rk[NS];  // loaded beside A (whose loads do not wait on them); rows past r_j are zeroed after
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt) rk[rt] = rt < n ? g.ranks[ch.slot * n + rt] : 0;
+  for (int j = 0; j < NS; ++j) rk[j] = j < n ? g.ranks[ch.slot * n + j] : 0;
   const int row = gq < ch.m ? g.token_order[ch.start + gq] : -1;
   const T* xr = g.x + (size_t)max(row, 0) * in;
-  const int rows = min(R, 16);
-  // A's 16 bytes of row tile rt, row gq + 8 h, at k-block kb (zero past `in` and past R's rows)
+  const int rows = min(R, RW);
+  // A's 16 bytes of row tile rt (slice rt / Q, ranks 16 (rt % Q) ..), row gq + 8 h, at k-block kb (zero
+  // past `in` and past R's rows)
   auto a_piece = [&](int rt, int h, int kb) {
-    const int r = gq + 8 * h, k = kb * 32 + 8 * t;
-    return pair_load8<T, ALIGNED>(as + ((size_t)rt * R + r) * in + k, rt < n && r < rows ? in - k : 0, vec);
+    const int j = rt / Q, r = 16 * (rt % Q) + gq + 8 * h, k = kb * 32 + 8 * t;
+    return pair_load8<T, ALIGNED>(as + ((size_t)j * R + r) * in + k, j < n && r < rows ? in - k : 0, vec);
   };
-  auto live = [&](int rt, int h) { return gq + 8 * h < min(rk[rt], cap); };  // row gq + 8 h below r_j
+  auto live = [&](int rt, int h) { return 16 * (rt % Q) + gq + 8 * h < min(rk[rt / Q], cap); };  // below r_j
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
   auto mma2 = [&](float (&dd)[4], const uint4& lo, const uint4& hi, const uint4& xv) {  // two k-steps
     const unsigned a0[4] = {lo.x, hi.x, lo.y, hi.y}, b0[2] = {xv.x, xv.y};
@@ -249,7 +256,7 @@ __device__ void pair_shrink(const Args<T>& g, int* dsm) {
     red[warp][2 * t + 1][rt * 16 + gq + 8] = d[rt][3];
   }
   __syncthreads();
-  const int Wn = n * 16;  // P's rows are n slices wide
+  const int Wn = n * RW;  // P's rows are n slices wide
   float* pc = g.ws + ((size_t)(item / splits) * splits + q) * PAIR_M * Wn;
   for (int f = threadIdx.x; f < ch.m * Wn / 4; f += blockDim.x) {
     const int e = 4 * f, i = e / Wn, r = e % Wn;
@@ -280,12 +287,13 @@ __device__ __forceinline__ unsigned pair_add(unsigned yv, float da, float db) {
 // Item (chunk c, share h of the chunk's tiles): tile w + 8 u of the share to warp w. The MMA gives
 // D[16 columns][8 positions] = B[s, columns, ranks] . v[positions, ranks]^T, B's rows its A operand,
 // rows permuted so that lane 4 g + t holds columns c0 + 2g and c0 + 2g + 1 at positions 2t and 2t + 1
-// (y as two 32-bit pairs), ranks permuted inside the 16 so that a lane's B is one 8-byte piece a
-// column and its v one 8-byte piece (logical k {2t, 2t+1, 2t+8, 2t+9} = ranks 4t..4t+3).
-template <typename T, bool ALIGNED>
+// (y as two 32-bit pairs), ranks permuted so that a lane's B is Q 8-byte pieces a column (4 Q ranks
+// from 4 Q t) and its v one 8-byte piece a k-step (logical k {2t, 2t+1, 2t+8, 2t+9} of k-step b =
+// ranks 4 Q t + 4 b .. 4 Q t + 4 b + 3).
+template <typename T, int RW, bool ALIGNED>
 __device__ void pair_expand(const Args<T>& g, int* dsm) {
-  constexpr int EW = PAIR_EW, U = PAIR_U;
-  __shared__ __align__(16) T vs[PAIR_M][8 * 16];
+  constexpr int EW = PAIR_EW, U = PairU<RW>::U, Q = RW / 16;  // Q k-steps of 16 ranks a tile
+  __shared__ __align__(16) T vs[PAIR_M][8 * 16];  // n * RW <= 128 (the host's plan)
   __shared__ float4 psum[EW * 32];
   __shared__ int off[9], tpre[9], rks[8];
   __shared__ float sc[8];
@@ -331,17 +339,24 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
     pc[u] = off[sj] + 16 * (tile - tpre[sj]);
     pw[u] = yvec && !(pc[u] & 1) && pc[u] + 16 <= off[sj + 1];
   };
-  uint2 bw[U][2];  // B: [tile][column c0 + 2g, c0 + 2g + 1], ranks 4t..4t+3 (masked past r_j where used)
+  // B: [tile][column c0 + 2g, c0 + 2g + 1][k-step b], ranks 4 Q t + 4 b .. + 3 (masked past r_j where used)
+  uint2 bw[U][2][Q];
   auto load_b = [&](int u) {
     const int c = pc[u] + 2 * gq;
-    const T* p = bs + (size_t)c * R + 4 * t;
+    const T* p = bs + (size_t)c * R + 4 * Q * t;
     if (ALIGNED && pw[u]) {
-      bw[u][0] = *reinterpret_cast<const uint2*>(p);
-      bw[u][1] = *reinterpret_cast<const uint2*>(p + R);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int b = 0; b < Q; ++b)  // (ranks past R, in a pool of max_rank below RW, are never read)
+          bw[u][e][b] = 4 * Q * t + 4 * b < R ? *reinterpret_cast<const uint2*>(p + e * R + 4 * b) : make_uint2(0u, 0u);
     } else {
       const int hi = off[pj[u] + 1];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) bw[u][e] = pair_load4<T, ALIGNED>(p + e * R, c + e < hi ? R - 4 * t : 0, bvec);
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int b = 0; b < Q; ++b)
+          bw[u][e][b] = pair_load4<T, ALIGNED>(p + e * R + 4 * b, c + e < hi ? R - 4 * Q * t - 4 * b : 0, bvec);
     }
   };
 #pragma unroll
@@ -386,7 +401,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   // splits, up to 8 loads in flight, then the groups added in shared memory), scaled, rounded to T
   {
     constexpr int PU = 8;
-    const int Wn = n * 16, E4 = ch.m * Wn / 4, G = max(1, min(splits, (int)blockDim.x / E4));
+    const int Wn = n * RW, E4 = ch.m * Wn / 4, G = max(1, min(splits, (int)blockDim.x / E4));
     const float* pc = g.ws + (size_t)(item / shares) * splits * PAIR_M * Wn;
     for (int f = threadIdx.x; f < E4 * G; f += blockDim.x) {
       const int e = 4 * (f % E4), grp = f / E4;
@@ -421,7 +436,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
           s.z += u.z;
           s.w += u.w;
         }
-        const float k = sc[r / 16];
+        const float k = sc[r / RW];
         s.x *= k;
         s.y *= k;
         s.z *= k;
@@ -431,8 +446,8 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
     }
   }
   __syncthreads();
-  unsigned short part = 0;  // slices whose rank is below 16: B masked past it
-  for (int jj = 0; jj < n; ++jj) part |= rks[jj] < 16 ? 1u << jj : 0u;
+  unsigned short part = 0;  // slices whose rank is below RW: B masked past it
+  for (int jj = 0; jj < n; ++jj) part |= rks[jj] < RW ? 1u << jj : 0u;
   for (int base = t0 + warp; base < t1; base += EW * U) {
     if (base != t0 + warp) {
 #pragma unroll
@@ -449,19 +464,22 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
     for (int u = 0; u < U; ++u) {
       if (base + EW * u >= t1) break;
       const int jt = pj[u], c = pc[u] + 2 * gq;
-      const uint2 v = *reinterpret_cast<const uint2*>(&vs[gq][jt * 16 + 4 * t]);
-      const unsigned bv[2] = {v.x, v.y};
-      if (part >> jt & 1) {  // past r_j B may hold anything (NaN): zero there
-        const int valid = rks[jt] - 4 * t;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          bw[u][e].y = valid <= 2 ? 0u : (valid == 3 ? (bw[u][e].y & 0xffffu) : bw[u][e].y);
-          bw[u][e].x = valid <= 0 ? 0u : (valid == 1 ? (bw[u][e].x & 0xffffu) : bw[u][e].x);
-        }
-      }
-      const unsigned a[4] = {bw[u][0].x, bw[u][1].x, bw[u][0].y, bw[u][1].y};
       float d[4] = {};
-      mma16816<T>(d, a, bv);
+#pragma unroll
+      for (int b = 0; b < Q; ++b) {
+        const uint2 v = *reinterpret_cast<const uint2*>(&vs[gq][jt * RW + 4 * Q * t + 4 * b]);
+        const unsigned bv[2] = {v.x, v.y};
+        if (part >> jt & 1) {  // past r_j B may hold anything (NaN): zero there
+          const int valid = rks[jt] - 4 * Q * t - 4 * b;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            bw[u][e][b].y = valid <= 2 ? 0u : (valid == 3 ? (bw[u][e][b].y & 0xffffu) : bw[u][e][b].y);
+            bw[u][e][b].x = valid <= 0 ? 0u : (valid == 1 ? (bw[u][e][b].x & 0xffffu) : bw[u][e][b].x);
+          }
+        }
+        const unsigned a[4] = {bw[u][0][b].x, bw[u][1][b].x, bw[u][0][b].y, bw[u][1][b].y};
+        mma16816<T>(d, a, bv);
+      }
       if (pw[u]) {  // a whole tile: each present position's pair written back (zero deltas keep their bits)
 #pragma unroll
         for (int e = 0; e < 2; ++e)

@@ -48,9 +48,11 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
         # its decode buckets in thread-block clusters (sm_90)
         wanted |= {f"lora_chunk_cl<{ct}, {rw}, {al}, {sl}>" for rw in kernels.CHUNK_RW
                    for al in ("false", "true") for sl in ("false", "true")}
-        # the decode buckets' pair at rank width 16: the shrink for 1, 2, 3, 4 or 8 slices, the expand
-        wanted |= {f"lora_pair_shrink<{ct}, {rt}, {al}>" for rt in kernels.PAIR_RT for al in ("false", "true")}
-        wanted |= {f"lora_pair_expand<{ct}, {al}>" for al in ("false", "true")}
+        # the decode buckets' pair at rank width 16 (the shrink for 1, 2, 3, 4 or 8 slices) and 64 (1 or 2
+        # slices), the expand at each
+        wanted |= {f"lora_pair_shrink<{ct}, {rt}, 16, {al}>" for rt in (1, 2, 3, 4, 8) for al in ("false", "true")}
+        wanted |= {f"lora_pair_shrink<{ct}, {rt}, 64, {al}>" for rt in (1, 2) for al in ("false", "true")}
+        wanted |= {f"lora_pair_expand<{ct}, {rw}, {al}>" for rw in (16, 64) for al in ("false", "true")}
     # one position, or chunks of ONE_M, in thread-block clusters (sm_90): every dtype, each rank width
     wanted |= {f"lora_one<{ct}, {rw}, {al}, {m}>" for rw in kernels.ONE_RW for al in ("false", "true")
                for m in kernels.ONE_MS}
@@ -140,10 +142,11 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
         if p.expand == "pair":  # lora_pair: its own workspace, no counters
-            assert cb.default_pair(b, dtype, R) and cb.pair_fits(b, dtype, R, n) is None
+            assert cb.default_pair(b, dtype, R, n, in_f) and cb.pair_fits(b, dtype, R, n) is None
+            assert p.rank_width == cb.pair_width(R) and R <= p.rank_width
             assert (p.bm, p.tiles) == (cb.PAIR_M, cb.pair_chunks(b, spec.num_slots)) and p.counter_ints() == 0
             assert p.blocks == p.tiles * p.splits and p.col_blocks >= p.tiles and p.splits <= cb.PAIR_MAX_SPLITS
-            assert cb.pair_floats(b, in_f, n, spec.num_slots) <= cb.pair_workspace(spec)
+            assert cb.pair_floats(b, in_f, n, spec.num_slots, p.rank_width) <= cb.pair_workspace(spec)
             continue
         if p.expand == "one":  # lora_one: clusters, no workspace or counters
             assert cb.default_one(b, True, cb.one_share(in_f, n, R, dtype), dtype, R)
@@ -410,7 +413,7 @@ def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(o
 
 def test_decode_buckets_run_lora_pair_at_rank_width_16():
     """From PAIR_FROM up to PAIR_TO positions lora_pair runs by default in the 16-bit types at rank width
-    16, every target of the Llama-8B layer, with or without clusters; never in fp32, at rank 64, in
+    16, every target of the Llama-8B layer, with or without clusters; never in fp32, at rank 128, in
     halves or where something else is forced. Its grids: the shrink a block an item (the most chunks a
     step can have x the splits of `in`), the expand at least a block a chunk, more for wide outputs."""
     layer = {"qkv": (4096, 6144, 3), "o": (4096, 4096, 1), "gate_up": (4096, 28672, 2), "down": (14336, 4096, 1)}
@@ -435,13 +438,34 @@ def test_decode_buckets_run_lora_pair_at_rank_width_16():
                                           **kw).expand != "pair"
     for b in DEFAULT_CAPTURE_BUCKETS[1:]:
         assert cb.plan_launch(b, 4096, 4096, 1, 16, "float32", num_slots=33).expand != "pair"
-        assert cb.plan_launch(b, 4096, 4096, 1, 64, "bfloat16", num_slots=33).expand != "pair"
+        assert cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33).expand != "pair"
     assert cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand == "one"
     assert cb.plan_launch(2 * cb.PAIR_TO, 4096, 4096, 1, 16, "bfloat16", num_slots=33).expand != "pair"
 
 
+def test_decode_buckets_run_lora_pair_at_rank_width_64_for_one_or_two_slices():
+    """At rank width 64 (ranks 17-64, or a pool of a larger max_rank planned for 64) lora_pair runs the
+    decode buckets up to PAIR_WIDE_RANK_TO positions of a target of one or two slices (the shrink's A in
+    registers: 4 or 8 row tiles of 16 ranks) where one round of its splits covers `in`, at width 64; a
+    target of three slices, in = 14336 and larger buckets keep the kernels they ran before. Forced, it
+    serves them all."""
+    for b in DEFAULT_CAPTURE_BUCKETS:
+        for R in (17, 48, 64):
+            for in_f, out, n in ((4096, 4096, 1), (4096, 28672, 2), (14336, 4096, 1)):
+                p = cb.plan_launch(b, in_f, out, n, R, "bfloat16", num_slots=33, slice_align=128)
+                one_round = cb.pair_splits(in_f, n, 64) * cb.PAIR_SW * cb.pair_kb(n, 64) * 32 >= in_f
+                assert (p.expand == "pair") == (cb.PAIR_FROM <= b <= cb.PAIR_WIDE_RANK_TO and one_round), (b, R, n)
+                assert one_round == (in_f == 4096)
+                if cb.PAIR_FROM <= b <= cb.PAIR_TO:
+                    p = cb.plan_launch(b, in_f, out, n, R, "bfloat16", num_slots=33, expand="pair")
+                    assert p.rank_width == 64 and p.splits == cb.pair_splits(in_f, n, 64)
+            assert cb.plan_launch(b, 4096, 6144, 3, R, "bfloat16", num_slots=33).expand != "pair"
+    assert cb.pair_kb(1, 64) == cb.PAIR_KB[4] and cb.pair_kb(2, 64) == cb.PAIR_KB[8]
+
+
 def test_pair_plans_refuse_what_the_kernels_do_not_serve():
-    for kw, why in ((dict(dtype="float32"), "float16 and bfloat16"), (dict(max_rank=64), "ranks up to 16"),
+    for kw, why in ((dict(dtype="float32"), "float16 and bfloat16"), (dict(max_rank=128), "ranks up to 64"),
+                    (dict(max_rank=64, n_slices=3), "up to 2 slices at rank width 64"),
                     (dict(bucket=512), "up to 256 positions"), (dict(n_slices=9), "up to 8 slices"),
                     (dict(whole=False), "not in halves"), (dict(tile=16), "no tile")):
         args = dict(bucket=64, max_rank=16, dtype="bfloat16", n_slices=1) | kw

@@ -228,6 +228,8 @@ class LaunchPlan:
     #: ``lora_chunk`` in clusters (``lora_chunk_cl``: chunks of ``CHUNK_NARROW_BM``, sm_90): ``blocks``
     #: is clusters of ``CHUNK_CLUSTER``, ``splits`` the most clusters one chunk takes
     cluster: bool = False
+    #: ``lora_pair``: the rank width its kernels are built for (``pair_width``: 16 or 64); else 0
+    rank_width: int = 0
 
     @property
     def shrink_blocks(self) -> int:
@@ -415,13 +417,20 @@ def default_one(bucket: int, clusters: bool, share: int, dtype: str, max_rank: i
 
 #: The capture buckets ``lora_pair`` (pair.cuh: a shrink and an expand launch that overlap the call
 #: before under programmatic dependent launch) serves by default, in the 16-bit types at rank width
-#: 16: on an H200 (raw_kernels/NOTES.md, "lora_pair") the Llama-8B layer's four calls back to back ran
-#: 16 x 8 / 64 x 8 / 64 x 32 / 256 x 32 (positions x adapters) in 24.8 / 25.7 / 55.6 / 65.8 us warm
-#: where lora_one in chunks, the default before, took 31.3 / 35.5 / 56.9 / 69.6.
+#: 16, and at 64 for one or two slices: on an H200 (raw_kernels/NOTES.md, "lora_pair") the Llama-8B
+#: layer's four calls back to back ran 16 x 8 / 64 x 8 / 64 x 32 / 256 x 32 (positions x adapters) in
+#: 24.8 / 25.7 / 55.6 / 65.8 us warm where lora_one in chunks, the default before, took 31.3 / 35.5 /
+#: 56.9 / 69.6; at rank width 64 it took the decode rows from lora_chunk ("lora_pair at rank width 64").
 PAIR_FROM = 2
 PAIR_TO = 256
-#: Warps of a ``lora_pair_shrink`` block, the 32-wide k-blocks each holds by the slices the kernel is
-#: built for (``PairKB``, pair.cuh), and the most splits of ``in`` a chunk (the expand sums them).
+#: At rank width 64 the pair is the default up to ``PAIR_WIDE_RANK_TO`` positions where one round of its
+#: shrink's k-blocks covers ``in`` (its splits not capped): on an H200 (NOTES.md, "lora_pair at rank
+#: width 64") T=16 / 64 at 4096->4096 ran 9.3 / 10.7 us against lora_chunk's 11.3 / 12.2, while T=256
+#: (17.8 against 15.5) and in = 14336 at T=64 (24.9 against 18.1) kept lora_chunk ahead.
+PAIR_WIDE_RANK_TO = 64
+#: Warps of a ``lora_pair_shrink`` block, the 32-wide k-blocks each holds by its row tiles of 16 ranks
+#: (``PairKB``, pair.cuh: slices x rank width / 16), and the most splits of ``in`` a chunk (the expand
+#: sums them).
 PAIR_SW = 4
 PAIR_KB = {1: 4, 2: 3, 3: 2, 4: 2, 8: 1}
 PAIR_MAX_SPLITS = 32
@@ -435,9 +444,21 @@ PAIR_EXPAND_PER_SM_WIDE = 3
 PAIR_WIDE = 8192
 
 
-def pair_rt(n_slices: int) -> int:
-    """The slices of the ``lora_pair_shrink`` instantiation a target of ``n_slices`` runs."""
-    return next(rt for rt in PAIR_RT if rt >= n_slices)
+def pair_width(max_rank: int) -> int | None:
+    """The rank width of the ``lora_pair`` kernels a call planned for ``max_rank`` runs (a key of
+    ``PAIR_RT``; None: wider than the pair is built for)."""
+    return built_width(tuple(PAIR_RT), max_rank)
+
+
+def pair_rt(n_slices: int, rw: int = 16) -> int:
+    """The slices of the ``lora_pair_shrink`` instantiation a target of ``n_slices`` runs at rank width
+    ``rw``."""
+    return next(rt for rt in PAIR_RT[rw] if rt >= n_slices)
+
+
+def pair_kb(n_slices: int, rw: int = 16) -> int:
+    """32-wide k-blocks a warp of the shrink holds (``PairKB`` of its row tiles of 16 ranks)."""
+    return PAIR_KB[pair_rt(n_slices, rw) * rw // 16]
 
 
 def pair_chunks(bucket: int, num_slots: int) -> int:
@@ -446,48 +467,55 @@ def pair_chunks(bucket: int, num_slots: int) -> int:
     return max(1, min(bucket, (bucket + (PAIR_M - 1) * min(num_slots - 1, bucket)) // PAIR_M))
 
 
-def pair_splits(in_features: int, n_slices: int) -> int:
+def pair_splits(in_features: int, n_slices: int, rw: int = 16) -> int:
     """Splits of ``in`` a chunk's shrink takes: one round of the block's k-blocks each (A held in
     registers from before the wait), at most ``PAIR_MAX_SPLITS`` (past that a split's warps walk its
     k-blocks in turn)."""
-    per = PAIR_SW * PAIR_KB[pair_rt(n_slices)]
+    per = PAIR_SW * pair_kb(n_slices, rw)
     return max(1, min(PAIR_MAX_SPLITS, _ceil(_ceil(in_features, 32), per)))
 
 
-def pair_floats(bucket: int, in_features: int, n_slices: int, num_slots: int) -> int:
-    """Floats of the parts of v a ``lora_pair`` call writes (its workspace): chunks x splits x
-    ``PAIR_M`` x n x 16."""
-    return pair_chunks(bucket, num_slots) * pair_splits(in_features, n_slices) * PAIR_M * n_slices * 16
+def pair_floats(bucket: int, in_features: int, n_slices: int, num_slots: int, rw: int = 16) -> int:
+    """Floats of the parts of v a ``lora_pair`` call of rank width ``rw`` writes (its workspace):
+    chunks x splits x ``PAIR_M`` x n x rw."""
+    return pair_chunks(bucket, num_slots) * pair_splits(in_features, n_slices, rw) * PAIR_M * n_slices * rw
 
 
 def pair_fits(bucket: int, dtype: str, max_rank: int, n_slices: int) -> str | None:
-    """Why ``lora_pair`` cannot serve a call (None: it can): the 16-bit types, rank width 16, up to
-    ``PAIR_TO`` positions and ``PAIR_RT[-1]`` slices."""
+    """Why ``lora_pair`` cannot serve a call (None: it can): the 16-bit types, rank width 16 (up to
+    ``PAIR_RT[16][-1]`` slices) or 64 (up to ``PAIR_RT[64][-1]``), up to ``PAIR_TO`` positions."""
     if _ITEMSIZE[normalize_dtype(dtype)] != 2:
         return f"lora_pair runs on tensor cores in float16 and bfloat16, not {normalize_dtype(dtype)}"
-    if rank_width(max_rank) != 16:
-        return f"lora_pair is built for ranks up to 16, not {max_rank}"
+    rw = pair_width(max_rank)
+    if rw is None:
+        return f"lora_pair is built for ranks up to {max(PAIR_RT)}, not {max_rank}"
     if bucket > PAIR_TO:
         return f"lora_pair serves capture buckets of up to {PAIR_TO} positions, not {bucket}"
-    if n_slices > PAIR_RT[-1]:
-        return f"lora_pair is built for up to {PAIR_RT[-1]} slices, not {n_slices}"
+    if n_slices > PAIR_RT[rw][-1]:
+        return f"lora_pair is built for up to {PAIR_RT[rw][-1]} slices at rank width {rw}, not {n_slices}"
     return None
 
 
-def default_pair(bucket: int, dtype: str, max_rank: int) -> bool:
+def default_pair(bucket: int, dtype: str, max_rank: int, n_slices: int, in_features: int) -> bool:
     """Whether a call of ``bucket`` positions runs ``lora_pair`` by default: ``PAIR_FROM`` to
-    ``PAIR_TO`` positions, 16-bit types, rank width 16."""
-    return PAIR_FROM <= bucket <= PAIR_TO and _ITEMSIZE[normalize_dtype(dtype)] == 2 and rank_width(max_rank) == 16
+    ``PAIR_TO`` positions, 16-bit types, rank width 16; or rank width 64 for up to ``PAIR_RT[64][-1]``
+    slices, up to ``PAIR_WIDE_RANK_TO`` positions, ``in`` covered by one round of uncapped splits."""
+    if not (PAIR_FROM <= bucket <= PAIR_TO and pair_fits(bucket, dtype, max_rank, n_slices) is None):
+        return False
+    if pair_width(max_rank) == 16:
+        return True
+    return bucket <= PAIR_WIDE_RANK_TO and in_features <= PAIR_MAX_SPLITS * PAIR_SW * pair_kb(n_slices, 64) * 32
 
 
 def pair_workspace(spec: LoraSpec) -> int:
     """Floats the parts of v of ``lora_pair`` take for every target of a spec, at its largest bucket
-    the pair serves (0: a dtype it does not serve)."""
+    the pair serves and the widest rank it may be planned for (0: a dtype it does not serve)."""
     if normalize_dtype(spec.dtype) not in CHUNK_DTYPES or spec.max_tokens < 1:
         return 0
     bucket = min(spec.max_tokens, PAIR_TO)
-    return max(pair_floats(bucket, t.in_features, t.num_slices, spec.num_slots) for t in spec.targets
-               if t.num_slices <= PAIR_RT[-1])
+    widths = [rw for rw in PAIR_RT if rw <= (pair_width(spec.max_rank) or max(PAIR_RT))]
+    return max([pair_floats(bucket, t.in_features, t.num_slices, spec.num_slots, rw) for t in spec.targets
+                for rw in widths if t.num_slices <= PAIR_RT[rw][-1]] or [0])
 
 
 #: The largest capture bucket ``lora_one`` serves in chunks of ``ONE_M`` positions (a cluster a chunk
@@ -647,8 +675,8 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     launch splits ``in`` for those alone, so the member's shrink fills the device as a one-slice
     target's does. None: every slice.
 
-    From ``PAIR_FROM`` to ``PAIR_TO`` positions in the 16-bit types at rank width 16 a call runs
-    ``lora_pair`` (``default_pair``: a shrink launch and an expand launch, see pair.cuh) unless a
+    From ``PAIR_FROM`` to ``PAIR_TO`` positions in the 16-bit types at rank width 16 (and 64 for one or
+    two slices) a call runs ``lora_pair`` (``default_pair``: a shrink launch and an expand launch, see pair.cuh) unless a
     tile, fusing, chunks or another expand are forced, or ``whole`` is False; ``expand="pair"``
     forces it wherever ``pair_fits``.
     The bucket of one position runs ``lora_one`` (``default_one``: one launch of clusters, see
@@ -679,18 +707,19 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     """
     dtype = normalize_dtype(dtype)
     unforced = fused is None and expand is None and chunks is None and whole and tile is None
-    if expand == "pair" or (unforced and default_pair(bucket, dtype, max_rank)):
+    if expand == "pair" or (unforced and default_pair(bucket, dtype, max_rank, n_slices, in_features)):
         why = (pair_fits(bucket, dtype, max_rank, n_slices)
                or (None if whole else "lora_pair runs the whole delta, not in halves")
                or (None if not (fused or chunks or tile) else "lora_pair takes no tile, fusing or chunks"))
         if why:
             raise ValueError(why)
-        bound, splits = pair_chunks(bucket, num_slots), pair_splits(in_features, n_slices)
+        rw = pair_width(max_rank)
+        bound, splits = pair_chunks(bucket, num_slots), pair_splits(in_features, n_slices, rw)
         per_sm = PAIR_EXPAND_PER_SM_WIDE if out_features >= PAIR_WIDE else PAIR_EXPAND_PER_SM
         return LaunchPlan(bucket=bucket, bm=PAIR_M, bn=16, splits=splits,
-                          k_split=32 * PAIR_SW * PAIR_KB[pair_rt(n_slices)], fused=False, tiles=bound,
+                          k_split=32 * PAIR_SW * pair_kb(n_slices, rw), fused=False, tiles=bound,
                           rank_blocks=1, col_blocks=max(bound, per_sm * num_sms), cpb=1, n_slices=n_slices,
-                          expand="pair", blocks=bound * splits)
+                          expand="pair", blocks=bound * splits, rank_width=rw)
     share = one_share(in_features, n_slices, max_rank, dtype)
     if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype, max_rank)
                            and one_fits(bucket, max_rank) is None):
@@ -1461,13 +1490,14 @@ class CupyBackend:
                         self._fns[(dtype, "chunk_cl", rw, sliced, aligned)] = fn
         if dtype in CHUNK_DTYPES:  # lora_pair: slot_indptr and the chunks before each slot
             for aligned in (False, True):
-                for rt in PAIR_RT:
-                    fn = mod.get_function(pair_name(ct, "shrink", aligned=aligned, rt=rt))
+                for rw, rts in PAIR_RT.items():
+                    for rt in rts:
+                        fn = mod.get_function(pair_name(ct, "shrink", aligned=aligned, rw=rw, rt=rt))
+                        fn.max_dynamic_shared_size_bytes = 8 * (MAX_SLOTS + 1)
+                        self._fns[(dtype, "pair_shrink", rw, rt, aligned)] = fn
+                    fn = mod.get_function(pair_name(ct, "expand", aligned=aligned, rw=rw))
                     fn.max_dynamic_shared_size_bytes = 8 * (MAX_SLOTS + 1)
-                    self._fns[(dtype, "pair_shrink", rt, aligned)] = fn
-                fn = mod.get_function(pair_name(ct, "expand", aligned=aligned))
-                fn.max_dynamic_shared_size_bytes = 8 * (MAX_SLOTS + 1)
-                self._fns[(dtype, "pair_expand", aligned)] = fn
+                    self._fns[(dtype, "pair_expand", rw, aligned)] = fn
         for rw in ONE_RW:  # static shared memory at one position; part, v, x and slot_indptr in chunks
             for aligned in (False, True):
                 self._fns[(dtype, "one", rw, 1, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
@@ -1618,15 +1648,16 @@ class CupyBackend:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
         if plan.expand == "pair":  # two launches, the parts of v in the pair's own workspace
-            need = pair_floats(plan.bucket, in_f, n, S)
+            rw = plan.rank_width
+            need = pair_floats(plan.bucket, in_f, n, S, rw)
             if need > self.pair_ws.size:
                 raise ValueError(f"lora_pair needs {need} floats of workspace for this call; the backend built "
                                  f"{self.pair_ws.size} for its spec")
             pargs = args[:9] + (np.uint64(self.pair_ws.data.ptr),) + args[10:]
             smem = 8 * (S + 1)
             out_calls = []
-            for part, key, grid, warps in (("shrink", ("pair_shrink", pair_rt(n)), plan.blocks, PAIR_SW),
-                                           ("expand", ("pair_expand",), plan.col_blocks, PAIR_EW)):
+            for part, key, grid, warps in (("shrink", ("pair_shrink", rw, pair_rt(n, rw)), plan.blocks, PAIR_SW),
+                                           ("expand", ("pair_expand", rw), plan.col_blocks, PAIR_EW)):
                 if part in parts:
                     out_calls.append(KernelCall(
                         f"pair_{part}", self._kernel_fn(dtype, (*key, False)), (grid, 1, 1), (32 * warps, 1, 1), smem,

@@ -6,7 +6,9 @@ shrink) with rank-0 ones, a slot of more positions than a chunk, 513 slots, padd
 `in` long enough that a split takes several rounds, a pool of a larger max_rank planned for rank 16,
 both instantiations through a prepared layer, each member of a fused target alone, positions with
 nothing to add (y bit-exact), calls back to back on one stream, and a CUDA graph replayed under new
-addressing. v and the counters stay at zero (the pair has a workspace of its own)."""
+addressing. At rank width 64 (one or two slices): odd ranks and `in`, max_rank off 8 (B's element-wise
+path), capped splits, padding, both instantiations, a pool of max_rank 128 planned for 64. v and the
+counters stay at zero (the pair has a workspace of its own)."""
 
 from __future__ import annotations
 
@@ -43,28 +45,50 @@ CASES = {
                       active=32),
 }
 
+#: rank width 64: one or two slices
+CASES64 = {
+    "T5-odd-r61": dict(T=5, in_f=77, slices=(61,), max_rank=61, ranks=(1, 17, 40, 61), mix="distinct"),
+    "T20-identical-r64": dict(T=20, in_f=264, slices=(136,), max_rank=64, ranks=(64,), mix="identical"),
+    "T64-two-slices-r64": dict(T=64, in_f=1032, slices=(96, 40), max_rank=64, ranks=(0, 5, 33, 64), mix="zipf",
+                               num_slots=17, active=12),
+    "T33-rounds-r48": dict(T=33, in_f=5000, slices=(40, 24), max_rank=48, ranks=(2, 30, 48), mix="distinct",
+                           num_slots=17, active=10),
+    "T200-down-r64": dict(T=200, in_f=14336, slices=(520,), max_rank=64, ranks=(7, 64), mix="skewed", num_slots=33,
+                          active=32),
+    "T250-pad-wide-r64": dict(T=250, in_f=4104, slices=(3000, 1000), max_rank=64, ranks=(16, 64), mix="zipf",
+                              num_slots=33, active=20, pad_to=256),
+}
+#: the rank-64 cases the pair serves by default (up to PAIR_WIDE_RANK_TO positions, `in` in one round)
+DEFAULT64 = {"T5-odd-r61", "T20-identical-r64", "T64-two-slices-r64"}
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(CASES64))
 def test_pair_matches_oracle(make_case, check, name, dtype):
     """Twice on one backend (the second call on fresh data): the parts of v are rewritten whole."""
-    case = make_case(dtype=dtype, **CASES[name])
+    kw = CASES.get(name) or CASES64[name]
+    case = make_case(dtype=dtype, **kw)
     be = backend_for(case.spec, **PAIR)
     T = case.token_order.shape[0]
     plan = be.plan(T, dev_weights(case.w), dtype)
     assert (plan.expand, plan.bm) == ("pair", cb.PAIR_M) and plan.col_blocks >= plan.tiles
-    assert (backend_for(case.spec).plan(T, dev_weights(case.w), dtype).expand == "pair") == (T >= cb.PAIR_FROM)
+    assert plan.rank_width == (16 if name in CASES else 64)
+    default = T >= cb.PAIR_FROM if name in CASES else name in DEFAULT64
+    assert (backend_for(case.spec).plan(T, dev_weights(case.w), dtype).expand == "pair") == default
     check(case, run_cupy(be, case), dtype)
-    case2 = make_case(dtype=dtype, **CASES[name])
+    case2 = make_case(dtype=dtype, **kw)
     check(case2, run_cupy(be, case2), dtype)
 
 
-def test_pair_splits_are_capped_where_in_is_long():
-    """The case above whose splits are capped (PAIR_MAX_SPLITS): each split of the shrink walks more of
+@pytest.mark.parametrize("name,rw", [("T30-8-slices-rounds", 16), ("T33-rounds-r48", 64), ("T200-down-r64", 64)])
+def test_pair_splits_are_capped_where_in_is_long(name, rw):
+    """The cases above whose splits are capped (PAIR_MAX_SPLITS): each split of the shrink walks more of
     `in` than one round of its warps' k-blocks, the path that loads A after the wait."""
-    in_f, n = CASES["T30-8-slices-rounds"]["in_f"], len(CASES["T30-8-slices-rounds"]["slices"])
-    per = cb.PAIR_SW * cb.PAIR_KB[cb.pair_rt(n)] * 32
-    assert cb.pair_splits(in_f, n) == cb.PAIR_MAX_SPLITS and cb.PAIR_MAX_SPLITS * per < in_f
+    kw = CASES.get(name) or CASES64[name]
+    in_f, n = kw["in_f"], len(kw["slices"])
+    assert cb.pair_width(kw["max_rank"]) == rw
+    per = cb.PAIR_SW * cb.pair_kb(n, rw) * 32
+    assert cb.pair_splits(in_f, n, rw) == cb.PAIR_MAX_SPLITS and cb.PAIR_MAX_SPLITS * per < in_f
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -85,15 +109,34 @@ def test_pair_in_a_pool_of_a_larger_rank_planned_for_16(make_case, check, dtype)
 
 @pytest.mark.parametrize("route", ("aligned", "x_misaligned", "y_misaligned", "aligned_off"))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pair_instantiations_through_a_prepared_layer(make_case, check, dtype, route):
+@pytest.mark.parametrize("rw", (16, 64))
+def test_pair_instantiations_through_a_prepared_layer(make_case, check, dtype, route, rw):
     """The engine's path: every 16-byte path allowed runs the ALIGNED instantiations; x or y off
     alignment, or ``aligned=False``, the ones reading the flags."""
-    case = make_case(T=24, in_f=328, slices=(200, 56, 24), max_rank=16, ranks=(0, 1, 5, 13, 16), dtype=dtype,
+    slices, ranks = ((200, 56, 24), (0, 1, 5, 13, 16)) if rw == 16 else ((200, 56), (0, 1, 21, 50, 64))
+    case = make_case(T=24, in_f=328, slices=slices, max_rank=rw, ranks=ranks, dtype=dtype,
                      mix="distinct", num_slots=17, active=9)
     be = backend_for(case.spec, **PAIR, **(dict(aligned=False) if route == "aligned_off" else {}))
     y, packed, _, _ = run_prepared(be, case, route, 24)
     assert [c.name for c in packed.calls] == ["pair_shrink", "pair_expand"]
     assert packed.aligned == (route == "aligned")
+    check_clean(be)
+    check(case, host(y, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pair_in_a_pool_of_rank_128_planned_for_64(make_case, check, dtype):
+    """A pool of max_rank 128 whose step's adapters are of rank 64 or less (rank_bound=64): A's and B's
+    strides are 128, the kernels read 64 ranks (the pair at rank width 64)."""
+    case = make_case(T=40, in_f=264, slices=(136, 40), max_rank=128, ranks=(1, 20, 64), dtype=dtype, mix="zipf",
+                     num_slots=17, active=12)
+    be = backend_for(case.spec)
+    w = dev_weights(case.w)
+    plan = be.plan(40, w, dtype, rank_bound=64)
+    assert (plan.expand, plan.rank_width) == ("pair", 64)
+    y = dev(case.y0)
+    be.delta(y, dev(case.x), w, dev(case.token_order), dev(case.slot_indptr), rank_bound=64)
+    cp().cuda.get_current_stream().synchronize()
     check_clean(be)
     check(case, host(y, dtype), dtype)
 
