@@ -401,7 +401,8 @@ def test_bad_arguments_refused_before_launch(make_case):
     np.testing.assert_array_equal(host(y, "float32"), case.y0)
 
 
-@pytest.mark.parametrize("T,version,kernels", [(16, "fused", ["fused"]), (16, None, ["chunk"]),
+@pytest.mark.parametrize("T,version,kernels", [(16, "fused", ["fused"]), (16, "chunk", ["chunk"]),
+                                               (16, None, ["pair_shrink", "pair_expand"]),
                                                (300, "expand", ["shrink", "expand"]),
                                                (300, "expand_stream", ["shrink", "expand_stream"]),
                                                (300, "expand_ring", ["shrink", "expand_ring"])])
@@ -409,7 +410,7 @@ def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
     from lora_cupy.backends.cupy import check_call
 
     case = make_case(T=T, in_f=256, slices=(512,), max_rank=64, ranks=(16, 64), dtype="bfloat16", mix="uniform")
-    kw = dict(fused=True) if version == "fused" else dict(expand=version) if version else {}
+    kw = dict(fused=True) if version == "fused" else dict(fused=False, expand=version) if version else {}
     be = backend_for(case.spec, **kw)
     call = check_call(be.limits, dev(case.y0), dev(case.x), dev_weights(case.w), dev(case.token_order),
                       dev(case.slot_indptr))
