@@ -397,7 +397,7 @@ def test_views_with_a_rank_bound_plan_and_build_the_call_for_the_narrower_rank()
             return key
 
     shrink, expand = cb.CupyBackend._kernels(Kernels(), narrow)
-    assert shrink.fn[:2] == ("pair_shrink", 1) and expand.fn[:1] == ("pair_expand",)
+    assert shrink.fn[:3] == ("pair_shrink", 16, 1) and expand.fn[:2] == ("pair_expand", 16)  # rank width 16, one slice
     assert shrink.smem == expand.smem == 8 * (5 + 1) and (shrink.block[0], expand.block[0]) == (128, 256)
     R_at, rw_at = 13, 18  # max_rank and rw among lora_mma's parameters
     for call in (shrink, expand):
