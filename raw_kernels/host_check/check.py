@@ -7,7 +7,7 @@ the oracle (tests/gpu/conftest.py: tolerance, untouched rows bit-exact, no poiso
 and v and the counters are back at zero. This checks indexing, masks, fragment layouts and the
 v / counter protocol; it cannot check timing, memory ordering between blocks, or occupancy.
 
-    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring|chunk|one]
+    python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring|chunk|one|pair]
         [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
     python raw_kernels/host_check/check.py --expand-v    # lora_expand_v (expand_v.cu)
     python raw_kernels/host_check/check.py --expand-v --compact    # lora_gather_a, then compact
@@ -35,6 +35,9 @@ its share of the columns; ``--cluster never`` runs the ticket kernel there inste
 ``--expand one`` runs ``lora_one`` (one.cuh; cases of one position): each cluster's blocks run their
 shrinks into partial arrays of their own (NaN before each cluster), then each block its sum over
 them and its columns.
+``--expand pair`` runs ``lora_pair`` (pair.cuh; 16-bit cases of up to 256 positions, rank width 16 or 64 of one
+or two slices): the shrink's grid of 4-warp blocks, then the expand's of 8-warp blocks, each block in
+turn, on a workspace of NaN (the expand must read only parts the shrink wrote), with EARLY_READS.
 ``--glu`` runs a gate_up target's shrink (tiles of 64, unfused) and then ``lora_expand_glu`` on
 ``GLU_CASES``, bf16 and fp16, each at one and four multiprocessors (long column groups) and at
 ``--sms``: h against silu(g + dg) * (u + du) in float64, every element it must not write bit-exact
@@ -46,7 +49,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +74,7 @@ PTX_FUNCTIONS = ("void cp_async16(", "void cp_async_commit(", "void cp_async_wai
 
 from test_kernels import CASES as GPU_CASES  # noqa: E402
 from test_chunk_gpu import CLUSTER_CASES  # noqa: E402
+from test_pair_gpu import CASES as PAIR_CASES, CASES64 as PAIR_CASES64  # noqa: E402
 
 #: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp,
 #: two whose lora_chunk steps take chunks of 64, two of several slices lora_chunk serves whole, and
@@ -117,6 +120,8 @@ CASES = {**GPU_CASES,
                             mix="zipf", num_slots=17, active=9, pad_to=64),
          # lora_chunk_cl's cases in tests/gpu/test_chunk_gpu.py (decode buckets, long `in`)
          **{f"cl-{k}": v for k, v in CLUSTER_CASES.items()},
+         # lora_pair's cases in tests/gpu/test_pair_gpu.py (rank widths 16 and 64)
+         **{f"pair-{k}": v for k, v in {**PAIR_CASES, **PAIR_CASES64}.items()},
          # pools of a larger maximum rank than their adapters': with --bound planned for the class of
          # their largest rank (16 or 64), A and B read with the pool's strides (NaN past each rank)
          "bound-qkv": dict(T=150, in_f=136, slices=(256, 128, 128), max_rank=128, ranks=(0, 5, 16), mix="zipf",
@@ -195,8 +200,9 @@ def build(out_dir: Path, asan: bool) -> Path:
     src = out_dir / "src"
     src.mkdir()
     for p in (ROOT / "raw_kernels").iterdir():
-        if p.suffix in (".cu", ".cuh"):
-            shutil.copy(p, src / p.name)
+        if p.suffix in (".cu", ".cuh"):  # `static alignas(n)` is no C++: the alignment first
+            (src / p.name).write_text(re.sub(r"__shared__ __align__\((\d+)\)", r"__align__(\1) __shared__",
+                                             p.read_text()))
     common = (src / "common.cuh").read_text()
     for name in PTX_FUNCTIONS:
         common = _cut(common, name, "EMU_MMA_SPECIALIZATIONS\n" if name.startswith("void mma16816<__half>") else "")
@@ -275,7 +281,11 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
              | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
     use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
     rw = cb.rank_width(planned(case, part is None))
-    if ws is None:
+    pair = plan.expand == "pair" and not plan.fused
+    if ws is None and pair:  # the pair's own workspace, the shrink's parts written whole: NaN before
+        ws = np.full(cb.pair_floats(plan.bucket, in_f, n, S, plan.rank_width), np.nan, np.float32)
+        counters = np.zeros(0, np.int32)
+    elif ws is None:
         ws = np.zeros(plan.bucket * n * rw, np.float32)
         counters = np.zeros(plan.counter_ints(), np.int32)
     offs = np.asarray(offsets, np.int32) if n > 1 else None
@@ -288,13 +298,13 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
     code = int(plan.chunks) if plan.fused else 8 if plan.cluster else {"expand": 3, "expand_stream": 4, "expand_ring": 5,
-                                                                        "chunk": 6, "one": 7}[plan.expand]
+                                                                        "chunk": 6, "one": 7, "pair": 9}[plan.expand]
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, 0 if part == "expand" else plan.shrink_blocks,
                        0 if part == "shrink" else plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(b), ptr(scaling),
                        ptr(ranks), ptr(offs), ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters),
                        ptr(dims))
     assert rc == 0, f"no kernel for tile {plan.bm}" if rc == 2 else f"ALIGNED asked with flags {flags}"
-    if part is None:
+    if part is None and not pair:
         assert not ws.any(), "v not zeroed after the launch"
         assert not counters.any(), "counters not reset after the launch"
     return y, flags, use_aligned
@@ -603,7 +613,7 @@ def main(argv=None) -> int:
             return 1 if fails else 0
         for name in args.cases.split(","):
             for dt in args.dtypes.split(","):
-                tiles = ([cb.RING_BM] if args.expand == "expand_ring" else [0] if args.expand in ("chunk", "one")
+                tiles = ([cb.RING_BM] if args.expand == "expand_ring" else [0] if args.expand in ("chunk", "one", "pair")
                          else args.tiles.split(",")) if not args.fused else args.tiles.split(",")
                 for tile in (int(t) for t in tiles):
                     case = build_case(rng, dtype=dt, **CASES[name])
@@ -620,8 +630,8 @@ def main(argv=None) -> int:
                         plans = [plan_for(case, expand=args.expand, tile=tile, sms=args.sms, fused=args.fused,
                                           chunks=False if args.tiles_only else True if args.chunks else None,
                                           out=None if j is None else offs[j + 1] - offs[j]) for j in members]
-                    except ValueError as e:  # lora_chunk, lora_one: a case it does not serve
-                        if args.expand not in ("chunk", "one"):
+                    except ValueError as e:  # lora_chunk, lora_one, lora_pair: a case it does not serve
+                        if args.expand not in ("chunk", "one", "pair"):
                             raise
                         print(f"{name:10s} {dt:9s} {args.expand}: not served ({e})", flush=True)
                         continue

@@ -7,22 +7,23 @@
 
 namespace emu {
 Fiber fibers[NTHREADS];
+int nthreads = 128;
 Fiber* cur = nullptr;
 ucontext_t sched_ctx;
-int block_arrived = 0, warp_arrived[4] = {0, 0, 0, 0};
+int block_arrived = 0, warp_arrived[NTHREADS / 32] = {};
 EmuIdx block_idx{0u, 0u, 0u};
 EmuIdx grid_dim{1u, 1u, 1u};
 long long mma_count = 0;
 AsyncQueue async_q[NTHREADS];
 bool cp_early = false;
-Stage stage[4];
+Stage stage[NTHREADS / 32];
 
 static void yield_wait(int kind) {
   cur->wait = kind;
   swapcontext(&cur->ctx, &sched_ctx);
 }
 void block_barrier() {
-  if (++block_arrived == NTHREADS) {
+  if (++block_arrived == nthreads) {
     block_arrived = 0;
     for (auto& f : fibers)
       if (f.wait == 1) f.wait = 0;
@@ -49,11 +50,11 @@ static void trampoline(int tid) {
   swapcontext(&fibers[tid].ctx, &sched_ctx);
 }
 
-// Runs body(u) as one block of 128 fibers.
+// Runs body(u) as one block of `nthreads` fibers.
 static void run_block(void (*fn)(int), int u) {
   body = fn;
   body_arg = u;
-  for (int t = 0; t < NTHREADS; ++t) {
+  for (int t = 0; t < nthreads; ++t) {
     Fiber& f = fibers[t];
     f.tid = t;
     f.done = false;
@@ -70,7 +71,7 @@ static void run_block(void (*fn)(int), int u) {
   for (int& w : warp_arrived) w = 0;
   while (true) {
     bool any = false, alldone = true;
-    for (int t = 0; t < NTHREADS; ++t) {
+    for (int t = 0; t < nthreads; ++t) {
       Fiber& f = fibers[t];
       if (f.done) continue;
       alldone = false;
@@ -401,8 +402,61 @@ template <typename T, bool AL> static int run_a(int bm, int expand, int sb, int 
   else return 2;
   return 0;
 }
+// lora_pair (pair.cuh): the shrink's grid (blocks of PAIR_SW warps), then the expand's (PAIR_EW warps),
+// each block in turn with its blockIdx and the grid's size set, every shrink block before any expand
+// block (the expand's wait); both with EARLY_READS, the order of the pool's calls (the waits are no-ops
+// here). The instantiation as the backend picks it: rank width 16 (slices 1, 2, 3, 4, 8) or 64 (1, 2).
+// Every block of a grid (gx, gy, gz) of `threads` threads, one at a time, with blockIdx and gridDim set
+// for each (body's argument: the block's x).
+static void run_grid(void (*fn)(int), int gx, int gy, int gz, int threads = 128) {
+  emu::nthreads = threads;
+  emu::grid_dim = EmuIdx{unsigned(gx), unsigned(gy), unsigned(gz)};
+  for (int z = 0; z < gz; ++z)
+    for (int yb = 0; yb < gy; ++yb)
+      for (int x = 0; x < gx; ++x) {
+        emu::block_idx = EmuIdx{unsigned(x), unsigned(yb), unsigned(z)};
+        emu::run_block(fn, x);
+      }
+  emu::grid_dim = EmuIdx{1u, 1u, 1u};
+  emu::block_idx = EmuIdx{0u, 0u, 0u};
+  emu::nthreads = 128;
+}
+template <typename T, int NS, int RW, bool AL> static void pair_shrink_block(int) {
+  auto g = args<T>();
+  lora::pair_shrink<T, NS, RW, AL>(g, reinterpret_cast<int*>(dsm.data()));
+}
+template <typename T, int RW, bool AL> static void pair_expand_block(int) {
+  auto g = args<T>();
+  lora::pair_expand<T, RW, AL>(g, reinterpret_cast<int*>(dsm.data()));
+}
+template <typename T, int NS, int RW, bool AL> static int run_pair_ns(int sb, int eb) {
+  const int flags = L.flags;
+  L.flags |= lora::EARLY_READS;
+  if (sb) run_grid(pair_shrink_block<T, NS, RW, AL>, sb, 1, 1, lora::PAIR_SW * 32);
+  if (eb) run_grid(pair_expand_block<T, RW, AL>, eb, 1, 1, lora::PAIR_EW * 32);
+  L.flags = flags;
+  return 0;
+}
+template <typename T, bool AL> static int run_pair(int sb, int eb) {
+  if constexpr (sizeof(T) != 2) {
+    return 2;
+  } else {
+    const int n = L.n_slices;
+    if (L.rw <= 16)
+      return n <= 1   ? run_pair_ns<T, 1, 16, AL>(sb, eb)
+             : n <= 2 ? run_pair_ns<T, 2, 16, AL>(sb, eb)
+             : n <= 3 ? run_pair_ns<T, 3, 16, AL>(sb, eb)
+             : n <= 4 ? run_pair_ns<T, 4, 16, AL>(sb, eb)
+             : n <= 8 ? run_pair_ns<T, 8, 16, AL>(sb, eb)
+                      : 2;
+    if (L.rw <= 64) return n <= 1 ? run_pair_ns<T, 1, 64, AL>(sb, eb) : n <= 2 ? run_pair_ns<T, 2, 64, AL>(sb, eb) : 2;
+    return 2;
+  }
+}
+
 template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (L.aligned && L.flags != 7) return 3;  // the ALIGNED instantiation serves flags == 7 alone
+  if (expand == 9) return L.aligned ? run_pair<T, true>(sb, eb) : run_pair<T, false>(sb, eb);
   if (expand == 6) return L.aligned ? run_chunk<T, true>(bm, sb) : run_chunk<T, false>(bm, sb);
   if (expand == 7) return L.aligned ? run_one<T, true>(bm, sb) : run_one<T, false>(bm, sb);
   if (expand == 8) return L.aligned ? run_chunk_cl<T, true>(sb) : run_chunk_cl<T, false>(sb);
@@ -412,7 +466,8 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 5 (lora_expand_ring),
 // 6 (lora_chunk: shrink_blocks its blocks), 7 (lora_one: shrink_blocks its blocks), 8 (lora_chunk_cl: shrink_blocks
-// its blocks), 0 / 1 (the fused launch on tiles / chunks);
+// its blocks), 9 (lora_pair: shrink_blocks the shrink's grid, expand_blocks the expand's), 0 / 1 (the fused launch
+// on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
 // sliced (lora_chunk's instantiation for several slices)
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
@@ -478,16 +533,6 @@ struct VLaunch {
   int num_slots, n, compact;
 };
 static VLaunch V;
-// Every block of a grid (gx, gy, gz), one at a time, with blockIdx and gridDim set for each.
-static void run_grid(void (*fn)(int), int gx, int gy, int gz) {
-  emu::grid_dim = EmuIdx{unsigned(gx), unsigned(gy), unsigned(gz)};
-  for (int z = 0; z < gz; ++z)
-    for (int yb = 0; yb < gy; ++yb)
-      for (int x = 0; x < gx; ++x) {
-        emu::block_idx = EmuIdx{unsigned(x), unsigned(yb), unsigned(z)};
-        emu::run_block(fn, 0);
-      }
-}
 template <typename T, int R> static void expand_v_block(int) {
   lora_expand_v<T, R, 8>((T*)V.y0, (T*)V.y1, (T*)V.y2, V.ldy[0], V.ldy[1], V.ldy[2], V.out[0], V.out[1], V.out[2],
                          V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.scaling,

@@ -1,5 +1,5 @@
 // Host stand-ins for the CUDA features the lora kernels use, so their task functions compile with g++
-// and run on a CPU: a block is 128 fibers (ucontext) run one at a time; __syncthreads and the
+// and run on a CPU: a block is 128 fibers (ucontext; 256 for lora_pair's expand) run one at a time; __syncthreads and the
 // warp-collective operations (ballot, shuffle, m16n8k16) are barriers between fibers. Vector loads
 // and stores check their alignment. Used by check.py; nothing here ships or runs on a GPU.
 #pragma once
@@ -31,7 +31,8 @@
 #define LORA_HOST_EMULATION 1
 
 namespace emu {
-constexpr int NTHREADS = 128;
+constexpr int NTHREADS = 256;  // the most threads a block of the harness runs (lora_pair's expand)
+extern int nthreads;           // this block's: 128 but where a kernel's blocks are larger
 struct Fiber {
   ucontext_t ctx;
   int tid;
@@ -42,7 +43,7 @@ struct Fiber {
 extern Fiber fibers[NTHREADS];
 extern Fiber* cur;
 extern ucontext_t sched_ctx;
-extern int block_arrived, warp_arrived[4];
+extern int block_arrived, warp_arrived[NTHREADS / 32];
 extern long long mma_count;
 void block_barrier();
 void warp_barrier();
@@ -52,7 +53,7 @@ struct Stage {
   unsigned u[32];
   float f[32];
 };
-extern Stage stage[4];
+extern Stage stage[NTHREADS / 32];
 inline int lane() { return cur->tid & 31; }
 inline int warp() { return cur->tid >> 5; }
 inline void check_align(const void* p, size_t n) {
@@ -74,7 +75,7 @@ extern EmuIdx block_idx, grid_dim;
 }
 #define blockIdx emu::block_idx
 #define gridDim emu::grid_dim
-#define blockDim (EmuIdx{unsigned(emu::NTHREADS), 1u, 1u})
+#define blockDim (EmuIdx{unsigned(emu::nthreads), 1u, 1u})
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 
