@@ -675,10 +675,10 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     launch splits ``in`` for those alone, so the member's shrink fills the device as a one-slice
     target's does. None: every slice.
 
-    From ``PAIR_FROM`` to ``PAIR_TO`` positions in the 16-bit types at rank width 16 (and 64 for one or
-    two slices) a call runs ``lora_pair`` (``default_pair``: a shrink launch and an expand launch, see pair.cuh) unless a
-    tile, fusing, chunks or another expand are forced, or ``whole`` is False; ``expand="pair"``
-    forces it wherever ``pair_fits``.
+    From ``PAIR_FROM`` to ``PAIR_TO`` positions in the 16-bit types a call runs ``lora_pair`` (a shrink
+    launch and an expand launch, see pair.cuh) where ``default_pair`` says so (rank width 16; 64 for one
+    or two slices up to ``PAIR_WIDE_RANK_TO`` positions), unless a tile, fusing, chunks or another
+    expand are forced, or ``whole`` is False; ``expand="pair"`` forces it wherever ``pair_fits``.
     The bucket of one position runs ``lora_one`` (``default_one``: one launch of clusters, see
     one.cuh) where a block's share of A is small enough, unless a tile, fusing, chunks or another
     expand are forced, or ``whole`` is False; ``expand="one"`` forces it at any share.
