@@ -461,6 +461,13 @@ def pair_kb(n_slices: int, rw: int = 16) -> int:
     return PAIR_KB[pair_rt(n_slices, rw) * rw // 16]
 
 
+def pair_one_round(in_features: int, n_slices: int, rw: int = 16) -> bool:
+    """Whether one round of each shrink warp's k-blocks covers ``in`` (the splits not capped: the
+    kernel's own test, ``splits * PAIR_SW * KB >= k-blocks``), so every split holds its A from before
+    the wait."""
+    return pair_splits(in_features, n_slices, rw) * PAIR_SW * pair_kb(n_slices, rw) >= _ceil(in_features, 32)
+
+
 def pair_chunks(bucket: int, num_slots: int) -> int:
     """The most chunks of at most ``PAIR_M`` positions of one slot a step of ``bucket`` positions over
     slots 1..num_slots-1 can have: sum of ceil(count / PAIR_M) <= (bucket + (PAIR_M - 1) * slots) / PAIR_M."""
@@ -504,7 +511,7 @@ def default_pair(bucket: int, dtype: str, max_rank: int, n_slices: int, in_featu
         return False
     if pair_width(max_rank) == 16:
         return True
-    return bucket <= PAIR_WIDE_RANK_TO and in_features <= PAIR_MAX_SPLITS * PAIR_SW * pair_kb(n_slices, 64) * 32
+    return bucket <= PAIR_WIDE_RANK_TO and pair_one_round(in_features, n_slices, 64)
 
 
 def pair_workspace(spec: LoraSpec) -> int:

@@ -281,12 +281,10 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
              | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
     use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
     rw = cb.rank_width(planned(case, part is None))
-    pair = plan.expand == "pair" and not plan.fused
-    if ws is None and pair:  # the pair's own workspace, the shrink's parts written whole: NaN before
-        ws = np.full(cb.pair_floats(plan.bucket, in_f, n, S, plan.rank_width), np.nan, np.float32)
-        counters = np.zeros(0, np.int32)
-    elif ws is None:
-        ws = np.zeros(plan.bucket * n * rw, np.float32)
+    pair = plan.expand == "pair"
+    if ws is None:  # the pair's own workspace: the shrink's parts written whole, NaN before
+        ws = (np.full(cb.pair_floats(plan.bucket, in_f, n, S, plan.rank_width), np.nan, np.float32) if pair
+              else np.zeros(plan.bucket * n * rw, np.float32))
         counters = np.zeros(plan.counter_ints(), np.int32)
     offs = np.asarray(offsets, np.int32) if n > 1 else None
     scaling = np.ascontiguousarray(w.scaling, np.float32)

@@ -402,10 +402,6 @@ template <typename T, bool AL> static int run_a(int bm, int expand, int sb, int 
   else return 2;
   return 0;
 }
-// lora_pair (pair.cuh): the shrink's grid (blocks of PAIR_SW warps), then the expand's (PAIR_EW warps),
-// each block in turn with its blockIdx and the grid's size set, every shrink block before any expand
-// block (the expand's wait); both with EARLY_READS, the order of the pool's calls (the waits are no-ops
-// here). The instantiation as the backend picks it: rank width 16 (slices 1, 2, 3, 4, 8) or 64 (1, 2).
 // Every block of a grid (gx, gy, gz) of `threads` threads, one at a time, with blockIdx and gridDim set
 // for each (body's argument: the block's x).
 static void run_grid(void (*fn)(int), int gx, int gy, int gz, int threads = 128) {
@@ -421,6 +417,10 @@ static void run_grid(void (*fn)(int), int gx, int gy, int gz, int threads = 128)
   emu::block_idx = EmuIdx{0u, 0u, 0u};
   emu::nthreads = 128;
 }
+// lora_pair (pair.cuh): the shrink's grid (blocks of PAIR_SW warps), then the expand's (PAIR_EW warps),
+// each block in turn with its blockIdx and the grid's size set, every shrink block before any expand
+// block (the expand's wait); both with EARLY_READS, the order of the pool's calls (the waits are no-ops
+// here). The instantiation as the backend picks it: rank width 16 (slices 1, 2, 3, 4, 8) or 64 (1, 2).
 template <typename T, int NS, int RW, bool AL> static void pair_shrink_block(int) {
   auto g = args<T>();
   lora::pair_shrink<T, NS, RW, AL>(g, reinterpret_cast<int*>(dsm.data()));

@@ -1,7 +1,8 @@
 // Host stand-ins for the CUDA features the lora kernels use, so their task functions compile with g++
-// and run on a CPU: a block is 128 fibers (ucontext; 256 for lora_pair's expand) run one at a time; __syncthreads and the
-// warp-collective operations (ballot, shuffle, m16n8k16) are barriers between fibers. Vector loads
-// and stores check their alignment. Used by check.py; nothing here ships or runs on a GPU.
+// and run on a CPU: a block is 128 fibers (ucontext; 256 for lora_pair's expand) run one at a time;
+// __syncthreads and the warp-collective operations (ballot, shuffle, m16n8k16) are barriers between
+// fibers. Vector loads and stores check their alignment. Used by check.py; nothing here ships or runs
+// on a GPU.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
