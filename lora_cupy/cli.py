@@ -18,14 +18,29 @@ def _check_kernels(argv: list[str]) -> int:
     p.add_argument("--prebuild", metavar="DIR",
                    help=f"write every family's CUBIN for each --arch (default sm_90) into DIR, for {kernels.PREBUILT_ENV}=DIR "
                         "on a GPU machine (no compile on first use)")
+    p.add_argument("--jobs", type=int, default=0,
+                   help="compile in this many processes at once (default: one per CPU; 1: one after another here)")
     args = p.parse_args(argv)
+    if args.jobs < 0:
+        p.error("--jobs must be 0 (one per CPU) or more")
+    archs = args.arch or (["sm_90"] if args.prebuild else list(kernels.CHECK_ARCHS))
+    if args.jobs != 1:
+        kernels.compile_ahead([(f, a) for a in archs for f in sorted(kernels.FAMILIES)], jobs=args.jobs or None)
+    try:
+        return _check_families(kernels, archs, args)  # each compile asked for in turn, so all are waited for
+    except BaseException:
+        kernels.cancel_ahead()  # stopped early: no wait at exit for compiles nothing will read
+        raise
+
+
+def _check_families(kernels, archs, args) -> int:
     if args.prebuild:
-        for arch in args.arch or ["sm_90"]:
+        for arch in archs:
             for path in kernels.prebuild(args.prebuild, arch):
                 print(f"wrote   {path}")
         return 0
     failed = 0
-    for arch in args.arch or kernels.CHECK_ARCHS:
+    for arch in archs:
         for family in sorted(kernels.FAMILIES):
             try:
                 kernels.compile_family(family, arch)

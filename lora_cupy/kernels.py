@@ -293,11 +293,38 @@ def _nvrtc(source: str, name: str, arch: str, name_expressions, cubin: bool):
     return (bin_ if cubin else ptx), dict(lowered)
 
 
-@functools.lru_cache(maxsize=16)
+#: NVRTC compiles done in this process, or under way in a worker process (a ``Future``,
+#: :func:`compile_ahead`), by ``(source, name, arch, name expressions)``: the compile check, the code
+#: sizes and a prebuild of the same family and architecture share one compile (a tensor-core family
+#: takes minutes). The ``_COMPILED_KEEP`` most recent results are kept.
+_COMPILED: dict[tuple, object] = {}
+_COMPILED_KEEP = 16
+_AHEAD = None  # the worker processes of compile_ahead (a ProcessPoolExecutor), started on first use
+
+
 def _nvrtc_both(source: str, name: str, arch: str, name_expressions: tuple[str, ...]):
     """One NVRTC compile's PTX, CUBIN and lowered names (a sorted tuple of pairs), kept for the
-    process: the compile check, the code sizes and a prebuild of the same family and architecture
-    share one compile (a tensor-core family takes minutes)."""
+    process; a compile that :func:`compile_ahead` started is waited for rather than run again."""
+    from concurrent.futures import Future
+
+    key = (source, name, arch, tuple(name_expressions))
+    hit = _COMPILED.pop(key, None)
+    if isinstance(hit, Future):
+        try:
+            hit = hit.result()
+        except Exception:  # noqa: BLE001 - a refused source (or a lost worker): compiled here for its log
+            hit = None
+    if hit is None:
+        hit = _nvrtc_compile(*key)
+    _COMPILED[key] = hit
+    done = [k for k, v in _COMPILED.items() if not isinstance(v, Future)]
+    for k in done[:max(0, len(done) - _COMPILED_KEEP)]:
+        del _COMPILED[k]
+    return hit
+
+
+def _nvrtc_compile(source: str, name: str, arch: str, name_expressions: tuple[str, ...]):
+    """One NVRTC compile with the run-time options for ``arch``: ``(PTX, CUBIN, lowered names)``."""
     from cupy_backends.cuda.libs import nvrtc
 
     opts = [*run_options(), f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
@@ -316,6 +343,57 @@ def _nvrtc_both(source: str, name: str, arch: str, name_expressions: tuple[str, 
         nvrtc.destroyProgram(prog)
 
 
+def compile_ahead(pairs=None, jobs: int | None = None) -> list:
+    """Start the NVRTC compiles of ``(family, arch)`` pairs (default: every family for each of
+    ``CHECK_ARCHS``) in ``jobs`` worker processes (default: the CPUs, at most the pairs), the
+    largest families first, and return their futures. A later :func:`compile_family`,
+    :func:`code_sizes` or :func:`prebuild` of the same source and architecture in this process
+    waits for its result instead of compiling again; a compile that fails in a worker is run again
+    where it is asked for, so its error is raised there. Nothing is started for a pair already
+    compiled or under way."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    global _AHEAD
+    pairs = list(pairs if pairs is not None else [(f, a) for a in CHECK_ARCHS for f in FAMILIES])
+    todo = []
+    for family, arch in pairs:
+        fam = FAMILIES[family]
+        key = (read_source(fam.file), fam.file, arch, tuple(fam.name_expressions))
+        if key not in _COMPILED and key not in (k for k, _ in todo):
+            newer = int("".join(c for c in arch if c.isdigit()) or 0) >= 90  # sm_90 measured 1.4x sm_80's time
+            todo.append((key, len(fam.name_expressions) * (1.5 if newer else 1)))
+    if not todo:
+        return []
+    if _AHEAD is None:
+        jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
+        _AHEAD = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    futures = []
+    for key, _ in sorted(todo, key=lambda t: -t[1]):  # the largest first: they bound the wall time
+        _COMPILED[key] = fut = _AHEAD.submit(_nvrtc_compile, *key)
+        futures.append(fut)
+    return futures
+
+
+def cancel_ahead() -> None:
+    """Stop :func:`compile_ahead`'s workers: compiles not started are dropped, running ones killed
+    (an interpreter would otherwise wait for them at exit), and what they would have given is
+    compiled where it is asked for."""
+    from concurrent.futures import Future
+
+    global _AHEAD
+    if _AHEAD is None:
+        return
+    procs = getattr(_AHEAD, "_processes", None)  # the executor's own: no public handle before 3.14
+    procs = list(procs.values()) if isinstance(procs, dict) else []
+    _AHEAD.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        proc.terminate()
+    for key in [k for k, v in _COMPILED.items() if isinstance(v, Future)]:
+        del _COMPILED[key]
+    _AHEAD = None
+
+
 def compile_source(source: str, name: str, arch: str, name_expressions=()) -> str:
     """Compile ``source`` with NVRTC for ``arch`` (``"sm_90"``), as at run time; return the PTX.
 
@@ -329,8 +407,8 @@ def compile_family(family: str, arch: str) -> str:
     return compile_source(read_source(fam.file), fam.file, arch, fam.name_expressions)
 
 
-def _elf_sections(blob: bytes) -> dict[str, int]:
-    """Section name -> size of a 64-bit little-endian ELF image (a CUBIN)."""
+def _elf_sections(blob: bytes, data: bool = False) -> dict[str, int] | dict[str, bytes]:
+    """Section name -> size (``data``: the bytes) of a 64-bit little-endian ELF image (a CUBIN)."""
     import struct
 
     if blob[:4] != b"\x7fELF" or blob[4] != 2:
@@ -340,9 +418,9 @@ def _elf_sections(blob: bytes) -> dict[str, int]:
     heads = [struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize) for i in range(shnum)]
     strtab = heads[shstrndx][4]
     names = {}
-    for name_off, _, _, _, _, size in heads:
+    for name_off, _, _, _, off, size in heads:
         end = blob.index(b"\0", strtab + name_off)
-        names[blob[strtab + name_off:end].decode()] = size
+        names[blob[strtab + name_off:end].decode()] = blob[off:off + size] if data else size
     return names
 
 

@@ -133,3 +133,81 @@ def test_check_kernels_prebuild_command(tmp_path, capsys, monkeypatch):
     names = sorted(p.name for p in tmp_path.glob("*.cubin"))
     assert [n.split(".")[:2] for n in names] == [["lora_delta", "sm_80"], ["lora_delta", "sm_90"]]
     assert capsys.readouterr().out.count("wrote") == 2
+
+
+def _own_source(monkeypatch, extra: str) -> None:
+    """Give this test's compiles a source of their own (a key no other test's compile shares)."""
+    import uuid
+
+    real = kernels.read_source
+    tag = f"\n// {uuid.uuid4().hex}\n{extra}"
+    monkeypatch.setattr(kernels, "read_source", lambda file, defines=None: real(file, defines) + tag)
+
+
+def _same_compile(a, b) -> bool:
+    """Two NVRTC results of one source are the same compile: the same lowered names, the same PTX but
+    for the names NVRTC gives internal symbols (they carry a number of the compiling process), and
+    the same machine code for every kernel."""
+    import re
+
+    def ptx(p):
+        return re.sub(rb"_cu_[0-9a-f]{8}_\d+", b"_cu_", p)
+
+    def code(cubin):
+        return {k: v for k, v in kernels._elf_sections(cubin, data=True).items() if k.startswith(".text.")}
+
+    return a[2] == b[2] and ptx(a[0]) == ptx(b[0]) and code(a[1]) == code(b[1]) and len(code(a[1])) == len(a[2])
+
+
+def test_compile_ahead_gives_what_a_compile_here_gives(monkeypatch):
+    """A compile started in a worker process is the compile this process would run: the same PTX,
+    machine code and lowered names; the family's check then waits for it rather than compiling again."""
+    from concurrent.futures import Future
+
+    _own_source(monkeypatch, "")
+    fam = kernels.FAMILIES["lora_delta"]
+    key = (kernels.read_source(fam.file), fam.file, "sm_80", fam.name_expressions)
+    futures = kernels.compile_ahead([("lora_delta", "sm_80")])
+    assert len(futures) == 1 and isinstance(kernels._COMPILED[key], Future)
+    assert kernels.compile_ahead([("lora_delta", "sm_80")]) == []  # under way: not started twice
+    ahead = futures[0].result(timeout=600)
+    here = kernels._nvrtc_compile(*key)
+    assert _same_compile(ahead, here)
+    assert not _same_compile(ahead, kernels._nvrtc_compile(key[0], key[1], "sm_90", key[3]))  # it can fail
+    assert kernels.compile_family("lora_delta", "sm_80") == ahead[0]
+    assert kernels._COMPILED[key] == ahead  # kept as a result now, not a future
+    assert kernels.compile_ahead([("lora_delta", "sm_80")]) == []  # done: not started again
+
+
+def test_a_source_refused_in_a_worker_raises_its_log_where_it_is_asked_for(monkeypatch):
+    _own_source(monkeypatch, 'extern "C" __global__ void broken_kernel(float* y) { y[0] = ; }\n')
+    futures = kernels.compile_ahead([("lora_delta", "sm_90")])
+    with pytest.raises(kernels.KernelCompileError):
+        futures[0].result(timeout=600)
+    with pytest.raises(kernels.KernelCompileError, match="expected an expression") as e:
+        kernels.compile_family("lora_delta", "sm_90")
+    assert "lora_delta.cu" in str(e.value)
+
+
+def test_cancel_ahead_stops_the_workers_at_once(tmp_path):
+    """A run stopped early (``cancel_ahead``, as the test session's end calls it) does not wait at exit
+    for a tensor-core family's compile (minutes on two cores)."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "cancel.py"
+    script.write_text(
+        "import time\n"
+        "from lora_cupy import kernels\n"
+        "if __name__ == '__main__':\n"
+        "    futures = kernels.compile_ahead([('lora_mma_bfloat16', 'sm_90'), ('lora_mma_float16', 'sm_90')])\n"
+        "    time.sleep(3)\n"
+        "    assert not any(f.done() for f in futures)\n"
+        "    kernels.cancel_ahead()\n"
+        "    assert kernels._COMPILED == {} and kernels._AHEAD is None\n"
+        "    print('cancelled')\n")
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "cancelled", done.stderr
+    assert time.perf_counter() - t < 60
