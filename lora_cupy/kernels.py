@@ -120,12 +120,6 @@ def chunk_name(ctype: str, rw: int, bm: int, *, aligned: bool, sliced: bool) -> 
     return f"lora_chunk<{ctype}, {rw}, {bm}, {_cbool(aligned)}, {_cbool(sliced)}>"
 
 
-def chunk_cl_name(ctype: str, rw: int, *, aligned: bool, sliced: bool) -> str:
-    """The name expression of ``lora_chunk_cl`` (lora_chunk in clusters for chunks of 16
-    positions, lora_mma.cu; sm_90) for one element type, rank width and instantiation."""
-    return f"lora_chunk_cl<{ctype}, {rw}, {_cbool(aligned)}, {_cbool(sliced)}>"
-
-
 def mma_kernels():
     """``(kernel, bm, bn, chunks)`` of every tensor-core kernel a dtype's module holds, each in
     two instantiations (``aligned`` False and True): what the module is built with and the
@@ -155,16 +149,12 @@ def glu_name(ctype: str, ks: int) -> str:
 #: ``ONE_CLUSTER`` blocks) is built for, as lora_chunk's (every element type).
 ONE_RW = (16, 64, 128)
 ONE_CLUSTER = 8
-#: Positions a ``lora_one`` cluster's chunk holds: 1 (the bucket of one position) and ``ONE_M`` (the
-#: decode buckets above it: each slot's positions in chunks of at most 8).
-ONE_M = 8
-ONE_MS = (1, ONE_M)
 
 
-def one_name(ctype: str, rw: int, *, aligned: bool, m: int = 1) -> str:
-    """The name expression of ``lora_one`` (one.cuh, in the tensor-core family) for one element type,
-    rank width (``ONE_RW``) and positions a chunk (``ONE_MS``)."""
-    return f"lora_one<{ctype}, {rw}, {_cbool(aligned)}, {m}>"
+def one_name(ctype: str, rw: int, *, aligned: bool) -> str:
+    """The name expression of ``lora_one`` (one.cuh, in the tensor-core family) for one element type
+    and rank width (``ONE_RW``)."""
+    return f"lora_one<{ctype}, {rw}, {_cbool(aligned)}>"
 
 
 #: Slices a ``lora_pair_shrink`` instantiation is built for at each rank width of the pair (pair.cuh:
@@ -187,15 +177,13 @@ def _mma_names(ctype: str) -> tuple[str, ...]:
     glu = tuple(glu_name(ctype, ks) for ks in GLU_KS) if ctype != "float" else ()
     chunk = tuple(chunk_name(ctype, rw, bm, aligned=a, sliced=sl) for rw, bm in CHUNK_SHAPES
                   for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
-    chunk_cl = tuple(chunk_cl_name(ctype, rw, aligned=a, sliced=sl) for rw in CHUNK_RW
-                     for a in (False, True) for sl in (False, True)) if ctype != "float" else ()
-    one = tuple(one_name(ctype, rw, aligned=a, m=m) for rw in ONE_RW for a in (False, True) for m in ONE_MS)
+    one = tuple(one_name(ctype, rw, aligned=a) for rw in ONE_RW for a in (False, True))
     pair = (tuple(pair_name(ctype, "shrink", aligned=a, rw=rw, rt=rt) for rw in PAIR_RT for rt in PAIR_RT[rw]
                   for a in (False, True))
             + tuple(pair_name(ctype, "expand", aligned=a, rw=rw) for rw in PAIR_RT for a in (False, True))
             ) if ctype != "float" else ()
     return tuple(mma_name(ctype, k, bm, bn=bn, chunks=c, aligned=aligned)
-                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + chunk_cl + one + pair
+                 for aligned in (False, True) for k, bm, bn, c in mma_kernels()) + glu + chunk + one + pair
 
 
 #: Rank widths (the pool's maximum rank) ``lora_expand_v`` is built for, and the positions a block.

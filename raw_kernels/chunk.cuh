@@ -63,20 +63,17 @@
 // table, each column block's slice lookup, v reloaded at a slice change). The other serves one
 // slice with columns (found by a ballot in the setup) with all of that compiled out, and at rank
 // widths 16 and 64 (a rank fits one rank block) with one pass and one rank block a column block.
-// CL (lora_chunk_cl in lora_mma.cu): the same shrink and expand for the decode buckets in thread-block
-// clusters, a chunk's parts the cluster's blocks, v summed in distributed shared memory (chunk_vsum)
-// with no ready counts, tickets or v in global memory.
 #pragma once
 
 namespace lora {
 
-template <typename T, int RW, int BM_, int STAGES_ = 3>
+template <typename T, int RW, int BM_>
 struct Chunk {
   static_assert(sizeof(T) == 2, "lora_chunk serves 16-bit types");
   static_assert(RW == 16 || RW == 64 || RW == 128, "lora_chunk is built for rank widths 16, 64 and 128");
   static_assert(BM_ == 16 || BM_ == 32 || (BM_ == 64 && RW > 16),
                 "chunks of 16 or 32 positions, or 64 at rank widths above 16");
-  static constexpr int STAGES = STAGES_, CH = 8;     // 16-byte pieces of 8
+  static constexpr int STAGES = 3, CH = 8;           // 16-byte pieces of 8
   static constexpr int BM = BM_;                     // positions a chunk (A and B read once a chunk)
   static constexpr int MT = BM / 16, WK = 4 / MT;    // m-tiles; warps sharing one
   static constexpr int KC = RW <= 16 ? 128 : 64;     // features a shrink stage
@@ -99,17 +96,6 @@ struct Chunk {
 // Every kernel's ready and reader counts are sized for chunks of 16 positions (the most a step can
 // have); a step cut into taller chunks uses the first of them.
 constexpr int CHUNK_UNIT_BM = 16;
-
-// The cluster launch (lora_chunk_cl in lora_mma.cu, CL in chunk_shrink and chunk_expand): blocks a
-// cluster. Its blocks cut a chunk's `in` in CHUNK_CLUSTER shares; their partial sums of v meet in
-// distributed shared memory instead of L2, with no ready counts, tickets or zeroing of v.
-constexpr int CHUNK_CLUSTER = 8;
-// Its stages (one ring, shrink and expand): a block sums an eighth of `in` (4 stages of 128 at
-// 4096), so more of them are in flight at once than the ticket kernel's 3.
-constexpr int CHUNK_CL_STAGES = 5;
-// Its part and sum of v: [BM][n * RW + CHUNK_CL_PAD] floats (a row of n * RW floats, a multiple of
-// 32 banks at rank widths 64 and 128, would put a warp's 8 rows of atomics in one bank; padded, 2).
-constexpr int CHUNK_CL_PAD = 8;
 
 // A block's chunk's token rows (either height).
 struct ChunkRows {
@@ -232,10 +218,10 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr
 // Part q of `parts`: its shrink into v, then its count into the chunk's ready count. Its stages
 // run through the passes (slice, rank block) in one ring: pass p's share of `in`, then p + 1's, a
 // pass's sums added into v as its last stage is done.
-template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED, bool CL = false>
+template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
-                             int parts, float* part = nullptr) {
-  using C = Chunk<T, RW, BM_, CL ? CHUNK_CL_STAGES : 3>;
+                             int parts) {
+  using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8;
   constexpr int XPR = KC / CH, XPT = BM * XPR / THREADS, XROWS = THREADS / XPR;  // x pieces
@@ -246,9 +232,9 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   const bool vec = ALIGNED || (g.flags & 1);
   // one slice at rank widths 16 and 64: one pass (its rank fits one rank block), stage f is f
   constexpr bool ONE_PASS = !SLICED && RW <= C::RB;
-  // warps sharing an m-tile (the ticket launch): at a pass's end their sums meet in shared memory
-  // past the stages (C::SUMS bytes), and one warp an m-tile adds them into v
-  constexpr bool BLOCK_SUM = C::WK > 1 && !CL;
+  // warps sharing an m-tile: at a pass's end their sums meet in shared memory past the stages
+  // (C::SUMS bytes), and one warp an m-tile adds them into v
+  constexpr bool BLOCK_SUM = C::WK > 1;
   auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
   auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
   const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
@@ -299,10 +285,9 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 #pragma unroll
   for (int nt = 0; nt < NTS; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   // this warp's partial sums of slice j's ranks rb0 + [0, r) into v (rows of its m-tile inside the
-  // chunk; ranks below r only: 0 * inf stays out of v), then the sums start again (CL: into the
-  // block's own part in shared memory, rows n * RW + CHUNK_CL_PAD apart; the cluster sums the parts)
+  // chunk; ranks below r only: 0 * inf stays out of v), then the sums start again
   auto add_into_v = [&](int j, int rb0, int r, int nts) {
-    float* vb = CL ? part + j * RW + rb0 : g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
+    float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
 #pragma unroll
     for (int nt = 0; nt < NTS; ++nt) {
       const int col = nt * 8 + 2 * tq;
@@ -311,13 +296,7 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
         for (int h = 0; h < 2; ++h) {
           const int row = mt * 16 + gq + 8 * h;
           if (row >= m) continue;
-          if constexpr (CL) {
-            float* pv = vb + row * (g.n_slices * RW + CHUNK_CL_PAD) + col;
-            atomicAdd(pv, acc[nt][2 * h]);
-            if (col + 1 < r) atomicAdd(pv + 1, acc[nt][2 * h + 1]);
-          } else {
-            red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
-          }
+          red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
         }
       }
       acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
@@ -377,10 +356,6 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     }
   }
   cp_async_wait<0>();
-  if constexpr (CL) {
-    __syncthreads();  // part complete; the stages are free for the expand (the caller's cluster barrier publishes part)
-    return;
-  }
   // every thread's sums issued (and fenced), and the stages free for the expand; then the count. At
   // rank widths above 16 (16 KB of adds a part in chunks of 64) only one thread fences, after the
   // barrier (which orders the other threads' adds before it: the release pattern of a grid
@@ -396,49 +371,12 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   }
 }
 
-// CL (the cluster launch): vs[row, e] = the sum over the cluster's blocks b of their part[row, e]
-// (peer(b, i): block b's part as float4 i), rows [0, m) of n * RW + CHUNK_CL_PAD floats; the same
-// order of additions in every block, so the cluster's blocks hold the same v.
-template <int RW, typename Peer>
-__device__ __forceinline__ void chunk_vsum(int n, int m, float* vs, Peer peer) {
-  const int quads = m * (n * RW + CHUNK_CL_PAD) / 4;
-  for (int i = threadIdx.x; i < quads; i += blockDim.x) {
-    float4 t[CHUNK_CLUSTER];  // every block's loads in flight before the first addition
-#pragma unroll
-    for (int b = 0; b < CHUNK_CLUSTER; ++b) t[b] = peer(b, i);
-    float4 s = t[0];
-#pragma unroll
-    for (int b = 1; b < CHUNK_CLUSTER; ++b) {
-      s.x += t[b].x;
-      s.y += t[b].y;
-      s.z += t[b].z;
-      s.w += t[b].w;
-    }
-    reinterpret_cast<float4*>(vs)[i] = s;
-  }
-}
-
-// The cluster launch: clusters that take one chunk (each sums the chunk's whole v, then writes its
-// share of the column blocks): as many as the grid's clusters fill, at most `splits` (the plan's:
-// about a column block a block).
-template <typename T>
-__device__ __forceinline__ int chunk_groups(const Args<T>& g, int chunks, int clusters) {
-  return max(1, min(g.splits, clusters / max(chunks, 1)));
-}
-
-// CL: the block's part zeroed where its shrink adds (rows [0, m), padding included).
-template <int RW>
-__device__ __forceinline__ void chunk_zero_part(int n, int m, float* part) {
-  for (int i = threadIdx.x; i < m * (n * RW + CHUNK_CL_PAD) / 4; i += blockDim.x)
-    reinterpret_cast<float4*>(part)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-}
-
 // Part q's expand of its column blocks, after all `parts` parts of chunk c have added into v;
 // then the chunk's v released (the last part to finish zeroes it and resets the chunk's counts).
-template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED, bool CL = false, typename WaitV = int>
+template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
-                             int parts, const float* vs = nullptr, WaitV wait_v = {}) {
-  using C = Chunk<T, RW, BM_, CL ? CHUNK_CL_STAGES : 3>;
+                             int parts) {
+  using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, CH = C::CH, NT = C::NT, RB = C::RB;
   constexpr int KS = RW / 16, KPB = RB / 16;                                     // k-steps of v; of a rank block
@@ -507,24 +445,20 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
   // y and B of the first steps do not depend on v: issue them before waiting for it
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) load(st, st);
-  if constexpr (CL) {
-    wait_v();  // the cluster's parts summed into vs, seen by every thread
-  } else {
-    if (tid == 0) {
-      const int* ready = g.counters + 2 + c;
-      while (load_acquire(ready) < parts) __nanosleep(32);
-    }
-    __syncthreads();
+  if (tid == 0) {
+    const int* ready = g.counters + 2 + c;
+    while (load_acquire(ready) < parts) __nanosleep(32);
   }
+  __syncthreads();
 
   // this warp's rows of v * scaling as MMA fragments, one per k-step below the slice's rank
   // rounded up to 16: the first slice's now, another's at its first column block
   const int mt = warp % C::MT, half = warp / C::MT, row0 = mt * 16 + gq, row1 = row0 + 8;
-  const size_t stride = CL ? (size_t)n * RW + CHUNK_CL_PAD : (size_t)n * g.rw;
+  const size_t stride = (size_t)n * g.rw;
   Frags<M, false, float> vreg[KS];
   auto load_v = [&](int j) {
     const int kss = ((cw.r[j] + 15) & ~15) / 16;
-    const float* base = (CL ? vs + j * RW : g.ws + ((size_t)cw.p0 * n + j) * g.rw) + 4 * tq;
+    const float* base = g.ws + ((size_t)cw.p0 * n + j) * g.rw + 4 * tq;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       load_frag_rows<M, false>(vreg[ks], base + ks * 16, stride, row0, ks < kss && row0 < m, ks < kss && row1 < m,
@@ -595,7 +529,6 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     }
   }
   cp_async_wait<0>();
-  if constexpr (CL) return;  // the caller's cluster barrier keeps the parts until every block has summed them
 
   // release v: the last part of the chunk to finish reading it zeroes it (each slice's ranks below
   // its rank rounded up to 16) and resets the counts

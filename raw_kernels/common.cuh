@@ -96,9 +96,7 @@ constexpr int EARLY_READS = 8;
 // has it): wait for the grid before it (later where `early`: the kernel then waits itself after
 // reading only what EARLY_READS allows), then, where RELEASE, let the next grid start at once.
 // RELEASE where it was measured to pay (NOTES.md "Programmatic dependent launch of every kernel",
-// "Early reads in lora_chunk"): lora_one, lora_chunk and the tile kernels. Not lora_chunk_cl:
-// there the next grid started early cost 0.2-1 us a call on an H200 (before early reads), and it
-// starts as its blocks exit.
+// "Early reads in lora_chunk"): lora_one, lora_chunk and the tile kernels.
 template <bool RELEASE>
 __device__ __forceinline__ void enter_grid(bool early = false) {
   if (!early) wait_prior_grid();

@@ -43,13 +43,13 @@
 //   lora_expand_glu (expand_glu.cuh): a gated MLP's activation with its gate / up expands folded
 //     in (h = silu(g + dg) * (u + du)), after the gate_up target's lora_shrink; the attachment's
 //     large steps on models with a silu gated MLP.
-//   lora_one<..., RW, ALIGNED, M> (one.cuh: clusters of 8 blocks, no workspace): M = 1 the capture
-//     bucket of one position on sm_90, every type, where a block's share of A is at most one_max_share
+//   lora_one<..., RW, ALIGNED> (one.cuh: clusters of 8 blocks, no workspace): the capture bucket of
+//     one position on sm_90, every type, where a block's share of A is at most one_max_share
 //     (backends/cupy.py, default_one: the Llama-8B layer's rank-16 targets and, in the 16-bit types,
-//     rank 64 of one slice at in = 4096; larger shares keep lora_chunk or lora_fused);
-//     M = ONE_M, buckets up to ONE_CHUNK_TO in chunks of 8 positions of one slot: where it is asked
-//     for (expand="one"); the default of the 16-bit types at rank width 16 until lora_pair took its
-//     place (NOTES.md, "lora_one in chunks on tensor cores", "lora_pair").
+//     rank 64 of one slice at in = 4096; larger shares keep lora_chunk or lora_fused). Its chunks of
+//     8 positions for the buckets above one, the default of the 16-bit types at rank width 16 until
+//     lora_pair took their place, were deleted when they were the default nowhere (NOTES.md, "lora_one
+//     in chunks on tensor cores", "lora_pair").
 //   lora_pair_shrink<..., NS, RW, ALIGNED> then lora_pair_expand<..., RW, ALIGNED> (pair.cuh: two light
 //     launches that overlap the call before under programmatic dependent launch, partial sums of v
 //     through ws): the decode buckets from 2 to PAIR_TO positions in the 16-bit types at rank width
@@ -1051,141 +1051,44 @@ __global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
   lora::chunk_task<T, RW, BM, ALIGNED, SLICED>(g, dsmem, reinterpret_cast<int*>(dsmem + SMEM), tr, cs, cw, early);
 }
 
-// lora_one (one.cuh): the delta of the capture bucket of one position (M = 1), or of a step's chunks
-// of at most M positions of one slot (a cluster an item), in clusters of 8 blocks, the partial sums
-// of v met in distributed shared memory; every type, rank widths 16, 64 and 128. At one position no
-// dynamic shared memory; in chunks part, v, the chunk's x and slot_indptr in it. No workspace, no
-// counters. sm_90 only: below it the body traps (the plan
+// lora_one (one.cuh): the delta of the capture bucket of one position in clusters of 8 blocks, the
+// partial sums of v met in distributed shared memory; every type, rank widths 16, 64 and 128. No
+// dynamic shared memory, no workspace, no counters. sm_90 only: below it the body traps (the plan
 // never launches it there) and the cluster attribute is left out so the source still builds.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define LORA_ONE_CLUSTER __cluster_dims__(lora::ONE_CLUSTER, 1, 1)
 #else
 #define LORA_ONE_CLUSTER
 #endif
-template <typename T, int RW, bool ALIGNED, int M>
-__global__ void LORA_ONE_CLUSTER __launch_bounds__(128, M == 1 ? 1 : 3) lora_one(LORA_PARAMS) {
+template <typename T, int RW, bool ALIGNED>
+__global__ void LORA_ONE_CLUSTER __launch_bounds__(128, 1) lora_one(LORA_PARAMS) {
 #if __CUDA_ARCH__ >= 900
   LORA_ARGS;
-  if constexpr (M == 1) {
-    // EARLY_READS: the addressing, ranks and the first B rows before the wait (and A's share sent
-    // towards L2), overlapping the grid before this one
-    const bool early = flags & lora::EARLY_READS;
-    lora::enter_grid<true>(early);
-    __shared__ lora::OneStep st;
-    __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
-    if (!lora::one_setup(g, st)) {  // the same in every block: a cluster leaves whole
-      if (early && blockIdx.x == 0) lora::wait_prior_grid();  // no grid finishes before the one before it
-      return;
-    }
-    lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first columns, in flight through the shrink
-    lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
-    if (early) {
-      lora::one_prefetch_a<T>(g, st, lora::cluster_rank());
-      lora::wait_prior_grid();
-    }
-    lora::one_prefetch_y<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
-    lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
-    lora::cluster_arrive();  // part written (release) ...
-    lora::cluster_wait();    // ... and every block's seen (acquire)
-    lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });
-    lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so
-    __syncthreads();
-    lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);
-    lora::cluster_wait();
-  } else {
-    // dynamic shared memory: part and vs ([M][n * RW] floats each), in fp32 the chunk's x over the
-    // block's share of `in` ([M][per] 16-byte pieces; the 16-bit types read x straight into their
-    // MMAs), then slot_indptr
-    // EARLY_READS: the chunks' count and the first item's addressing before the wait
-    const bool early = flags & lora::EARLY_READS;
-    lora::enter_grid<lora::ONE_CHUNK_RELEASE>(early);
-    extern __shared__ __align__(16) char dsmem[];
-    __shared__ lora::ChunkScan cs;
-    __shared__ lora::OneChunk<M> st;
-    constexpr int CH = 16 / sizeof(T);
-    const int vf = M * n_slices * RW, per = ((in_features + CH - 1) / CH + lora::ONE_CLUSTER - 1) / lora::ONE_CLUSTER;
-    const int xbytes = sizeof(T) == 4 ? 16 * M * per : 0;
-    lora::require_smem(8 * vf + xbytes + 4 * (num_slots + 1));
-    float* part = reinterpret_cast<float*>(dsmem);
-    float* vs = part + vf;
-    T* xs = reinterpret_cast<T*>(vs + vf);
-    int* s_indptr = reinterpret_cast<int*>(dsmem + 8 * vf + xbytes);
-    lora::count_chunks<M>(cs, s_indptr, slot_indptr, num_slots, positions);
-    const int clusters = gridDim.x / lora::ONE_CLUSTER, u = blockIdx.x / lora::ONE_CLUSTER, q = lora::cluster_rank();
-    const int shares = max(1, clusters / max(cs.chunks, 1)), items = cs.chunks * shares;
-    bool waited = !early;
-    for (int it = u; it < items; it += clusters) {  // the same items in every block of the cluster
-      const bool live = lora::one_chunk_setup<T, M>(g, s_indptr, cs, st, it / shares);
-      if (!waited) {  // x and y only after the grid before has finished
-        lora::wait_prior_grid();
-        waited = true;
-      }
-      if (!live) continue;
-      lora::one_chunk_shrink<T, RW, ALIGNED, M>(g, st, part, xs, q);
-      lora::cluster_arrive();  // part written (release) ...
-      lora::cluster_wait();    // ... and every block's seen (acquire)
-      lora::one_chunk_sum<RW, M>(n_slices, st, vs, [&](int b, int f) { return lora::cluster_load4(part, b, f); });
-      lora::cluster_arrive();  // done reading the others' part ...
-      __syncthreads();
-      lora::one_chunk_expand<T, RW, ALIGNED, M>(g, st, vs, (it % shares) * lora::ONE_CLUSTER + q,
-                                               shares * lora::ONE_CLUSTER);
-      lora::cluster_wait();  // ... and they ours: the next item may rewrite it, or the block leave
-    }
-    if (!waited && blockIdx.x == 0) lora::wait_prior_grid();  // no grid finishes before the one before it
+  // EARLY_READS: the addressing, ranks and the first B rows before the wait (and A's share sent
+  // towards L2), overlapping the grid before this one
+  const bool early = flags & lora::EARLY_READS;
+  lora::enter_grid<true>(early);
+  __shared__ lora::OneStep st;
+  __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
+  if (!lora::one_setup(g, st)) {  // the same in every block: a cluster leaves whole
+    if (early && blockIdx.x == 0) lora::wait_prior_grid();  // no grid finishes before the one before it
+    return;
   }
-#else
-  __trap();
-#endif
-}
-
-// lora_chunk_cl (chunk.cuh with CL): lora_chunk for the decode buckets (chunks of CHUNK_NARROW_BM =
-// 16 positions) in clusters of CHUNK_CLUSTER blocks. A cluster takes a chunk: block q sums its
-// eighth of `in` into a part of v in its own shared memory, one cluster barrier, each block sums
-// the 8 parts (distributed shared memory) into its v, then writes its share of the chunk's column
-// blocks; no ticket, no ready counts, no v in global memory. Where the grid has more clusters than
-// the step chunks, `groups` clusters take each chunk (each sums the whole v again, each writes a
-// share of the columns). A cluster walks chunks u, u + clusters, ... (every block of it the same).
-// Dynamic shared memory: CHUNK_CL_STAGES stages, slot_indptr (rounded up to 16 bytes), part and v
-// ([16][n * RW + CHUNK_CL_PAD] floats each). sm_90 only, as lora_one.
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-#define LORA_CHUNK_CLUSTER __cluster_dims__(lora::CHUNK_CLUSTER, 1, 1)
-#else
-#define LORA_CHUNK_CLUSTER
-#endif
-template <typename T, int RW, bool ALIGNED, bool SLICED>
-__global__ void LORA_CHUNK_CLUSTER __launch_bounds__(128, 4) lora_chunk_cl(LORA_PARAMS) {
-#if __CUDA_ARCH__ >= 900
-  constexpr int BM = 16, CL = lora::CHUNK_CLUSTER;
-  extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::ChunkRows tr;
-  __shared__ lora::ChunkScan cs;
-  __shared__ lora::ChunkWork cw;
-  LORA_ARGS;
-  lora::enter_grid<false>();
-  g.chunked = 1;
-  constexpr int SMEM = lora::Chunk<T, RW, BM, lora::CHUNK_CL_STAGES>::SMEM;
-  const int off = SMEM + ((4 * (num_slots + 1) + 15) & ~15), vf = BM * (n_slices * RW + lora::CHUNK_CL_PAD);
-  lora::require_smem(off + 8 * vf);
-  int* s_indptr = reinterpret_cast<int*>(dsmem + SMEM);
-  float* part = reinterpret_cast<float*>(dsmem + off);
-  float* vs = part + vf;
-  lora::count_chunks<BM>(cs, s_indptr, slot_indptr, num_slots, positions);
-  const int clusters = gridDim.x / CL, u = blockIdx.x / CL, q = lora::cluster_rank();
-  const int groups = lora::chunk_groups(g, cs.chunks, clusters), items = cs.chunks * groups;
-  for (int it = u; it < items; it += clusters) {  // the same items in every block of the cluster
-    const int c = it / groups, e = (it % groups) * CL + q;
-    lora::chunk_setup<T, RW, BM, SLICED>(g, s_indptr, tr, cs, cw, c);
-    lora::chunk_zero_part<RW>(n_slices, cw.m, part);
-    lora::chunk_shrink<T, RW, BM, ALIGNED, SLICED, true>(g, dsmem, tr, cw, c, q, CL, part);
-    lora::cluster_arrive();  // part complete (release); the expand's first y and B tiles go out before the wait
-    lora::chunk_expand<T, RW, BM, ALIGNED, SLICED, true>(g, dsmem, tr, cw, c, e, groups * CL, vs, [&] {
-      lora::cluster_wait();  // every block's part seen (acquire)
-      lora::chunk_vsum<RW>(n_slices, cw.m, vs, [&](int b, int i) { return lora::cluster_load4(part, b, i); });
-      __syncthreads();
-    });
-    lora::cluster_arrive();  // done reading the others' parts ...
-    lora::cluster_wait();    // ... and they ours: the next chunk may zero it, or the block leave
+  lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first columns, in flight through the shrink
+  lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
+  if (early) {
+    lora::one_prefetch_a<T>(g, st, lora::cluster_rank());
+    lora::wait_prior_grid();
   }
+  lora::one_prefetch_y<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
+  lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
+  lora::cluster_arrive();  // part written (release) ...
+  lora::cluster_wait();    // ... and every block's seen (acquire)
+  lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });
+  lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so
+  __syncthreads();
+  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);
+  lora::cluster_wait();
 #else
   __trap();
 #endif

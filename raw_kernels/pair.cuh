@@ -1,15 +1,15 @@
 // lora_pair: the delta of a decode step (2 to PAIR_TO positions, the 16-bit types, rank width RW: 16,
 // or 64 for one or two slices) as
-// two light launches built to overlap under programmatic dependent launch, where lora_one runs each
-// call as one launch of clusters whose setup, shrink, cluster sum and expand run in series. Included
-// by lora_mma.cu (it uses Args from there).
+// two light launches built to overlap under programmatic dependent launch, where lora_one in chunks
+// (the default it replaced, since deleted) ran each call as one launch of clusters whose setup,
+// shrink, cluster sum and expand ran in series. Included by lora_mma.cu (it uses Args from there).
 //
-// Why: in a decoder layer's four calls back to back, a lora_one call (168 registers, 3 blocks a
-// multiprocessor) cannot be resident beside the call before it, so every call paid its setup and
-// its first loads after the one before had drained. These two kernels are light (64-110 registers,
-// no clusters), each lets the next grid launch as soon as it starts, and each reads what the grid
-// before cannot have written (the step's addressing and the weights) before it waits for it: a
-// call's setup and its loads of A and B overlap the call before (NOTES.md, "lora_pair").
+// Why: in a decoder layer's four calls back to back, a lora_one call in chunks (168 registers, 3
+// blocks a multiprocessor) could not be resident beside the call before it, so every call paid its
+// setup and its first loads after the one before had drained. These two kernels are light (64-110
+// registers, no clusters), each lets the next grid launch as soon as it starts, and each reads what
+// the grid before cannot have written (the step's addressing and the weights) before it waits for
+// it: a call's setup and its loads of A and B overlap the call before (NOTES.md, "lora_pair").
 //
 // Algebra (chunk c: up to PAIR_M positions of one slot s, rows t_i = token_order[start_c + i]; slice
 // j with columns [lo_j, hi_j) and rank r_j = min(ranks[s, j], rw), rw <= RW):

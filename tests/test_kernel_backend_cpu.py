@@ -45,17 +45,13 @@ def test_every_kernel_the_backend_loads_is_a_name_expression(dtype):
     if dtype in kernels.CHUNK_DTYPES:  # a large step's whole delta in one launch: 16-bit only
         wanted |= {f"lora_chunk<{ct}, {rw}, {bm}, {al}, {sl}>" for rw, bm in kernels.CHUNK_SHAPES
                    for al in ("false", "true") for sl in ("false", "true")}
-        # its decode buckets in thread-block clusters (sm_90)
-        wanted |= {f"lora_chunk_cl<{ct}, {rw}, {al}, {sl}>" for rw in kernels.CHUNK_RW
-                   for al in ("false", "true") for sl in ("false", "true")}
         # the decode buckets' pair at rank width 16 (the shrink for 1, 2, 3, 4 or 8 slices) and 64 (1 or 2
         # slices), the expand at each
         wanted |= {f"lora_pair_shrink<{ct}, {rt}, 16, {al}>" for rt in (1, 2, 3, 4, 8) for al in ("false", "true")}
         wanted |= {f"lora_pair_shrink<{ct}, {rt}, 64, {al}>" for rt in (1, 2) for al in ("false", "true")}
         wanted |= {f"lora_pair_expand<{ct}, {rw}, {al}>" for rw in (16, 64) for al in ("false", "true")}
-    # one position, or chunks of ONE_M, in thread-block clusters (sm_90): every dtype, each rank width
-    wanted |= {f"lora_one<{ct}, {rw}, {al}, {m}>" for rw in kernels.ONE_RW for al in ("false", "true")
-               for m in kernels.ONE_MS}
+    # one position in thread-block clusters (sm_90): every dtype, each rank width
+    wanted |= {f"lora_one<{ct}, {rw}, {al}>" for rw in kernels.ONE_RW for al in ("false", "true")}
     assert wanted == names  # one kernel per role, and each a default somewhere: nothing else ships
     simt = set(kernels.FAMILIES["lora_delta"].name_expressions)
     assert {f"lora_shrink_simt<{ct}>", f"lora_expand_simt<{ct}>"} <= simt
@@ -149,8 +145,8 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
             assert cb.pair_floats(b, in_f, n, spec.num_slots, p.rank_width) <= cb.pair_workspace(spec)
             continue
         if p.expand == "one":  # lora_one: clusters, no workspace or counters
-            assert cb.default_one(b, True, cb.one_share(in_f, n, R, dtype), dtype, R)
-            assert cb.one_fits(b, R) is None and p.bm == (1 if b == cb.ONE_BUCKET else cb.ONE_M)
+            assert cb.default_one(b, True, cb.one_share(in_f, n, R, dtype), dtype)
+            assert cb.one_fits(b, R) is None and b == cb.ONE_BUCKET and p.bm == 1
             assert p.blocks % cb.ONE_CLUSTER == 0 and p.blocks * p.bn >= out
             assert p.splits * p.k_split >= in_f and p.k_split % (16 // cb._ITEMSIZE[dtype]) == 0
             continue
@@ -190,15 +186,13 @@ def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """The pair: only the rank blocks differ, the extra ones stop at once past a rank-16 adapter.
     lora_chunk: the same chunks (16 up to CHUNK_NARROW_TO positions, 32 above) below CHUNK_WIDE_FROM
     positions and the same grid there (its loops bounded by each adapter's own rank), chunks of 64
-    from there at rank 128. At the decode buckets the rank-16 pool runs them in clusters
-    (lora_chunk_cl, rank width 16 only by default), the rank-128 pool by ticket."""
+    from there at rank 128."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         c16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         c128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
         if c16.expand == c128.expand == "chunk":
             assert (c16.bm, c128.bm) == (16 if b <= 64 else 32, cb.chunk_bm(b, 128)) and c16.tiles == c128.tiles
-            assert (c16.cluster, c128.cluster) == (b <= cb.CHUNK_NARROW_TO, False)  # clusters: rank width 16
-            if b < cb.CHUNK_WIDE_FROM and not c16.cluster:
+            if b < cb.CHUNK_WIDE_FROM:
                 assert c16.blocks == c128.blocks
         pair = None if c16.fused else cb.default_expand(b)
         p16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand=pair)
@@ -401,9 +395,10 @@ def test_several_slices_take_lora_chunk_where_their_columns_fall_on_its_blocks(o
     assert (cb.chunk_fits("bfloat16", R, n, None, aligned) is None) == fits
     chunked = [b for b in DEFAULT_CAPTURE_BUCKETS
                if cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, slice_align=aligned).expand == "chunk"]
-    share = cb.one_share(4096, n, R, "bfloat16")  # lora_one in chunks first where it is the default
-    one = {b for b in DEFAULT_CAPTURE_BUCKETS if cb.default_one(b, True, share, "bfloat16", R)}
-    assert chunked == ([b for b in DEFAULT_CAPTURE_BUCKETS if b >= first and b not in one] if first else [])
+    share = cb.one_share(4096, n, R, "bfloat16")  # lora_pair and lora_one first where they are the default
+    first_taken = {b for b in DEFAULT_CAPTURE_BUCKETS if cb.default_one(b, True, share, "bfloat16")
+                   or cb.default_pair(b, "bfloat16", R, n, 4096)}
+    assert chunked == ([b for b in DEFAULT_CAPTURE_BUCKETS if b >= first and b not in first_taken] if first else [])
     if fits:  # asked for, it serves every bucket
         for b in DEFAULT_CAPTURE_BUCKETS:
             p = cb.plan_launch(b, 4096, out, n, R, "bfloat16", num_slots=33, slice_align=aligned, fused=False,
@@ -433,7 +428,7 @@ def test_decode_buckets_run_lora_pair_at_rank_width_16():
                     args = dict(max_rank=16) | kw
                     assert cb.plan_launch(b, in_f, out, n, args.pop("max_rank"), dtype, num_slots=33,
                                           slice_align=128, **args).expand == "pair"
-                for kw in (dict(whole=False), dict(fused=True), dict(expand="chunk"), dict(expand="one")):
+                for kw in (dict(whole=False), dict(fused=True), dict(expand="chunk"), dict(expand="expand")):
                     assert cb.plan_launch(b, in_f, out, n, 16, dtype, num_slots=33, slice_align=128,
                                           **kw).expand != "pair"
     for b in DEFAULT_CAPTURE_BUCKETS[1:]:
@@ -535,7 +530,7 @@ def test_decode_chunks_take_more_parts_where_the_rules_say():
     (up to CHUNK_COL_PARTS) where they outnumber CHUNK_MAX_PARTS; up to CHUNK_FEW_TO positions above
     rank width 16 its stages of `in` or column blocks (up to CHUNK_FEW_PARTS); elsewhere
     CHUNK_MAX_PARTS, or the stages of `in` and column blocks there are if fewer."""
-    chunk = dict(num_slots=33, fused=False, expand="chunk", cluster=False, slice_align=128)
+    chunk = dict(num_slots=33, fused=False, expand="chunk", slice_align=128)
     # (bucket, in, out, slices, rank): the most parts
     cases = {(64, 4096, 28672, 2, 16): min(cb.CHUNK_COL_PARTS, 224),  # gate_up: 224 column blocks of 128
              (16, 4096, 6144, 3, 16): 48,                             # q/k/v
@@ -548,7 +543,7 @@ def test_decode_chunks_take_more_parts_where_the_rules_say():
              (1, 4096, 14336, 1, 128): min(cb.CHUNK_FEW_PARTS, 224)}
     for (b, i, o, n, R), most in cases.items():
         p = cb.plan_launch(b, i, o, n, R, "bfloat16", **chunk)
-        assert (p.expand, p.cluster, p.splits) == ("chunk", False, most), (b, i, o, n, R)
+        assert (p.expand, p.splits) == ("chunk", most), (b, i, o, n, R)
         assert p.blocks <= cb.chunk_blocks_per_sm("bfloat16", R, p.bm, 33) * cb.DEFAULT_SMS
 
 
@@ -557,53 +552,6 @@ def test_one_cuh_constants_match_the_planner():
     text = (kernels.kernel_dir() / "one.cuh").read_text()
     assert re.search(r"constexpr int ONE_CLUSTER = (\d+);", text).group(1) == str(kernels.ONE_CLUSTER)
     assert re.search(r"constexpr int ONE_SLICES = (\d+);", text).group(1) == str(cb.MAX_SLICES)
-
-
-def test_chunk_cluster_constant_matches_the_planner():
-    """The cluster size, stages and padding lora_chunk_cl is built with are the ones the planner
-    sizes its grid and shared memory for."""
-    text = (kernels.kernel_dir() / "chunk.cuh").read_text()
-    for name in ("CHUNK_CLUSTER", "CHUNK_CL_STAGES", "CHUNK_CL_PAD"):
-        assert re.search(rf"constexpr int {name} = (\d+);", text).group(1) == str(getattr(cb, name))
-
-
-def test_decode_buckets_run_lora_chunk_in_clusters_where_the_device_has_them():
-    """Up to CHUNK_NARROW_TO positions lora_chunk runs in clusters (lora_chunk_cl) by default for one
-    slice at rank width 16 and `in` up to CHUNK_CL_MAX_IN, and wherever asked (cluster=True): a grid of
-    whole clusters, at most one wave (the device's count where known) and no more than the most
-    chunks times the clusters one chunk takes (about a column block a block). The ticket kernel
-    elsewhere, below sm_90, with cluster=False, where the part and sum of v leave fewer than 2
-    blocks a multiprocessor, and above CHUNK_NARROW_TO positions, where asking for clusters is an error."""
-    chunk = dict(num_slots=33, fused=False, expand="chunk", slice_align=128)
-    for b in (2, 16, 64):
-        for R in (16, 64, 128):
-            for n, out, in_f in ((1, 4096, 4096), (3, 6144, 4096), (2, 28672, 4096), (1, 4096, 14336)):
-                p = cb.plan_launch(b, in_f, out, n, R, "bfloat16", **chunk)
-                assert p.cluster == (R == 16 and n == 1 and in_f <= cb.CHUNK_CL_MAX_IN)
-                assert p.cluster == cb.default_chunk_cluster(in_f, R, n > 1)
-                p = cb.plan_launch(b, in_f, out, n, R, "bfloat16", cluster=True, **chunk)
-                cols = -(-out // cb.chunk_geometry(R)[2])
-                most = -(-cols // cb.CHUNK_CLUSTER)
-                wave = cb.chunk_cl_blocks_per_sm("bfloat16", R, 33, n) * cb.DEFAULT_SMS // cb.CHUNK_CLUSTER
-                assert (p.cluster, p.bm, p.splits, p.col_blocks) == (True, 16, most, cols)
-                assert p.blocks == cb.CHUNK_CLUSTER * min(wave, p.tiles * most)
-                capped = cb.plan_launch(b, in_f, out, n, R, "bfloat16", cluster=True, max_clusters=5, **chunk)
-                assert capped.blocks == cb.CHUNK_CLUSTER * min(5, p.tiles * most)  # the device's count
-                ticket = cb.plan_launch(b, in_f, out, n, R, "bfloat16", cluster=False, **chunk)
-                assert (ticket.cluster, ticket.expand, ticket.bm) == (False, "chunk", 16)
-                assert cb.plan_launch(b, in_f, out, n, R, "bfloat16", clusters=False, **chunk) == ticket
-    # the most slices at rank 128 in the largest pool: one block a multiprocessor
-    assert cb.chunk_cl_blocks_per_sm("bfloat16", 128, cb.MAX_SLOTS, cb.MAX_SLICES) < 2
-    big = dict(chunk, num_slots=cb.MAX_SLOTS)
-    with pytest.raises(ValueError, match="fewer than 2 blocks"):
-        cb.plan_launch(64, 4096, 8192, 8, 128, "bfloat16", cluster=True, **big)
-    with pytest.raises(ValueError, match="chunks of 16"):
-        cb.plan_launch(256, 4096, 4096, 1, 16, "bfloat16", cluster=True, **chunk)
-    with pytest.raises(ValueError, match="clusters"):
-        cb.plan_launch(64, 4096, 4096, 1, 16, "bfloat16", cluster=True, clusters=False, **chunk)
-    with pytest.raises(ValueError, match="lora_chunk_cl"):  # not a lora_chunk call at all
-        cb.plan_launch(64, 4096, 4096, 1, 16, "float32", num_slots=33, cluster=True)
-    assert not cb.plan_launch(256, 4096, 4096, 1, 16, "bfloat16", num_slots=33).cluster
 
 
 def test_one_position_runs_lora_one_where_the_device_has_clusters():
@@ -630,7 +578,7 @@ def test_one_position_runs_lora_one_where_the_device_has_clusters():
             assert cb.one_share(in_f, n, 64, "bfloat16") == cb.ONE_MAX_SHARE_MMA == 64 * 1024
             assert p64.expand == "one"
         elif n == 1:
-            assert (p64.expand, p64.cluster, p64.fused) == ("chunk", False, False)
+            assert (p64.expand, p64.fused) == ("chunk", False)
         else:
             assert p64.fused
         assert cb.plan_launch(1, in_f, out, n, 64, "float32", num_slots=33).fused
@@ -642,15 +590,9 @@ def test_one_position_runs_lora_one_where_the_device_has_clusters():
         assert cb.plan_launch(1, 4096, 4096, 1, 256, dtype, num_slots=33).fused
     for kw in (dict(fused=True), dict(tile=16), dict(expand="expand"), dict(fused=False), dict(whole=False)):
         assert cb.plan_launch(1, 4096, 4096, 1, 16, "bfloat16", num_slots=33, **kw).expand != "one"
-    for b in DEFAULT_CAPTURE_BUCKETS[1:]:  # forced above one position: chunks of ONE_M, up to ONE_CHUNK_TO
-        if b <= cb.ONE_CHUNK_TO:
-            p = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one")
-            assert (p.expand, p.bm, p.blocks) == ("one", cb.ONE_M, cb.ONE_CHUNK_CLUSTERS * cb.ONE_CLUSTER)
-            capped = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one", max_clusters=20)
-            assert capped.blocks == 20 * cb.ONE_CLUSTER
-        else:
-            with pytest.raises(ValueError, match=f"up to {cb.ONE_CHUNK_TO} positions"):
-                cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one")
+    for b in DEFAULT_CAPTURE_BUCKETS[1:]:  # forced above one position: refused (its chunks were deleted)
+        with pytest.raises(ValueError, match=f"of 1 position, not {b}"):
+            cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33, expand="one")
     for kw, why in ((dict(clusters=False), "clusters"), (dict(whole=False), "one launch"),
                     (dict(tile=16), "no tile"), (dict(max_rank=256), "ranks up to 128")):
         args = dict(max_rank=16) | kw
@@ -842,7 +784,7 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         fused = (row.bucket or row.T) <= 64
         assert "default" in names
         assert (set(bench.VERSIONS) - set(bench.ONE_LAUNCH) <= names) == (not fused)
-        assert ("one" in names) == ((row.bucket or row.T) <= cb.ONE_CHUNK_TO)  # lora_one: the decode buckets
+        assert ("one" in names) == ((row.bucket or row.T) == cb.ONE_BUCKET)  # lora_one: one position
         assert ("pair" in names) == (cb.pair_fits(row.bucket or row.T, row.dtype, row.pool_rank,
                                                   len(row.slices)) is None)
         assert "one" not in bench.kernel_variants(row, sweep=False, clusters=False)  # below sm_90
@@ -852,16 +794,7 @@ def test_launches_are_timed_side_by_side_by_the_names_of_their_kernels():
         fits = cb.chunk_fits(row.dtype, row.pool_rank, len(row.slices), None,
                              cb.slice_alignment(np.cumsum((0,) + tuple(row.slices)))) is None
         assert ("chunk" in names) == fits
-        # and in clusters where lora_chunk_cl serves it too (the decode buckets, sm_90)
-        bucket = row.bucket or row.T
-        cl = fits and cb.chunk_cl_fits(LoraSpec((LoraTarget("t", row.in_f, row.out, 1),), num_slots=2,
-                                                   max_rank=row.pool_rank).bucket_for(bucket), row.dtype,
-                                       row.pool_rank, row.slots + 1, len(row.slices), True) is None
-        assert ("chunk_cl" in names) == cl
-        assert "chunk_cl" not in bench.kernel_variants(row, sweep=False, clusters=False)
-        if fits and row.dtype == "bfloat16" and len(row.slices) == 1:
-            assert cl == (bucket <= cb.CHUNK_NARROW_TO)
-    assert set(bench.VERSIONS) - {"chunk_cl"} == set(kernels.EXPAND_KERNELS)  # chunk_cl: lora_chunk, clusters
+    assert set(bench.VERSIONS) == set(kernels.EXPAND_KERNELS)
 
 
 def test_versions_table_picks_the_fastest_correct_launch():

@@ -88,10 +88,10 @@ def test_code_sizes_count_every_kernel_of_a_family():
         assert mma[f"lora_fused<__nv_bfloat16, 16, 64, true, {al}>"] > mma[f"lora_fused<__nv_bfloat16, 16, 64, false, {al}>"]
     # an ALIGNED instantiation has no element-wise paths: every one is smaller than its twin
     # (the fused kernel at tile 16 by about a third: 8688 -> 5856 instructions when this was written);
-    # lora_chunk's flags are ALIGNED, then SLICED (lora_chunk_cl's too, after T and RW)
+    # lora_chunk's flags are ALIGNED, then SLICED
     for name, n in mma.items():
         kind, params = name.split("<")[0], [p.strip() for p in name[:-1].split("<", 1)[1].split(",")]
-        at = {"lora_chunk": 3, "lora_chunk_cl": 2}.get(kind, len(params) - 1)
+        at = {"lora_chunk": 3}.get(kind, len(params) - 1)
         if params[at] == "true":
             twin = f"{kind}<{', '.join(params[:at] + ['false'] + params[at + 1:])}>"
             assert n < mma[twin], (name, n, mma[twin])

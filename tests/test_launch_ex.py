@@ -46,38 +46,3 @@ def test_attribute_id_and_value_size_are_cuda_hs():
     assert m and int(m.group(1)) == launch_ex.PROGRAMMATIC_STREAM_SERIALIZATION
     union = re.search(r"typedef union CUlaunchAttributeValue_union \{(.*?)\} CUlaunchAttributeValue;", text, re.S)
     assert union and "char pad[64];" in union.group(1)
-
-
-def test_max_active_clusters_is_zero_where_the_driver_does_not_say(monkeypatch):
-    """No libcuda (a CPU machine), or a call that fails: 0, so the plan falls back to its estimate;
-    a driver's answer is passed through, asked with a grid of whole clusters and the given block."""
-    import ctypes
-
-    def no_driver(name):
-        raise OSError(name)
-
-    monkeypatch.setattr(ctypes, "CDLL", no_driver)
-    assert launch_ex.max_active_clusters(1, 128, 1024) == 0
-
-    seen = {}
-
-    class Call:  # cuOccupancyMaxActiveClusters: writes 45, returns `rc`
-        restype = argtypes = None
-
-        def __init__(self, rc):
-            self.rc = rc
-
-        def __call__(self, out, fn, cfg):
-            cfg = ctypes.cast(cfg, ctypes.POINTER(launch_ex.LaunchConfig)).contents
-            seen.update(grid=cfg.grid_x, block=cfg.block_x, smem=cfg.shared_mem_bytes)
-            ctypes.cast(out, ctypes.POINTER(ctypes.c_int)).contents.value = 45
-            return self.rc
-
-    class Lib:
-        def __init__(self, rc):
-            self.cuOccupancyMaxActiveClusters = Call(rc)
-
-    for rc, want in ((0, 45), (1, 0)):
-        monkeypatch.setattr(ctypes, "CDLL", lambda name, rc=rc: Lib(rc))
-        assert launch_ex.max_active_clusters(7, 128, 55696) == want
-        assert seen["grid"] % 16 == 0 and (seen["block"], seen["smem"]) == (128, 55696)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -31,7 +31,7 @@ import numpy as np
 from ..dtypes import normalize_dtype
 from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
-                       ONE_CLUSTER, ONE_M, ONE_RW, PAIR_M, PAIR_RT, STREAM_BN, chunk_cl_name, chunk_name, expand_v_name,
+                       ONE_CLUSTER, ONE_RW, PAIR_M, PAIR_RT, STREAM_BN, chunk_name, expand_v_name,
                        glu_name, load_module, mma_family, mma_kernels, mma_name, one_name, pair_name)
 from ..spec import LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
@@ -125,18 +125,17 @@ def chunk_geometry(max_rank: int) -> tuple[int, int, int, int]:
     return (rw, 128, 128, 16) if rw <= 16 else (rw, 64, 64, 64)
 
 
-def chunk_smem(dtype: str, max_rank: int, bm: int, stages: int = 3, sums: bool = True) -> int:
-    """``Chunk<T, RW, BM, STAGES>::SMEM`` of chunk.cuh, plus ``SUMS`` where ``sums`` (the ticket
-    launch; lora_chunk_cl has none): ``stages`` stages (3; lora_chunk_cl's ``CHUNK_CL_STAGES``), each
-    the larger of a shrink stage (x rows of a chunk of ``bm`` positions and A rows of a rank block,
-    KC features) and an expand stage (y tile of the chunk x BN, B tile of BN columns x a rank
+def chunk_smem(dtype: str, max_rank: int, bm: int, stages: int = 3) -> int:
+    """``Chunk<T, RW, BM>::SMEM + SUMS`` of chunk.cuh: ``stages`` stages (3; other counts for dev
+    sweeps), each the larger of a shrink stage (x rows of a chunk of ``bm`` positions and A rows of a
+    rank block, KC features) and an expand stage (y tile of the chunk x BN, B tile of BN columns x a rank
     block), rows padded by 8 elements; then the shrink's sums of the warps that share an m-tile
     (all but the first of each: 4 floats a lane of each 8 ranks of a rank block)."""
     _, kc, bn, rb = chunk_geometry(max_rank)
     size = _ITEMSIZE[dtype]
     mt = bm // 16
     wk = 4 // mt
-    extra = mt * (wk - 1) * (rb // 8) * 4 * 32 * 4 if sums and wk > 1 else 0
+    extra = mt * (wk - 1) * (rb // 8) * 4 * 32 * 4 if wk > 1 else 0
     return stages * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size) + extra
 
 
@@ -225,9 +224,6 @@ class LaunchPlan:
     blocks: int = 0
     #: ``lora_chunk`` over several slices with columns (its ``SLICED`` instantiation); else one
     sliced: bool = False
-    #: ``lora_chunk`` in clusters (``lora_chunk_cl``: chunks of ``CHUNK_NARROW_BM``, sm_90): ``blocks``
-    #: is clusters of ``CHUNK_CLUSTER``, ``splits`` the most clusters one chunk takes
-    cluster: bool = False
     #: ``lora_pair``: the rank width its kernels are built for (``pair_width``: 16 or 64); else 0
     rank_width: int = 0
 
@@ -394,25 +390,13 @@ def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int
     return n_slices * rank_width(max_rank) * one_pieces(in_features, dtype) * 16
 
 
-#: Above one position ``lora_one`` runs in chunks of ``ONE_M`` where it is asked for (``expand="one"``):
-#: ``lora_pair`` took its place as the default there (``default_pair``). Until then it was the default
-#: in the 16-bit types at rank width 16 (both halves on tensor cores, one.cuh), every target, up to
-#: ``ONE_CHUNK_TO`` positions. On
-#: an H200 (raw_kernels/NOTES.md, "lora_one in chunks on tensor cores"; the Llama-8B layer's calls each
-#: alone, warm) against lora_chunk, the default before: q/k/v, o, gate_up and down 12.8 / 8.2 / 28.1 /
-#: 10.0 us against 21.1 / 11.5 / 35.9 / 15.1 at 64 positions over 32 adapters; gate_up 13.4 against
-#: 16.8 over 8 adapters and 40.6 against 46.1 at 256 positions over 32. Rank 64 keeps lora_chunk.
-def default_one(bucket: int, clusters: bool, share: int, dtype: str, max_rank: int = 16) -> bool:
-    """Whether a call of ``bucket`` positions runs ``lora_one`` by default, on a device with
-    thread-block clusters (compute capability 9.0 or above): the bucket of one position where a
-    block's share of A (``one_share``) is at most ``one_max_share(dtype)``; from 2 positions up to
-    ``ONE_CHUNK_TO``, chunks of ``ONE_M`` in the 16-bit types at rank width 16 where ``lora_pair``
-    does not take the call first (the planner asks ``default_pair`` before this)."""
-    if not clusters:
-        return False
-    if bucket == ONE_BUCKET:
-        return share <= one_max_share(dtype)
-    return _ITEMSIZE[normalize_dtype(dtype)] == 2 and rank_width(max_rank) == 16 and bucket <= ONE_CHUNK_TO
+def default_one(bucket: int, clusters: bool, share: int, dtype: str) -> bool:
+    """Whether a call of ``bucket`` positions runs ``lora_one`` by default: the bucket of one position,
+    on a device with thread-block clusters (compute capability 9.0 or above), where a block's share of
+    A (``one_share``) is at most ``one_max_share(dtype)``. Its chunks of 8 positions for the buckets
+    above one (the default of the 16-bit types at rank width 16 until ``lora_pair`` took their place:
+    raw_kernels/NOTES.md, "lora_one in chunks on tensor cores", "lora_pair") were deleted."""
+    return clusters and bucket == ONE_BUCKET and share <= one_max_share(dtype)
 
 
 #: The capture buckets ``lora_pair`` (pair.cuh: a shrink and an expand launch that overlap the call
@@ -525,97 +509,19 @@ def pair_workspace(spec: LoraSpec) -> int:
                 for rw in widths if t.num_slices <= PAIR_RT[rw][-1]] or [0])
 
 
-#: The largest capture bucket ``lora_one`` serves in chunks of ``ONE_M`` positions (a cluster a chunk
-#: and share of its columns), and the clusters of such a launch (at most ``max_clusters``, where the
-#: device's count is known).
-ONE_CHUNK_TO = 256
-ONE_CHUNK_CLUSTERS = 32
-
-
 def one_fits(bucket: int, max_rank: int) -> str | None:
-    """Why ``lora_one`` cannot serve a call (None: it can): up to ``ONE_CHUNK_TO`` positions, ranks
-    up to 128."""
-    if bucket > ONE_CHUNK_TO:
-        return f"lora_one serves capture buckets of up to {ONE_CHUNK_TO} positions, not {bucket}"
+    """Why ``lora_one`` cannot serve a call (None: it can): the bucket of one position, ranks up to 128."""
+    if bucket != ONE_BUCKET:
+        return f"lora_one serves the capture bucket of {ONE_BUCKET} position, not {bucket}"
     if built_width(ONE_RW, max_rank) is None:
         return f"lora_one is built for ranks up to {ONE_RW[-1]}, not {max_rank}"
     return None
-
-
-#: The most bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` in fp32 (its eighth of ``in``
-#: for each of the chunk's positions): ``in`` up to 32768. The 16-bit types stage none (their shrink
-#: reads x straight into its MMAs).
-ONE_CHUNK_MAX_X = 128 * 1024
-
-
-def one_chunk_x(in_features: int, dtype: str) -> int:
-    """Bytes of x a ``lora_one`` block stages in chunks of ``ONE_M`` (one.cuh, one_chunk_fma_shrink):
-    fp32 only."""
-    return 16 * ONE_M * one_pieces(in_features, dtype) if _ITEMSIZE[normalize_dtype(dtype)] == 4 else 0
-
-
-def one_smem(rw: int, n_slices: int, num_slots: int, in_features: int, dtype: str) -> int:
-    """Dynamic shared memory of ``lora_one`` in chunks of ``ONE_M``: its part and v ([ONE_M][n * rw]
-    floats each), the chunk's x over the block's share of ``in``, then slot_indptr."""
-    return 8 * ONE_M * n_slices * rw + one_chunk_x(in_features, dtype) + 4 * (num_slots + 1)
 
 
 def one_clusters(out_features: int) -> int:
     """Clusters of a ``lora_one`` launch: about ``ONE_COLS`` columns a block (the clusters rounded up),
     at most ``ONE_MAX_CLUSTERS``."""
     return max(1, min(ONE_MAX_CLUSTERS, _ceil(out_features, ONE_CLUSTER * ONE_COLS)))
-
-
-#: Blocks of a ``lora_chunk_cl`` cluster (chunk.cuh, CHUNK_CLUSTER): each sums an eighth of ``in``;
-#: its stages (CHUNK_CL_STAGES) and the padding of its rows of v (CHUNK_CL_PAD floats).
-CHUNK_CLUSTER = 8
-CHUNK_CL_STAGES = 5
-CHUNK_CL_PAD = 8
-#: The most clusters of a ``lora_chunk_cl`` launch (0: no cap of its own; dev sweeps set it).
-CHUNK_CL_MAX_CLUSTERS = 0
-#: Where ``lora_chunk_cl`` is the default: one slice with columns at rank width 16 and ``in`` up to
-#: this (a block's eighth of it 4 stages or fewer). On an H200 (raw_kernels/NOTES.md, "lora_chunk in
-#: clusters") it took 9.5 / 9.6 / 10.2 / 9.8 us on the 4096->4096 rank-16 rows of 16 and 64 positions
-#: with 1 and 8 adapters against the ticket kernel's 10.1 / 10.9 / 10.8 / 11.5, and the o_proj call
-#: of the layer 9.4 against 10.0 warm; with `in` of 14336 (8 stages more a block), several slices or
-#: rank 64 its blocks run more stages in series than the ticket kernel's parts and it lost (the down
-#: call 15-16 against 11 us).
-CHUNK_CL_MAX_IN = 4096
-
-
-def chunk_cl_smem(dtype: str, num_slots: int, n_slices: int, max_rank: int) -> int:
-    """Dynamic shared memory of ``lora_chunk_cl``: ``CHUNK_CL_STAGES`` stages, ``slot_indptr``
-    rounded up to 16 bytes, then a block's part of v and the cluster's sum, each ``[16][n * RW +
-    CHUNK_CL_PAD]`` floats."""
-    rw = chunk_geometry(max_rank)[0]
-    stages = chunk_smem(dtype, max_rank, CHUNK_NARROW_BM, CHUNK_CL_STAGES, sums=False)
-    return stages + _ceil(4 * (num_slots + 1), 16) * 16 + 2 * 4 * CHUNK_NARROW_BM * (n_slices * rw + CHUNK_CL_PAD)
-
-
-def chunk_cl_blocks_per_sm(dtype: str, max_rank: int, num_slots: int, n_slices: int) -> int:
-    """Blocks of ``lora_chunk_cl`` one multiprocessor holds (at most ``CHUNK_BLOCKS_PER_SM``)."""
-    per_block = chunk_cl_smem(dtype, num_slots, n_slices, max_rank) + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM
-    return max(0, min(CHUNK_BLOCKS_PER_SM, SM_SMEM // per_block))
-
-
-def chunk_cl_fits(bucket: int, dtype: str, max_rank: int, num_slots: int, n_slices: int,
-                  clusters: bool) -> str | None:
-    """Why ``lora_chunk_cl`` cannot serve a call that ``lora_chunk`` serves (None: it can): chunks
-    of ``CHUNK_NARROW_BM`` positions (buckets up to ``CHUNK_NARROW_TO``), thread-block clusters, and
-    two blocks a multiprocessor."""
-    if not clusters:
-        return "lora_chunk_cl needs thread-block clusters (sm_90)"
-    if chunk_bm(bucket, max_rank) != CHUNK_NARROW_BM:
-        return f"lora_chunk_cl takes chunks of {CHUNK_NARROW_BM} positions (buckets up to {CHUNK_NARROW_TO})"
-    if chunk_cl_blocks_per_sm(dtype, max_rank, num_slots, n_slices) < 2:
-        return "lora_chunk_cl's part and sum of v leave fewer than 2 blocks a multiprocessor here"
-    return None
-
-
-def default_chunk_cluster(in_features: int, max_rank: int, sliced: bool) -> bool:
-    """Whether a ``lora_chunk`` call that ``chunk_cl_fits`` runs in clusters by default: one slice
-    with columns, rank width 16, ``in`` up to ``CHUNK_CL_MAX_IN``."""
-    return not sliced and rank_width(max_rank) <= 16 and in_features <= CHUNK_CL_MAX_IN
 
 
 def several_slices(n_slices: int, live_slices: int | None) -> bool:
@@ -669,8 +575,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                 dtype: str, *, num_slots: int, num_sms: int = DEFAULT_SMS, tile: int | None = None,
                 fused: bool | None = None, expand: str | None = None,
                 chunks: bool | None = None, live_slices: int | None = None, whole: bool = True,
-                slice_align: int = 0, clusters: bool = True, cluster: bool | None = None,
-                max_clusters: int = 0) -> LaunchPlan:
+                slice_align: int = 0, clusters: bool = True) -> LaunchPlan:
     """The launch plan of one target shape at one capture bucket, for weights of ``num_slots``
     slots (slot 0 included; a fused launch's chunks depend on it). ``slice_align``: what every
     column offset of the target's slices is a multiple of (:func:`slice_alignment`; 0: unknown).
@@ -728,22 +633,13 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
                           rank_blocks=1, col_blocks=max(bound, per_sm * num_sms), cpb=1, n_slices=n_slices,
                           expand="pair", blocks=bound * splits, rank_width=rw)
     share = one_share(in_features, n_slices, max_rank, dtype)
-    if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype, max_rank)
+    if expand == "one" or (unforced and default_one(bucket, clusters, share, dtype)
                            and one_fits(bucket, max_rank) is None):
         why = (one_fits(bucket, max_rank) or (None if clusters else "lora_one needs thread-block clusters (sm_90)")
                or (None if whole else "lora_one runs the whole delta in one launch, not in halves")
                or (None if not (fused or chunks or tile) else "lora_one takes no tile, fusing or chunks"))
         if why:
             raise ValueError(why)
-        if bucket > ONE_BUCKET:  # chunks of ONE_M positions, a cluster an item (chunk, share of the columns)
-            if one_chunk_x(in_features, dtype) > ONE_CHUNK_MAX_X:
-                raise ValueError(f"lora_one stages at most {ONE_CHUNK_MAX_X} bytes of x a block, not "
-                                 f"{one_chunk_x(in_features, dtype)} (in_features {in_features})")
-            clus = min(ONE_CHUNK_CLUSTERS, max_clusters or ONE_CHUNK_CLUSTERS)
-            return LaunchPlan(bucket=bucket, bm=ONE_M, bn=_ceil(out_features, ONE_CLUSTER), splits=ONE_CLUSTER,
-                              k_split=one_pieces(in_features, dtype) * (16 // _ITEMSIZE[dtype]), fused=False,
-                              tiles=1, rank_blocks=1, col_blocks=clus * ONE_CLUSTER, cpb=1, n_slices=n_slices,
-                              expand="one", blocks=clus * ONE_CLUSTER)
         clus = one_clusters(out_features)
         return LaunchPlan(bucket=bucket, bm=1, bn=_ceil(out_features, clus * ONE_CLUSTER), splits=ONE_CLUSTER,
                           k_split=one_pieces(in_features, dtype) * (16 // _ITEMSIZE[dtype]), fused=False, tiles=1,
@@ -768,10 +664,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
             raise ValueError(f"lora_chunk takes chunks of {bm} positions of one slot here: no tile {tile} or "
                              f"fused chunks")
         return _plan_chunk(bucket, in_features, out_features, n_slices, max_rank, dtype, num_slots=num_slots,
-                           num_sms=num_sms, live_slices=live_slices, whole=whole, slice_align=slice_align,
-                           clusters=clusters, cluster=cluster, max_clusters=max_clusters)
-    if cluster:
-        raise ValueError("cluster=True asks for lora_chunk_cl: it runs lora_chunk's calls only")
+                           num_sms=num_sms, live_slices=live_slices, whole=whole, slice_align=slice_align)
     bm = (RING_BM if expand == "expand_ring" else default_tile(bucket)) if tile is None else int(tile)
     bn = dict(MMA_TILES).get(bm)
     if bn is None:
@@ -818,8 +711,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
 
 
 def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int, max_rank: int, dtype: str, *,
-                num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int,
-                clusters: bool = True, cluster: bool | None = None, max_clusters: int = 0) -> LaunchPlan:
+                num_slots: int, num_sms: int, live_slices: int | None, whole: bool, slice_align: int) -> LaunchPlan:
     """``lora_chunk``'s plan: ``bm`` is the height its kernel cuts a step's slots into
     (``chunk_bm``); ``tiles`` the most chunks of ``CHUNK_NARROW_BM`` positions of one slot a step
     can have, which its counters are sized for (never fewer than chunks of ``bm``); the grid
@@ -841,14 +733,6 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     bm, tiles = chunk_bm(bucket, max_rank), fused_units(bucket, CHUNK_NARROW_BM, num_slots)
     nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
     sliced = several_slices(n_slices, live_slices)
-    if cluster or (cluster is None and default_chunk_cluster(in_features, max_rank, sliced)):
-        why = chunk_cl_fits(bucket, dtype, max_rank, num_slots, n_slices, clusters)
-        if why is None:
-            return _plan_chunk_cl(bucket, in_features, n_slices, max_rank, dtype, num_slots=num_slots,
-                                  num_sms=num_sms, col_blocks=col_blocks, bn=bn, kc=kc, tiles=tiles,
-                                  sliced=sliced, max_clusters=max_clusters)
-        if cluster:
-            raise ValueError(why)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))
     if bm == CHUNK_NARROW_BM and rw <= 16:  # a part a column block, up to CHUNK_COL_PARTS
         most = max(most, min(CHUNK_COL_PARTS, col_blocks))
@@ -859,31 +743,7 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     parts = max(1, min(most, blocks // _ceil(bucket, bm)))  # what the kernel picks for a full bucket
     return LaunchPlan(bucket=bucket, bm=bm, bn=bn, splits=most, k_split=_ceil(nk, parts) * kc, fused=False,
                       tiles=tiles, rank_blocks=1, col_blocks=col_blocks, cpb=_ceil(col_blocks, parts),
-                      n_slices=n_slices, expand="chunk", blocks=blocks,
-                      sliced=several_slices(n_slices, live_slices))
-
-
-def _plan_chunk_cl(bucket: int, in_features: int, n_slices: int, max_rank: int, dtype: str, *, num_slots: int,
-                   num_sms: int, col_blocks: int, bn: int, kc: int, tiles: int, sliced: bool,
-                   max_clusters: int = 0) -> LaunchPlan:
-    """``lora_chunk_cl``'s plan: clusters of ``CHUNK_CLUSTER`` blocks, one wave of them (fewer where
-    the most chunks a step can have, ``tiles``, each taking ``splits`` clusters, are fewer); the
-    kernel gives each of the step's chunks as many clusters as fill the grid, at most ``splits``
-    (about a column block a block: each cluster sums the chunk's whole v again). The wave:
-    ``max_clusters`` where the device says how many of its clusters it holds at once (the backend
-    asks the driver), else what shared memory allows on every multiprocessor, which counts more
-    than a device places (on an H200 66 against 62, and 49 against 45: a cluster's blocks share one
-    GPC), so the last clusters ran as a second wave."""
-    most = max(1, _ceil(col_blocks, CHUNK_CLUSTER))
-    wave = max(1, chunk_cl_blocks_per_sm(dtype, max_rank, num_slots, n_slices) * num_sms // CHUNK_CLUSTER)
-    wave = min(wave, max_clusters or wave, CHUNK_CL_MAX_CLUSTERS or wave)
-    clusters = max(1, min(wave, tiles * most))
-    groups = max(1, min(most, clusters // _ceil(bucket, CHUNK_NARROW_BM)))  # what a full bucket gets
-    nk = max(1, _ceil(in_features, kc))
-    return LaunchPlan(bucket=bucket, bm=CHUNK_NARROW_BM, bn=bn, splits=most,
-                      k_split=_ceil(nk, CHUNK_CLUSTER) * kc, fused=False, tiles=tiles, rank_blocks=1,
-                      col_blocks=col_blocks, cpb=_ceil(col_blocks, groups * CHUNK_CLUSTER), n_slices=n_slices,
-                      expand="chunk", blocks=clusters * CHUNK_CLUSTER, sliced=sliced, cluster=True)
+                      n_slices=n_slices, expand="chunk", blocks=blocks, sliced=sliced)
 
 
 def packed_slices(n_slices: int, max_rank: int, fused: bool) -> bool:
@@ -1058,8 +918,6 @@ class CallLimits:
     expand: str | None = None
     chunks: bool | None = None
     clusters: bool = True  # thread-block clusters (compute capability 9.0 or above): lora_one
-    cluster: bool | None = None  # lora_chunk in clusters (lora_chunk_cl): None where it is the default
-    max_clusters: int = 0  # lora_chunk_cl's clusters the device holds at once (0: not known)
 
     def plan(self, num_tokens: int, in_features: int, out_features: int, n_slices: int, max_rank: int,
              dtype: str, num_slots: int, live_slices: int | None = None, halves: bool = False,
@@ -1069,7 +927,7 @@ class CallLimits:
                            max_rank, dtype, num_slots=num_slots, num_sms=self.num_sms, tile=self.tile,
                            fused=False if halves else self.fused, expand=self.expand, chunks=self.chunks,
                            live_slices=live_slices, whole=not halves, slice_align=slice_align,
-                           clusters=self.clusters, cluster=self.cluster, max_clusters=self.max_clusters)
+                           clusters=self.clusters)
 
 
 @dataclass(frozen=True)
@@ -1368,9 +1226,7 @@ class CupyBackend:
     ``slot_indptr``) nor the weights, scalings, ranks and offsets the call reads (as in the pool,
     which writes them with copies): ``lora_one`` then reads them before it waits (x and y, always
     after). Off by default: a caller that builds its addressing with a kernel just before a call
-    keeps every read after the wait. ``cluster``:
-    whether ``lora_chunk`` runs its decode buckets in thread-block clusters (``lora_chunk_cl``):
-    None where it is the default (``default_chunk_cluster``), True wherever it serves, False never.
+    keeps every read after the wait.
 
     Two ways in: :meth:`delta` checks every argument on every call (tests, benchmarks, one-off
     calls); :meth:`prepare` checks one layer's weights once and returns a :class:`LayerLaunch`
@@ -1382,7 +1238,7 @@ class CupyBackend:
     def __init__(self, spec: LoraSpec, device=None, *, kernel: str = "mma", tile: int | None = None,
                  fused: bool | None = None, expand: str | None = None, chunks: bool | None = None,
                  num_sms: int | None = None, aligned: bool | None = None, pdl: bool | None = None,
-                 cluster: bool | None = None, early_reads: bool = False):
+                 early_reads: bool = False):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -1396,8 +1252,6 @@ class CupyBackend:
             raise ValueError(f"aligned must be None (per call) or False (never), got {aligned!r}")
         if pdl not in (None, False):
             raise ValueError(f"pdl must be None (where supported) or False (never), got {pdl!r}")
-        if cluster not in (None, False, True):
-            raise ValueError(f"cluster must be None (where it is the default), True or False, got {cluster!r}")
         self.aligned = aligned
         if early_reads not in (False, True):
             raise ValueError(f"early_reads must be True or False, got {early_reads!r}")
@@ -1428,11 +1282,9 @@ class CupyBackend:
             self._offsets, offset_ptrs = self._offset_table(cupy)
             clusters = int(self._device.compute_capability) >= 90
             self.limits = CallLimits(spec, dev_id, sms, floats, ints, offset_ptrs, tile, fused, expand, chunks,
-                                     clusters, cluster)
+                                     clusters)
             self._context = driver.ctxGetCurrent()  # the device's primary context, which launches need
             self._load(spec.dtype)
-            if clusters and spec.dtype in CHUNK_DTYPES and self.kernel == "mma":
-                self.limits = replace(self.limits, max_clusters=self._chunk_cl_clusters(spec))
         from .launch_ex import PdlLauncher, pdl_supported
 
         #: Whether the tensor-core kernels launch with programmatic dependent launch (each waits
@@ -1489,12 +1341,6 @@ class CupyBackend:
                         fn = mod.get_function(chunk_name(ct, rw, bm, aligned=aligned, sliced=sliced))
                         fn.max_dynamic_shared_size_bytes = chunk_smem(dtype, rw, bm) + extra
                         self._fns[(dtype, "chunk", rw, bm, sliced, aligned)] = fn
-            for rw in CHUNK_RW:  # lora_chunk_cl: the most slices and slots
-                for sliced in (False, True):
-                    for aligned in (False, True):
-                        fn = mod.get_function(chunk_cl_name(ct, rw, aligned=aligned, sliced=sliced))
-                        fn.max_dynamic_shared_size_bytes = chunk_cl_smem(dtype, MAX_SLOTS, MAX_SLICES, rw)
-                        self._fns[(dtype, "chunk_cl", rw, sliced, aligned)] = fn
         if dtype in CHUNK_DTYPES:  # lora_pair: slot_indptr and the chunks before each slot
             for aligned in (False, True):
                 for rw, rts in PAIR_RT.items():
@@ -1505,12 +1351,9 @@ class CupyBackend:
                     fn = mod.get_function(pair_name(ct, "expand", aligned=aligned, rw=rw))
                     fn.max_dynamic_shared_size_bytes = 8 * (MAX_SLOTS + 1)
                     self._fns[(dtype, "pair_expand", rw, aligned)] = fn
-        for rw in ONE_RW:  # static shared memory at one position; part, v, x and slot_indptr in chunks
+        for rw in ONE_RW:  # static shared memory only
             for aligned in (False, True):
-                self._fns[(dtype, "one", rw, 1, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
-                fn = mod.get_function(one_name(ct, rw, aligned=aligned, m=ONE_M))
-                fn.max_dynamic_shared_size_bytes = 8 * ONE_M * MAX_SLICES * rw + ONE_CHUNK_MAX_X + 4 * (MAX_SLOTS + 1)
-                self._fns[(dtype, "one", rw, ONE_M, aligned)] = fn
+                self._fns[(dtype, "one", rw, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
         if dtype in GLU_DTYPES:
             for ks in GLU_KS:
                 fn = mod.get_function(glu_name(ct, ks))
@@ -1522,15 +1365,6 @@ class CupyBackend:
                 fn = mod.get_function(mma_name(ct, kind, bm, bn=bn, chunks=chunks, aligned=aligned))
                 fn.max_dynamic_shared_size_bytes = smem[kind](bm, bn) + extra
                 self._fns[(dtype, *key, aligned)] = fn
-
-    def _chunk_cl_clusters(self, spec: LoraSpec) -> int:
-        """How many clusters of ``lora_chunk_cl`` (rank width 16, one slice: where it is the
-        default) this device holds at once for this pool's slot table (the driver's
-        ``cuOccupancyMaxActiveClusters``); 0 where the driver does not say."""
-        from .launch_ex import max_active_clusters
-
-        fn = self._kernel_fn(spec.dtype, ("chunk_cl", CHUNK_RW[0], False, True))
-        return max_active_clusters(int(fn.kernel.ptr), THREADS, chunk_cl_smem(spec.dtype, spec.num_slots, 1, 16))
 
     def expand_v_fn(self, dtype: str, rank_width: int):
         """``lora_expand_v`` (expand_v.cu) for one dtype and rank width, loaded on first use."""
@@ -1676,11 +1510,7 @@ class CupyBackend:
         Rw = call.rank  # what the kernels are built and sized for; R stays A's and B's stride
         if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute)
             rw = built_width(ONE_RW, Rw)
-            smem = 0 if plan.bm == 1 else one_smem(rw, n, S, in_f, dtype)
-            return [mma("one", ("one", rw, plan.bm), plan.blocks, smem, extra=0)]
-        if plan.expand == "chunk" and plan.cluster:  # clusters of CHUNK_CLUSTER blocks (the kernel's attribute)
-            rw = chunk_geometry(Rw)[0]
-            return [mma("chunk_cl", ("chunk_cl", rw, plan.sliced), plan.blocks, chunk_cl_smem(dtype, S, n, Rw), extra=0)]
+            return [mma("one", ("one", rw), plan.blocks, 0, extra=0)]
         if plan.expand == "chunk":  # shrink and expand in one launch
             rw = chunk_geometry(Rw)[0]
             return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, Rw, plan.bm))]

@@ -63,22 +63,6 @@ def _driver():
     return fn, name
 
 
-def max_active_clusters(function: int, threads: int, smem: int) -> int:
-    """``cuOccupancyMaxActiveClusters`` of a kernel built with its cluster size (``__cluster_dims__``)
-    for blocks of ``threads`` and ``smem`` bytes of dynamic shared memory: how many of its clusters
-    the device holds at once. 0 where the driver has no such call or answers with an error."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError):
-        return 0
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(LaunchConfig)]
-    cfg = LaunchConfig(1024, 1, 1, threads, 1, 1, smem, None, None, 0)  # a grid of whole clusters of up to 16
-    got = ctypes.c_int(0)
-    return got.value if fn(ctypes.byref(got), ctypes.c_void_p(function), ctypes.byref(cfg)) == 0 else 0
-
-
 def pdl_supported(compute_capability: tuple[int, int]) -> bool:
     """Whether launches on a device of this compute capability can take PDL here."""
     return compute_capability[0] >= 9 and _driver() is not None

@@ -496,10 +496,6 @@ def _plan_label(plan) -> str:
         return label + f" one x{plan.blocks // plan.splits}"
     if plan.expand == "pair":  # the shrink's and the expand's grids
         return label + f" pair {plan.blocks}+{plan.col_blocks}"
-    if plan.cluster:  # lora_chunk_cl: clusters of CHUNK_CLUSTER blocks, at most `splits` a chunk
-        from ..backends.cupy import CHUNK_CLUSTER
-
-        return label + f" chunk_cl x{plan.blocks // CHUNK_CLUSTER}"
     return label if plan.fused else label + f" {plan.expand}"
 
 
@@ -524,16 +520,14 @@ VARIANTS = {"default": {}, **{f"t{t}{'f' if f else ''}": dict(tile=t, fused=f)
 #: Launches timed side by side with the default, by the names of what they run: on rows whose
 #: bucket launches shrink and expand apart, each expand kernel after lora_shrink; on decode rows (a
 #: fused launch by default), the fused kernel on chunks and on tiles, and the unfused pair; and on
-#: both, lora_chunk (shrink and expand in one launch) wherever it serves the row, by ticket
-#: ("chunk") and in clusters ("chunk_cl", lora_chunk_cl: the decode buckets, sm_90); on rows of one
-#: position and the buckets up to ONE_CHUNK_TO, lora_one (its default at one position, and in chunks
-#: at rank width 16, backends/cupy.py default_one).
+#: both, lora_chunk (shrink and expand in one launch) wherever it serves the row; on rows of one
+#: position, lora_one (backends/cupy.py default_one); on the decode buckets the pair serves, lora_pair.
 VERSIONS = {"expand": dict(expand="expand"), "expand_stream": dict(expand="expand_stream"),
-            "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk", cluster=False),
-            "chunk_cl": dict(expand="chunk", cluster=True), "one": dict(expand="one"), "pair": dict(expand="pair")}
+            "expand_ring": dict(expand="expand_ring"), "chunk": dict(expand="chunk"),
+            "one": dict(expand="one"), "pair": dict(expand="pair")}
 #: The versions that run shrink and expand in one launch, or (lora_pair) a pair of their own: no
 #: kernel timed alone.
-ONE_LAUNCH = ("chunk", "chunk_cl", "one", "pair")
+ONE_LAUNCH = ("chunk", "one", "pair")
 DECODE_VERSIONS = {"fused_chunks": dict(fused=True, chunks=True), "fused_tiles": dict(fused=True, chunks=False),
                    "unfused": dict(fused=False)}
 
@@ -542,7 +536,7 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
     """The backend options timed on one row: the default, then each expand kernel (unfused
     buckets) or the unfused launches (fused buckets). ``clusters``: the device has thread-block
     clusters (sm_90; lora_one needs them)."""
-    from ..backends.cupy import chunk_cl_fits, chunk_fits, default_fused, one_fits, pair_fits, slice_alignment
+    from ..backends.cupy import chunk_fits, default_fused, one_fits, pair_fits, slice_alignment
     from ..spec import LoraSpec, LoraTarget
 
     out = dict(VARIANTS) if sweep else {"default": {}}
@@ -550,15 +544,14 @@ def kernel_variants(row: Row, sweep: bool, clusters: bool = True) -> dict[str, d
     fits = chunk_fits(row.dtype, row.pool_rank, len(row.slices), None,
                       slice_alignment(np.cumsum((0,) + tuple(row.slices)))) is None
     bucket = spec.bucket_for(row.bucket or row.T)
-    cl = fits and chunk_cl_fits(bucket, row.dtype, row.pool_rank, row.slots + 1, len(row.slices), clusters) is None
-    chunk = {k: dict(VERSIONS[k], fused=False) for k, ok in (("chunk", fits), ("chunk_cl", cl)) if ok}
+    chunk = {"chunk": dict(VERSIONS["chunk"], fused=False)} if fits else {}
     if default_fused(bucket):
         out.update(DECODE_VERSIONS)
         out.update(chunk)  # lora_chunk serves any bucket where it is asked for (and the launch is unfused)
     else:
         out.update({k: v for k, v in VERSIONS.items() if k not in ONE_LAUNCH})
         out.update(chunk)
-    if clusters and one_fits(bucket, row.pool_rank) is None:  # one position, or chunks of ONE_M
+    if clusters and one_fits(bucket, row.pool_rank) is None:  # one position
         out["one"] = VERSIONS["one"]
     if pair_fits(bucket, row.dtype, row.pool_rank, len(row.slices)) is None:  # the decode buckets' pair
         out["pair"] = VERSIONS["pair"]
@@ -595,7 +588,7 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
         us = timer(lambda: be.delta(d.y, d.x, w, d.token_order, d.slot_indptr, rank_bound=rb))
         kernels[name] = {"us": us, "err": err, "ok": err < TOLERANCE[row.dtype],
                          "plan": {k: getattr(plan, k) for k in ("bm", "bn", "splits", "k_split", "fused", "cpb",
-                                                                  "expand", "chunks", "tiles", "cluster", "blocks")}}
+                                                                  "expand", "chunks", "tiles", "blocks")}}
         call = check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr, rb)
         kernels[name]["occupancy"] = be.occupancy(call)
         if (row.group in ("core", "poolrank") and row.T >= 1024 and plan.bm == default_tile(plan.bucket)
@@ -635,7 +628,7 @@ def _plan_and_occupancy(k: dict) -> tuple[str, str]:
     p = k["plan"]
     plan = f"{p['bm']}{'f' if p['fused'] else ''}{'c' if p.get('chunks') else ''}/s{p['splits']}"
     if not p["fused"]:
-        plan += f" {p['expand']}" + ("_cl" if p.get("cluster") else "")
+        plan += f" {p['expand']}" + ("_cl" if p.get("cluster") else "")  # lora_chunk_cl: reports of earlier runs
     occ = "/".join(str(o["blocks_per_sm"]) for o in k.get("occupancy", {}).values()) or "-"
     return plan, occ
 
@@ -662,7 +655,7 @@ def _versions_table(results: list[dict]) -> str:
     names = ["default", *VERSIONS, *DECODE_VERSIONS]
     alone_keys = ["shrink", *(v for v in VERSIONS if v not in ONE_LAUNCH)]
     short = {"default": "default", "expand": "expand", "expand_stream": "stream", "expand_ring": "ring",
-             "chunk": "chunk", "chunk_cl": "chunk_cl", "one": "one", "pair": "pair", "fused_chunks": "chunks",
+             "chunk": "chunk", "one": "one", "pair": "pair", "fused_chunks": "chunks",
              "fused_tiles": "tiles",
              "unfused": "unfused"}
     head = (f"{'row':40s} " + " ".join(f"{short[n]:>7s}" for n in names)

@@ -9,7 +9,7 @@ unfused pair (``lora_shrink``, then the bucket's expand) and the default. Rows: 
 shapes of a Llama-8B layer at T 1024 and pools of rank 64 and 128 running rank-16 adapters; each checked
 against the float64 oracle, timed with the bench's timer (difference of graphs of 20 calls, 256 MB
 write flush). ``--decode``: the rank-64 rows of 1, 16 and 64 positions instead (lora_chunk by
-ticket, ``cluster=False``, beside the default).
+ticket beside the default).
 
     PYTHONPATH=. python raw_kernels/dev/chunk_sweep.py --plans 4x32,4x16,2x32 [--match T1024] [--heights] [--json out.json]
 """
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = b, p
             cb.plan_launch.cache_clear()
             try:
-                time_it(f"{b}x{p}", expand="chunk", fused=False, cluster=False)
+                time_it(f"{b}x{p}", expand="chunk", fused=False)
             finally:
                 cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = saved
                 cb.plan_launch.cache_clear()

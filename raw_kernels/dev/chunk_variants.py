@@ -5,7 +5,7 @@ An experiment kept outside the wheel, run against the checkout on ``PYTHONPATH``
 unified diff of raw_kernels/chunk.cuh, as ``git diff`` writes it) is applied to the header's text
 and built into a dev module of its own (lora_mma.cu with the patched header in place of its
 include; bf16, ALIGNED, the instantiations the rows' plans name). For each row (bf16, the bench's
-data, ``cluster=False``: the ticket kernel) and each cap ``P`` of ``--parts`` (``CHUNK_MAX_PARTS``,
+data, the ticket kernel) and each cap ``P`` of ``--parts`` (``CHUNK_MAX_PARTS``,
 the most parts a chunk is cut into): the shipped kernel and the patched one under the same plan,
 each checked against the float64 oracle and timed with the bench's timer (difference of graphs of
 20 calls, 256 MB write flush), us the call and the blocks of its grid. ``--stages N``: the patch
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         cb.CHUNK_MAX_PARTS = cap
         cb.plan_launch.cache_clear()
         try:
-            be = cb.CupyBackend(d.spec, cluster=False, fused=False, expand="chunk")
+            be = cb.CupyBackend(d.spec, fused=False, expand="chunk")
             call = cb.check_call(be.limits, d.y, d.x, w, d.token_order, d.slot_indptr)
             (kc,) = be._kernels(call)
         finally:

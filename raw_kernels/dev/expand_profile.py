@@ -32,8 +32,7 @@ def main() -> None:
     d = build(row, 0)
     w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
     for expand in args.kinds.split(","):
-        # chunk: lora_chunk by ticket (cluster=False), not in clusters where that is the default
-        kw = dict(fused=False, expand=expand, **({"cluster": False} if expand == "chunk" else {}))
+        kw = dict(fused=False, expand=expand)
         be = CupyBackend(d.spec) if expand == "default" else CupyBackend(d.spec, **kw)
         for _ in range(2):
             be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)

@@ -15,4 +15,4 @@ for r in d["rows"]:
         return f"{v['us']:.1f}" if v else "-"
 
     print(f"{r['label'][:42]:42s} default {us('default'):>6s}  one {us('one'):>6s}  chunk {us('chunk'):>6s}  "
-          f"chunk_cl {us('chunk_cl'):>6s}")
+          f"chunk_cl {us('chunk_cl'):>6s}")  # chunk_cl: runs before lora_chunk_cl was deleted

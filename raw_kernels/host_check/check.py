@@ -27,11 +27,7 @@ target's shrink once and then each slice's expand alone so, as a prefill's q/k/v
 ``--expand chunk`` runs ``lora_chunk`` (chunk.cuh; 16-bit cases of one slice, or each member with
 ``--members``): where the step's chunks take one part each (``--sms 1``: a grid of 4 blocks) the
 kernel's own block body (items by block, tickets past the grid, the done count), else each item as
-a block of its own, every shrink part before any expand part (a part waits for its chunk's others). At the
-decode buckets (chunks of 16) the plan takes ``lora_chunk_cl``, lora_chunk in clusters, for one
-slice at rank width 16 (``--cluster always``: wherever it serves): each item's cluster runs its
-blocks' shrinks into parts of their own (NaN before each item), then each block its sum of them and
-its share of the columns; ``--cluster never`` runs the ticket kernel there instead.
+a block of its own, every shrink part before any expand part (a part waits for its chunk's others).
 ``--expand one`` runs ``lora_one`` (one.cuh; cases of one position): each cluster's blocks run their
 shrinks into partial arrays of their own (NaN before each cluster), then each block its sum over
 them and its columns.
@@ -73,13 +69,13 @@ PTX_FUNCTIONS = ("void cp_async16(", "void cp_async_commit(", "void cp_async_wai
                  "int load_acquire(", "void mma16816<__nv_bfloat16>(", "void mma16816<__half>(")
 
 from test_kernels import CASES as GPU_CASES  # noqa: E402
-from test_chunk_gpu import CLUSTER_CASES  # noqa: E402
+from test_chunk_gpu import DECODE_CASES  # noqa: E402
 from test_pair_gpu import CASES as PAIR_CASES, CASES64 as PAIR_CASES64  # noqa: E402
 
 #: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp,
 #: two whose lora_chunk steps take chunks of 64, two of several slices lora_chunk serves whole, and
 #: three of decode buckets (chunks of 16) at each rank width, two of them of several slices, and
-#: the GPU tests' cases of lora_chunk in clusters.
+#: the GPU tests' cases of lora_chunk at the decode buckets.
 CASES = {**GPU_CASES,
          "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                       mix="zipf", num_slots=17, active=12),
@@ -118,8 +114,8 @@ CASES = {**GPU_CASES,
          # chunk, ranks no multiple of 4 (16-bit types: y's rows take the element-wise path)
          "half-chunk": dict(T=45, in_f=328, slices=(200, 56, 28), max_rank=48, ranks=(0, 1, 5, 13, 16, 40, 48),
                             mix="zipf", num_slots=17, active=9, pad_to=64),
-         # lora_chunk_cl's cases in tests/gpu/test_chunk_gpu.py (decode buckets, long `in`)
-         **{f"cl-{k}": v for k, v in CLUSTER_CASES.items()},
+         # lora_chunk's decode-bucket cases in tests/gpu/test_chunk_gpu.py (chunks of 16, long `in`)
+         **{f"decode-{k}": v for k, v in DECODE_CASES.items()},
          # lora_pair's cases in tests/gpu/test_pair_gpu.py (rank widths 16 and 64)
          **{f"pair-{k}": v for k, v in {**PAIR_CASES, **PAIR_CASES64}.items()},
          # pools of a larger maximum rank than their adapters': with --bound planned for the class of
@@ -230,9 +226,6 @@ def _misaligned(a: np.ndarray) -> np.ndarray:
     return out
 
 
-#: lora_chunk in clusters (lora_chunk_cl): None (the planner's default), True (``--cluster always``:
-#: wherever it serves) or False (``--cluster never``: the ticket kernel everywhere).
-CLUSTER: bool | None = None
 #: ``--bound``: plan each whole call for its case's largest rank, as a pool's planner does
 #: (``planned_rank``; the halves always for the pool's maximum rank).
 BOUND = False
@@ -253,7 +246,7 @@ def plan_for(case, *, expand: str, tile: int, sms: int, fused: bool = False,
                           planned(case, whole),
                           case.spec.dtype, num_slots=S, tile=tile or None, fused=fused, expand=None if fused else expand,
                           chunks=chunks, num_sms=sms, live_slices=None if out is None else 1,
-                          slice_align=cb.slice_alignment(case.w.out_offsets), cluster=CLUSTER)
+                          slice_align=cb.slice_alignment(case.w.out_offsets))
 
 
 def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto",
@@ -295,8 +288,8 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
-    code = int(plan.chunks) if plan.fused else 8 if plan.cluster else {"expand": 3, "expand_stream": 4, "expand_ring": 5,
-                                                                        "chunk": 6, "one": 7, "pair": 9}[plan.expand]
+    code = int(plan.chunks) if plan.fused else {"expand": 3, "expand_stream": 4, "expand_ring": 5,
+                                                "chunk": 6, "one": 7, "pair": 9}[plan.expand]
     rc = lib.emu_delta(DTYPE_CODE[dtype], plan.bm, code, 0 if part == "expand" else plan.shrink_blocks,
                        0 if part == "shrink" else plan.expand_blocks, ptr(y), ptr(x), ptr(w.a), ptr(b), ptr(scaling),
                        ptr(ranks), ptr(offs), ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters),
@@ -556,16 +549,12 @@ def main(argv=None) -> int:
                          "small-step cases of tests/gpu/test_expand_v_gpu.py")
     ap.add_argument("--glu", action="store_true",
                     help="lora_shrink, then lora_expand_glu (expand_glu.cuh) on GLU_CASES, bf16 and fp16")
-    ap.add_argument("--cluster", choices=("auto", "never", "always"), default="auto",
-                    help="with --expand chunk: lora_chunk_cl where it is the default (auto), wherever it serves "
-                         "(always: the decode buckets), or never (the ticket kernel)")
     ap.add_argument("--bound", action="store_true",
                     help="plan each whole call for its case's largest rank, as a pool's planner does "
                          "(the bound-* cases: narrower than the pool's maximum rank)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    global CLUSTER, BOUND
-    CLUSTER = {"auto": None, "never": False, "always": True}[args.cluster]
+    global BOUND
     BOUND = args.bound
     with tempfile.TemporaryDirectory() as tmp:
         lib = ctypes.CDLL(str(build(Path(tmp), args.asan)))
@@ -654,8 +643,7 @@ def main(argv=None) -> int:
                     except AssertionError as e:
                         fails += 1
                         status = "FAIL " + re.sub(r"\s+", " ", str(e))[:200]
-                    kind = (("fused" if plan.fused else f"shrink/{plan.expand}") + ("/chunks" if plan.chunks else "")
-                            + (f" in {plan.blocks // cb.CHUNK_CLUSTER} clusters" if plan.cluster else ""))
+                    kind = ("fused" if plan.fused else f"shrink/{plan.expand}") + ("/chunks" if plan.chunks else "")
                     print(f"{name:10s} {dt:9s} tile {plan.bm:2d} {kind} units {plan.tiles:3d} splits {plan.splits:3d} "
                           f"cpb {plan.cpb:3d} {status} ({time.time() - t0:.1f}s)", flush=True)
         print(f"{fails} failed")

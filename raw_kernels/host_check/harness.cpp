@@ -212,68 +212,6 @@ template <typename T, bool AL> static int run_chunk(int bm, int blocks) {
   return L.sliced ? run_chunk_sl<T, AL, true>(bm, blocks) : run_chunk_sl<T, AL, false>(bm, blocks);
 }
 
-// lora_chunk_cl (lora_mma.cu; chunk.cuh with CL): each item (chunk, group of clusters) as its
-// cluster runs it: the cluster's blocks run their setup and shrink one after another, each into its
-// own part (NaN before each item, so a read of a row no block zeroed shows), then each block its sum
-// of the cluster's parts (distributed shared memory on the device) and its share of the column
-// blocks. Items are independent (each writes its own rows and columns), so their order is free.
-static std::vector<float> g_cl_parts;
-static int g_cl_item = 0, g_cl_groups = 1;
-template <typename T, int RW, bool AL, bool SL> static void chunk_cl_block(int q, bool expand) {
-  constexpr int BM = 16, CL = lora::CHUNK_CLUSTER;
-  static lora::ChunkRows tr;
-  static lora::ChunkScan cs;
-  static lora::ChunkWork cw;
-  static float vs[BM * (lora::MAX_SLICES * RW + lora::CHUNK_CL_PAD)];
-  auto g = args<T>();
-  g.chunked = 1;
-  const int vf = BM * (g.n_slices * RW + lora::CHUNK_CL_PAD);
-  int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM, lora::CHUNK_CL_STAGES>::SMEM);
-  float* part = g_cl_parts.data() + q * vf;
-  lora::count_chunks<BM>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
-  const int c = g_cl_item / g_cl_groups, e = (g_cl_item % g_cl_groups) * CL + q;
-  lora::chunk_setup<T, RW, BM, SL>(g, s_ip, tr, cs, cw, c);
-  if (!expand) {
-    lora::chunk_zero_part<RW>(g.n_slices, cw.m, part);
-    lora::chunk_shrink<T, RW, BM, AL, SL, true>(g, dsm.data(), tr, cw, c, q, CL, part);
-    return;
-  }
-  lora::chunk_expand<T, RW, BM, AL, SL, true>(g, dsm.data(), tr, cw, c, e, g_cl_groups * CL, vs, [&] {
-    lora::chunk_vsum<RW>(g.n_slices, cw.m, vs, [&](int b, int i) {
-      const float* p = g_cl_parts.data() + b * vf + 4 * i;
-      return make_float4(p[0], p[1], p[2], p[3]);
-    });
-    __syncthreads();
-  });
-}
-template <typename T, int RW, bool AL, bool SL> static void chunk_cl_shrink(int q) { chunk_cl_block<T, RW, AL, SL>(q, false); }
-template <typename T, int RW, bool AL, bool SL> static void chunk_cl_expand(int q) { chunk_cl_block<T, RW, AL, SL>(q, true); }
-template <typename T, int RW, bool AL, bool SL> static int run_chunk_cl_rw(int blocks) {
-  constexpr int CL = lora::CHUNK_CLUSTER;
-  if (blocks % CL) return 2;
-  emu::run_block(chunk_count_block<T, RW, 16>, 0);
-  g_cl_groups = lora::chunk_groups(args<T>(), g_step_chunks, blocks / CL);
-  for (g_cl_item = 0; g_cl_item < g_step_chunks * g_cl_groups; ++g_cl_item) {
-    g_cl_parts.assign(CL * 16 * (L.n_slices * RW + lora::CHUNK_CL_PAD), NAN);
-    for (int q = 0; q < CL; ++q) emu::run_block(chunk_cl_shrink<T, RW, AL, SL>, q);
-    for (int q = 0; q < CL; ++q) emu::run_block(chunk_cl_expand<T, RW, AL, SL>, q);
-  }
-  return 0;
-}
-template <typename T, bool AL, bool SL> static int run_chunk_cl_sl(int blocks) {
-  if constexpr (sizeof(T) != 2) {
-    return 2;
-  } else {
-    L.chunked = 1;
-    return L.rw <= 16 ? run_chunk_cl_rw<T, 16, AL, SL>(blocks)
-           : L.rw <= 64 ? run_chunk_cl_rw<T, 64, AL, SL>(blocks)
-           : L.rw <= 128 ? run_chunk_cl_rw<T, 128, AL, SL>(blocks) : 2;
-  }
-}
-template <typename T, bool AL> static int run_chunk_cl(int blocks) {
-  return L.sliced ? run_chunk_cl_sl<T, AL, true>(blocks) : run_chunk_cl_sl<T, AL, false>(blocks);
-}
-
 // lora_one (one.cuh): each cluster's blocks run their shrink one after another, each into its own
 // part (the kernel's shared memory, NaN before each cluster so a read of a row no block wrote
 // shows), then each block its sum over the cluster's parts (distributed shared memory on the
@@ -311,62 +249,11 @@ template <typename T, int RW, bool AL> static int run_one_rw(int blocks) {
   }
   return 0;
 }
-// lora_one in chunks of ONE_M positions (buckets above one): each item (chunk, share of the columns)
-// as its cluster runs it, the blocks' shrinks one after another into their own parts (NaN before
-// each item), then each block's sum of the cluster's parts and its share of the columns. Items are
-// independent (each writes its own rows and columns), so their order is free.
-static int g_one_item = 0, g_one_shares = 1, g_one_chunks = 0;
-template <typename T, int RW, bool AL> static void one_chunk_block(int q, bool expand) {
-  constexpr int M = lora::ONE_M, CL = lora::ONE_CLUSTER;
-  static lora::ChunkScan cs;
-  static lora::OneChunk<M> st;
-  alignas(16) static float vs[M * lora::ONE_SLICES * RW];
-  auto g = args<T>();
-  const int W = g.n_slices * RW;
-  int* s_ip = reinterpret_cast<int*>(dsm.data());
-  T* xs = reinterpret_cast<T*>(dsm.data() + 64 * 1024);  // past the slot table (S < 16384)
-  lora::count_chunks<M>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
-  if (threadIdx.x == 0) g_one_chunks = cs.chunks;
-  if (g_one_item >= cs.chunks * g_one_shares) return;  // the count alone (the first call)
-  if (!lora::one_chunk_setup<T, M>(g, s_ip, cs, st, g_one_item / g_one_shares)) return;
-  if (!expand) {
-    lora::one_chunk_shrink<T, RW, AL, M>(g, st, g_one_parts.data() + q * M * W, xs, q);
-    return;
-  }
-  lora::one_chunk_sum<RW, M>(g.n_slices, st, vs, [&](int b, int f) {
-    const float* p = g_one_parts.data() + b * M * W + 4 * f;
-    return make_float4(p[0], p[1], p[2], p[3]);
-  });
-  __syncthreads();
-  lora::one_chunk_expand<T, RW, AL, M>(g, st, vs, (g_one_item % g_one_shares) * CL + q, g_one_shares * CL);
-}
-template <typename T, int RW, bool AL> static void one_chunk_shrink(int q) { one_chunk_block<T, RW, AL>(q, false); }
-template <typename T, int RW, bool AL> static void one_chunk_expand(int q) { one_chunk_block<T, RW, AL>(q, true); }
-template <typename T, int RW, bool AL> static int run_one_chunks_rw(int blocks) {
-  constexpr int CL = lora::ONE_CLUSTER;
-  if (blocks % CL) return 2;
-  g_one_item = 1 << 30;  // count the chunks only
-  emu::run_block(one_chunk_shrink<T, RW, AL>, 0);
-  const int clusters = blocks / CL;
-  g_one_shares = std::max(1, clusters / std::max(g_one_chunks, 1));
-  for (g_one_item = 0; g_one_item < g_one_chunks * g_one_shares; ++g_one_item) {
-    g_one_parts.assign(CL * lora::ONE_M * L.n_slices * RW, NAN);
-    for (int q = 0; q < CL; ++q) emu::run_block(one_chunk_shrink<T, RW, AL>, q);
-    for (int q = 0; q < CL; ++q) emu::run_block(one_chunk_expand<T, RW, AL>, q);
-  }
-  return 0;
-}
 template <typename T, bool AL> static int run_one(int bm, int blocks) {
-  if (bm == 1) {
-    if (L.bucket != 1) return 2;
-    return L.max_rank <= 16 ? run_one_rw<T, 16, AL>(blocks)
-           : L.max_rank <= 64 ? run_one_rw<T, 64, AL>(blocks)
-           : L.max_rank <= 128 ? run_one_rw<T, 128, AL>(blocks) : 2;
-  }
-  if (bm != lora::ONE_M) return 2;
-  return L.max_rank <= 16 ? run_one_chunks_rw<T, 16, AL>(blocks)
-         : L.max_rank <= 64 ? run_one_chunks_rw<T, 64, AL>(blocks)
-         : L.max_rank <= 128 ? run_one_chunks_rw<T, 128, AL>(blocks) : 2;
+  if (bm != 1 || L.bucket != 1) return 2;
+  return L.max_rank <= 16 ? run_one_rw<T, 16, AL>(blocks)
+         : L.max_rank <= 64 ? run_one_rw<T, 64, AL>(blocks)
+         : L.max_rank <= 128 ? run_one_rw<T, 128, AL>(blocks) : 2;
 }
 
 static int g_blocks = 0;
@@ -459,15 +346,13 @@ template <typename T> static int run_t(int bm, int expand, int sb, int eb) {
   if (expand == 9) return L.aligned ? run_pair<T, true>(sb, eb) : run_pair<T, false>(sb, eb);
   if (expand == 6) return L.aligned ? run_chunk<T, true>(bm, sb) : run_chunk<T, false>(bm, sb);
   if (expand == 7) return L.aligned ? run_one<T, true>(bm, sb) : run_one<T, false>(bm, sb);
-  if (expand == 8) return L.aligned ? run_chunk_cl<T, true>(sb) : run_chunk_cl<T, false>(sb);
   return L.aligned ? run_a<T, true>(bm, expand, sb, eb) : run_a<T, false>(bm, expand, sb, eb);
 }
 
 extern "C" long long emu_mma_count() { return emu::mma_count; }
 // dtype 0 bf16, 1 fp16, 2 fp32; expand 3 (lora_expand), 4 (lora_expand_stream), 5 (lora_expand_ring),
-// 6 (lora_chunk: shrink_blocks its blocks), 7 (lora_one: shrink_blocks its blocks), 8 (lora_chunk_cl: shrink_blocks
-// its blocks), 9 (lora_pair: shrink_blocks the shrink's grid, expand_blocks the expand's), 0 / 1 (the fused launch
-// on tiles / chunks);
+// 6 (lora_chunk: shrink_blocks its blocks), 7 (lora_one: shrink_blocks its blocks), 9 (lora_pair: shrink_blocks
+// the shrink's grid, expand_blocks the expand's), 0 / 1 (the fused launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
 // sliced (lora_chunk's instantiation for several slices)
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }

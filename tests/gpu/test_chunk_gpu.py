@@ -58,7 +58,7 @@ def test_one_position_above_rank_16_runs_lora_chunk_by_default(make_case, check,
     case = make_case(**kw)
     be = backend_for(case.spec)
     plan = be.plan(1, dev_weights(case.w), dtype)
-    assert (plan.expand, plan.cluster, plan.fused) == ("chunk", False, False)
+    assert (plan.expand, plan.fused) == ("chunk", False)
     assert plan.splits > cb.CHUNK_MAX_PARTS
     check(case, run_cupy(be, case), dtype)
     check_clean(be)
@@ -110,8 +110,9 @@ def test_chunk_serves_a_fused_target_whole(make_case, check, dtype, name, T, mix
     case = make_case(T=T, in_f=200, dtype=dtype, mix=mix, num_slots=17, active=9, **SLICED[name])
     be = backend_for(case.spec)
     b, R, n = case.spec.bucket_for(T), case.spec.max_rank, len(SLICED[name]["slices"])
-    one = cb.default_one(b, True, cb.one_share(200, n, R, dtype), dtype, R)  # lora_one first where it is the default
-    by_default = cb.default_chunk(b, R, n) and not one
+    first = (cb.default_one(b, True, cb.one_share(200, n, R, dtype), dtype)  # lora_one, lora_pair first
+             or cb.default_pair(b, dtype, R, n, 200))
+    by_default = cb.default_chunk(b, R, n) and not first
     assert (be.plan(T, dev_weights(case.w), dtype).expand == "chunk") == by_default
     be = backend_for(case.spec, **CHUNK)
     check(case, run_cupy(be, case), dtype)
@@ -153,26 +154,22 @@ def test_chunk_graph_replays_new_addressing(make_case, check, R):
         ((1000, "identical"), (900, "zipf"), (300, "skewed"), (1, "identical"), (1000, "distinct")))
 
 
-@pytest.mark.parametrize("cluster", [True, False])
 @pytest.mark.parametrize("R", [16, 64])
-def test_chunk_graph_replays_new_addressing_at_decode(make_case, check, R, cluster):
+def test_chunk_graph_replays_new_addressing_at_decode(make_case, check, R):
     """The bucket of 64 positions: chunks of 16, from one slot a position to one position, each
-    replay's step with its own count of items (and so of blocks that take tickets, or of clusters a
-    chunk takes), in clusters (lora_chunk_cl) and by ticket."""
+    replay's step with its own count of items (and so of blocks that take tickets)."""
     first = dict(T=64, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="distinct",
                  num_slots=65, active=64)
     case = make_case(**first)
-    plan = backend_for(case.spec, **CHUNK, cluster=cluster).plan(64, dev_weights(case.w), "bfloat16")
-    assert (plan.bm, plan.cluster) == (16, cluster)
-    graph_replays_new_addressing(make_case, check, dict(CHUNK, cluster=cluster), first,
+    assert backend_for(case.spec, **CHUNK).plan(64, dev_weights(case.w), "bfloat16").bm == 16
+    graph_replays_new_addressing(make_case, check, CHUNK, first,
                                  ((64, "distinct"), (37, "zipf"), (1, "identical"), (64, "skewed"), (64, "identical")))
 
 
-#: decode buckets (chunks of 16), each in clusters (lora_chunk_cl) and by ticket: odd `in` and
-#: ranks; 513 slots; `in` of 1000-2040, so each of a cluster's 8 blocks sums a share of it (two
-#: stages or more); several slices (q/k/v, a rank-128 pool whose adapters above 64 take two rank
-#: blocks); 1032 columns at rank 64 (17 column blocks: a chunk takes 3 clusters)
-CLUSTER_CASES = {
+#: decode buckets (chunks of 16): odd `in` and ranks; 513 slots; `in` of 1000-2040 (two stages or
+#: more a part); several slices (q/k/v, a rank-128 pool whose adapters above 64 take two rank
+#: blocks); 1032 columns at rank 64 (17 column blocks)
+DECODE_CASES = {
     "T3-odd": CASES["T3-odd"],
     "T61-many-slots": CASES["T61-many-slots"],
     "T64-qkv-long-in": dict(T=64, in_f=2040, slices=(256, 128, 128), max_rank=16, ranks=(0, 5, 16), mix="distinct",
@@ -184,39 +181,23 @@ CLUSTER_CASES = {
 }
 
 
-@pytest.mark.parametrize("cluster", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(CLUSTER_CASES))
-def test_chunk_decode_buckets_in_clusters_and_by_ticket(make_case, check, name, dtype, cluster):
-    """lora_chunk_cl (a cluster's blocks split `in`, their sums of v met in distributed shared
-    memory) is the default at the decode buckets on sm_90 for one slice at rank width 16 (`in` up
-    to CHUNK_CL_MAX_IN); cluster=True asks for it anywhere it serves, cluster=False runs the ticket
-    kernel."""
-    kw = CLUSTER_CASES[name]
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_chunk_decode_buckets(make_case, check, name, dtype):
+    """lora_chunk at the decode buckets (chunks of 16 positions), where it is asked for: the default
+    there only where lora_one and lora_pair do not take the call (rank widths above 16 past the pair's
+    bounds, test_kernel_backend_cpu checks which)."""
+    kw = DECODE_CASES[name]
     case = make_case(dtype=dtype, **kw)
-    T, sliced = case.token_order.shape[0], len(kw["slices"]) > 1
+    T, n, R = case.token_order.shape[0], len(kw["slices"]), kw["max_rank"]
     b = case.spec.bucket_for(T)
-    one = cb.default_one(b, True, cb.one_share(kw["in_f"], len(kw["slices"]), kw["max_rank"], dtype), dtype,
-                         kw["max_rank"])  # lora_one first where it is the default
-    assert backend_for(case.spec).plan(T, dev_weights(case.w), dtype).cluster == (
-        cb.default_chunk(b, kw["max_rank"], len(kw["slices"]))
-        and cb.default_chunk_cluster(kw["in_f"], kw["max_rank"], sliced) and not one)
-    be = backend_for(case.spec, **CHUNK, cluster=cluster)
-    assert be.plan(T, dev_weights(case.w), dtype).cluster == cluster
-    check(case, run_cupy(be, case), dtype)
-    case2 = make_case(dtype=dtype, **CLUSTER_CASES[name])  # the same backend again
-    check(case2, run_cupy(be, case2), dtype)
-
-
-def test_chunk_cl_grid_is_at_most_the_clusters_the_device_holds(make_case, check):
-    """The backend asks the driver how many lora_chunk_cl clusters the device holds at once; the
-    plan's grid with lora_chunk asked for (lora_pair is the default here) is at most that (clusters
-    past it ran as a second wave, NOTES.md)."""
-    case = make_case(T=64, in_f=1024, slices=(4096,), max_rank=16, ranks=(16,), dtype="bfloat16", mix="distinct",
-                     num_slots=33, active=32)
-    assert backend_for(case.spec).plan(64, dev_weights(case.w), "bfloat16").expand == "pair"
+    first = (cb.default_one(b, True, cb.one_share(kw["in_f"], n, R, dtype), dtype)
+             or cb.default_pair(b, dtype, R, n, kw["in_f"]))
+    assert (backend_for(case.spec).plan(T, dev_weights(case.w), dtype).expand == "chunk") == (
+        cb.default_chunk(b, R, n) and not first
+        and cb.chunk_fits(dtype, R, n, None, cb.slice_alignment(np.cumsum((0,) + kw["slices"]))) is None)
     be = backend_for(case.spec, **CHUNK)
-    plan = be.plan(64, dev_weights(case.w), "bfloat16")
-    assert plan.cluster and be.limits.max_clusters > 0
-    assert plan.blocks // cb.CHUNK_CLUSTER <= be.limits.max_clusters
-    check(case, run_cupy(be, case), "bfloat16")
+    assert be.plan(T, dev_weights(case.w), dtype).bm == 16
+    check(case, run_cupy(be, case), dtype)
+    case2 = make_case(dtype=dtype, **DECODE_CASES[name])  # the same backend again
+    check(case2, run_cupy(be, case2), dtype)

@@ -3,8 +3,8 @@ before it and lets the next one start, so back-to-back calls overlap their launc
 chain calls whose inputs are the outputs of the kernels just before them (a torch kernel writes x
 and y over NaN, a LoRA call writes y, the next LoRA call reads that y as its x): a kernel that read
 anything of its predecessor's before the wait would read NaN or a stale value and miss the float64
-oracle. Every plan the decode and prefill buckets take (lora_one, lora_chunk_cl, lora_chunk), with
-and without ``EARLY_READS``, eager and captured in a graph replayed on fresh inputs."""
+oracle. The plans the decode buckets take (lora_one at one position, lora_pair above it), with and
+without ``EARLY_READS``, eager and captured in a graph replayed on fresh inputs."""
 
 from __future__ import annotations
 

@@ -33,8 +33,7 @@ FORCED = {"simt": (dict(kernel="simt"), {}),
           "expand": (dict(fused=False, expand="expand"), dict(fused=False, expand="expand")),
           "expand_stream": (dict(fused=False, expand="expand_stream"), dict(fused=False, expand="expand_stream")),
           "expand_ring": (dict(fused=False, expand="expand_ring", tile=64), dict(fused=False, expand="expand_ring")),
-          "chunk": (dict(fused=False, expand="chunk", cluster=False), dict(expand="chunk", cluster=False)),
-          "chunk_cl": (dict(fused=False, expand="chunk", cluster=True), dict(expand="chunk", cluster=True)),
+          "chunk": (dict(fused=False, expand="chunk"), dict(expand="chunk")),
           "one": (dict(expand="one"), dict(expand="one")),
           "pair": (dict(expand="pair"), dict(expand="pair"))}
 #: the forced launches' shapes: three slices on lora_chunk's 128-column boundaries, and one slice
@@ -43,8 +42,8 @@ FORCED_SLICES = {"qkv": (256, 128, 128), "one-slice": (200,)}
 
 def _forced_cases():
     """(variant, shape, T) where the forced launch serves a pool of rank 128 bounded at 16 (the
-    planner refuses or replaces the others: lora_chunk_cl one slice at decode buckets only, lora_one
-    and lora_pair up to 256 positions, lora_chunk in chunks of 16 at decode buckets)."""
+    planner refuses or replaces the others: lora_one at one position only, lora_pair up to 256
+    positions, lora_chunk in chunks of 16 at decode buckets)."""
     from lora_cupy.backends import cupy as cb
     from lora_cupy.spec import LoraSlice, LoraSpec, LoraTarget
 
@@ -52,7 +51,7 @@ def _forced_cases():
     for name, (kw, want) in FORCED.items():
         for shape, sl in FORCED_SLICES.items():
             t = LoraTarget("t", 264, sum(sl), 1, tuple(LoraSlice(f"s{j}", o) for j, o in enumerate(sl)))
-            for T in (16, 64, 300):
+            for T in ((1,) if name == "one" else (16, 64, 300)):
                 if kw.get("kernel") == "simt":
                     out.append((name, shape, T))
                     continue
