@@ -326,7 +326,7 @@ def _nvrtc_compile(source: str, name: str, arch: str, name_expressions: tuple[st
             log = nvrtc.getProgramLog(prog)
             raise KernelCompileError(f"NVRTC failed for {arch}: {e}\n{log}", path=name) from None
         lowered = tuple((expr, nvrtc.getLoweredName(prog, expr)) for expr in name_expressions)
-        return nvrtc.getPTX(prog), nvrtc.getCUBIN(prog), lowered
+        return nvrtc.getPTX(prog), _whole_elf(nvrtc.getCUBIN(prog)), lowered
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -410,6 +410,32 @@ def _elf_sections(blob: bytes, data: bool = False) -> dict[str, int] | dict[str,
         end = blob.index(b"\0", strtab + name_off)
         names[blob[strtab + name_off:end].decode()] = blob[off:off + size] if data else size
     return names
+
+
+def _elf_end(blob: bytes) -> int:
+    """The bytes a 64-bit little-endian ELF image spans by its own header: its program and section
+    header tables and every section's data."""
+    import struct
+
+    phoff, shoff = struct.unpack_from("<QQ", blob, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", blob, 0x36)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    for i in range(shnum):
+        _, kind, _, _, off, size = struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize)
+        if kind != 8:  # SHT_NOBITS (.bss, .nv.shared) occupies no bytes of the file
+            end = max(end, off + size)
+    return end
+
+
+def _whole_elf(cubin: bytes) -> bytes:
+    """A CUBIN as NVRTC wrote it. CuPy's ``nvrtc.getCUBIN`` (14.2) returns the image less its last
+    byte (a zero: the high byte of its last program header, which ends the file), so tools that read
+    the whole image (nvdisasm, cuobjdump) refuse the file; the few bytes its header says it spans
+    past the end are given back as the zeros NVRTC wrote. The driver loads either."""
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        return cubin
+    short = _elf_end(cubin) - len(cubin)
+    return cubin + b"\0" * short if 0 < short <= 8 else cubin
 
 
 def code_sizes(family: str, arch: str = "sm_90") -> dict[str, int]:

@@ -211,3 +211,31 @@ def test_cancel_ahead_stops_the_workers_at_once(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "cancelled", done.stderr
     assert time.perf_counter() - t < 60
+
+
+def test_a_cubin_is_written_whole(tmp_path):
+    """NVRTC's CUBIN as the C API gives it (nvrtcGetCUBINSize bytes), not CuPy's getCUBIN, which drops
+    the last byte: the image spans exactly what its ELF header says, and a CUBIN short of that by a
+    few bytes is given them back as zeros (more is left as it is: not a CuPy off-by-one)."""
+    import ctypes
+
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram('extern "C" __global__ void f(float* y) { y[threadIdx.x] += 1.f; }\n', "f.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=sm_90"])
+        libs = [w for w in open("/proc/self/maps").read().split() if "libnvrtc.so" in w]
+        assert libs, "the NVRTC library CuPy loaded is not mapped in this process"
+        lib = ctypes.CDLL(libs[0])
+        size = ctypes.c_size_t(0)
+        assert lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) == 0
+        whole = ctypes.create_string_buffer(size.value)
+        assert lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), whole) == 0
+        assert kernels._whole_elf(nvrtc.getCUBIN(prog)) == whole.raw
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert kernels._elf_end(whole.raw) == len(whole.raw)
+    assert kernels._whole_elf(whole.raw[:-3]) == whole.raw  # a few bytes short: given back
+    assert kernels._whole_elf(whole.raw[:-40]) == whole.raw[:-40]  # more: left alone
+    written = kernels.prebuild(tmp_path, "sm_90", ["lora_delta"])[0].read_bytes()
+    assert kernels._elf_end(written) == len(written)
