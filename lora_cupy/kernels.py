@@ -431,7 +431,7 @@ def _whole_elf(cubin: bytes) -> bytes:
     """A CUBIN as NVRTC wrote it. CuPy's ``nvrtc.getCUBIN`` (14.2) returns the image less its last
     byte (a zero: the high byte of its last program header, which ends the file), so tools that read
     the whole image (nvdisasm, cuobjdump) refuse the file; the few bytes its header says it spans
-    past the end are given back as the zeros NVRTC wrote. The driver loads either."""
+    past the end are given back as the zeros NVRTC wrote."""
     if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
         return cubin
     short = _elf_end(cubin) - len(cubin)

@@ -118,6 +118,15 @@ CASES = {**GPU_CASES,
          **{f"decode-{k}": v for k, v in DECODE_CASES.items()},
          # lora_pair's cases in tests/gpu/test_pair_gpu.py (rank widths 16 and 64)
          **{f"pair-{k}": v for k, v in {**PAIR_CASES, **PAIR_CASES64}.items()},
+         # lora_pair's expand over shares of whole tiles of one slice (slices of multiples of 16 columns)
+         "whole-gateup": dict(T=64, in_f=256, slices=(512, 512), max_rank=16, ranks=(3, 16), mix="zipf",
+                              num_slots=33, active=20),
+         "whole-o": dict(T=16, in_f=520, slices=(1024,), max_rank=16, ranks=(16,), mix="distinct", num_slots=9,
+                         active=8),
+         "whole-qkv": dict(T=40, in_f=264, slices=(256, 128, 128), max_rank=16, ranks=(0, 7, 16), mix="skewed",
+                           num_slots=17, active=9),
+         "whole-r13": dict(T=24, in_f=264, slices=(160, 96), max_rank=13, ranks=(1, 6, 13), mix="uniform",
+                           num_slots=9, active=5),
          # pools of a larger maximum rank than their adapters': with --bound planned for the class of
          # their largest rank (16 or 64), A and B read with the pool's strides (NaN past each rank)
          "bound-qkv": dict(T=150, in_f=136, slices=(256, 128, 128), max_rank=128, ranks=(0, 5, 16), mix="zipf",
