@@ -395,16 +395,24 @@ def compile_family(family: str, arch: str) -> str:
     return compile_source(read_source(fam.file), fam.file, arch, fam.name_expressions)
 
 
-def _elf_sections(blob: bytes, data: bool = False) -> dict[str, int] | dict[str, bytes]:
-    """Section name -> size (``data``: the bytes) of a 64-bit little-endian ELF image (a CUBIN)."""
+def _elf_heads(blob: bytes) -> list[tuple[int, int, int, int, int, int]]:
+    """The section headers (name offset, type, flags, address, offset, size) of a 64-bit
+    little-endian ELF image (a CUBIN)."""
     import struct
 
     if blob[:4] != b"\x7fELF" or blob[4] != 2:
         raise ValueError("not a 64-bit ELF image")
     shoff, = struct.unpack_from("<Q", blob, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", blob, 0x3A)
-    heads = [struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize) for i in range(shnum)]
-    strtab = heads[shstrndx][4]
+    shentsize, shnum = struct.unpack_from("<HH", blob, 0x3A)
+    return [struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize) for i in range(shnum)]
+
+
+def _elf_sections(blob: bytes, data: bool = False) -> dict[str, int] | dict[str, bytes]:
+    """Section name -> size (``data``: the bytes) of a 64-bit little-endian ELF image (a CUBIN)."""
+    import struct
+
+    heads = _elf_heads(blob)
+    strtab = heads[struct.unpack_from("<H", blob, 0x3E)[0]][4]
     names = {}
     for name_off, _, _, _, off, size in heads:
         end = blob.index(b"\0", strtab + name_off)
@@ -414,17 +422,13 @@ def _elf_sections(blob: bytes, data: bool = False) -> dict[str, int] | dict[str,
 
 def _elf_end(blob: bytes) -> int:
     """The bytes a 64-bit little-endian ELF image spans by its own header: its program and section
-    header tables and every section's data."""
+    header tables and every section's data (SHT_NOBITS sections, .bss and .nv.shared, occupy none)."""
     import struct
 
     phoff, shoff = struct.unpack_from("<QQ", blob, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", blob, 0x36)
-    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
-    for i in range(shnum):
-        _, kind, _, _, off, size = struct.unpack_from("<IIQQQQ", blob, shoff + i * shentsize)
-        if kind != 8:  # SHT_NOBITS (.bss, .nv.shared) occupies no bytes of the file
-            end = max(end, off + size)
-    return end
+    ends = [off + size for _, kind, _, _, off, size in _elf_heads(blob) if kind != 8]
+    return max([phoff + phentsize * phnum, shoff + shentsize * shnum, *ends])
 
 
 def _whole_elf(cubin: bytes) -> bytes:
@@ -432,9 +436,10 @@ def _whole_elf(cubin: bytes) -> bytes:
     byte (a zero: the high byte of its last program header, which ends the file), so tools that read
     the whole image (nvdisasm, cuobjdump) refuse the file; the few bytes its header says it spans
     past the end are given back as the zeros NVRTC wrote."""
-    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+    try:
+        short = _elf_end(cubin) - len(cubin)
+    except ValueError:  # not an ELF image: as it is
         return cubin
-    short = _elf_end(cubin) - len(cubin)
     return cubin + b"\0" * short if 0 < short <= 8 else cubin
 
 
