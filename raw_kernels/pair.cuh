@@ -25,7 +25,8 @@
 // registers (the rows of A in NS * RW / 16 row tiles of 16); the expand's blocks of 8 warps share the
 // chunks' column tiles (16 columns of one slice, RW / 16 MMA k-steps) out, U tiles a warp in flight
 // (4 at RW = 16, 2 at 64), whole tiles (every Llama-shaped tile) on straight loads and stores
-// of pairs. Blocks past the step's items leave at once, but for block 0, which waits for the grid
+// of pairs, a share of whole tiles of one slice (ALIGNED, RW = 16) in a loop of its own
+// (pair_expand_run: no slice walk or per-tile test). Blocks past the step's items leave at once, but for block 0, which waits for the grid
 // before.
 // Order of a block: let the next grid launch; where EARLY_READS, the addressing, the chunk, the ranks
 // and the first loads of weights (A; B) in one round after slot_indptr's, x and y sent towards L2,
@@ -282,6 +283,52 @@ __device__ __forceinline__ unsigned pair_add(unsigned yv, float da, float db) {
   return (da == 0.f ? (yv & 0xffffu) : (s & 0xffffu)) | (db == 0.f ? (yv & 0xffff0000u) : (s & 0xffff0000u));
 }
 
+// pair_expand's rounds over a share [t0, t1) of whole tiles of one slice at rank width 16, ALIGNED
+// (c0: the share's first column; vrow: the slice's v of the lane's position gq; rk: its rank): the
+// first round's B and y already in bw and yv (loaded before the wait as every share's are), then
+// rounds of U tiles a warp, tile w + EW u at column c0 + 16 (w + EW u). B masked past rk as the general
+// loop masks it; y's pairs written back where a position is present (zero deltas keep their bits).
+template <typename T, int U>
+__device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow, int rk, const T* bs, T* const* yr,
+                                                uint2 (&bw)[U][2][1], unsigned (&yv)[U][2], int c0, int t0, int t1) {
+  constexpr int EW = PAIR_EW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3, R = g.max_rank;
+  const uint2 v = *reinterpret_cast<const uint2*>(vrow + 4 * t);
+  const unsigned bv[2] = {v.x, v.y};
+  const int valid = rk - 4 * t;  // ranks 4t .. 4t + 3 of B: those below rk kept
+  const unsigned mx = valid <= 0 ? 0u : (valid == 1 ? 0xffffu : ~0u);
+  const unsigned my = valid <= 2 ? 0u : (valid == 3 ? 0xffffu : ~0u);
+  const bool bon = 4 * t < R;  // ranks past R (a pool of max_rank below 16) are never read
+  const int cw = c0 + 16 * warp + 2 * gq;  // the lane's first column in the warp's first tile
+  for (int base = t0 + warp; base < t1; base += EW * U) {
+    const int cb = cw + 16 * (base - t0 - warp);
+    if (base != t0 + warp) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (base + EW * u >= t1) break;
+        const int c = cb + 16 * EW * u;
+        const T* p = bs + (size_t)c * R + 4 * t;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          bw[u][e][0] = bon ? *reinterpret_cast<const uint2*>(p + e * R) : make_uint2(0u, 0u);
+          yv[u][e] = yr[e] ? *reinterpret_cast<const unsigned*>(yr[e] + c) : 0u;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (base + EW * u >= t1) break;
+      const int c = cb + 16 * EW * u;
+      float d[4] = {};
+      const unsigned a[4] = {bw[u][0][0].x & mx, bw[u][1][0].x & mx, bw[u][0][0].y & my, bw[u][1][0].y & my};
+      mma16816<T>(d, a, bv);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (yr[e]) *reinterpret_cast<unsigned*>(yr[e] + c) = pair_add<T>(yv[u][e], d[e], d[2 + e]);
+    }
+  }
+}
+
 // The chunk's tiles: 16 columns of one slice from the slice's first column (a slice of rank 0 too: its
 // delta is zero, so y keeps its bits).
 // Item (chunk c, share h of the chunk's tiles): tile w + 8 u of the share to warp w. The MMA gives
@@ -446,6 +493,17 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
     }
   }
   __syncthreads();
+  if constexpr (ALIGNED && RW == 16) {
+    // A share of whole tiles of one slice (every share of the Llama-shaped targets: slices of a
+    // multiple of 16 columns): the slice's v and B's rank mask held from the first tile on, each tile
+    // at a fixed stride from the one before, straight loads and stores, no slice walk or tile test.
+    int j = 0;
+    while (j + 1 < n && t0 >= tpre[j + 1]) ++j;
+    if (t1 <= tpre[j + 1] && !(off[j] & 1) && 16 * (t1 - tpre[j]) <= off[j + 1] - off[j]) {
+      pair_expand_run<T>(g, vs[gq] + j * RW, rks[j], bs, yr, bw, yv, off[j] + 16 * (t0 - tpre[j]), t0, t1);
+      return;
+    }
+  }
   unsigned short part = 0;  // slices whose rank is below RW: B masked past it
   for (int jj = 0; jj < n; ++jj) part |= rks[jj] < RW ? 1u << jj : 0u;
   for (int base = t0 + warp; base < t1; base += EW * U) {
