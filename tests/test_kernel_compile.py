@@ -88,13 +88,15 @@ def test_code_sizes_count_every_kernel_of_a_family():
         assert mma[f"lora_fused<__nv_bfloat16, 16, 64, true, {al}>"] > mma[f"lora_fused<__nv_bfloat16, 16, 64, false, {al}>"]
     # an ALIGNED instantiation has no element-wise paths: every one is smaller than its twin
     # (the fused kernel at tile 16 by about a third: 8688 -> 5856 instructions when this was written);
-    # lora_chunk's flags are ALIGNED, then SLICED
+    # lora_chunk's flags are ALIGNED, then SLICED. lora_pair's ALIGNED expand at rank width 16 also
+    # carries the runs of whole tiles (pair_expand_run, ALIGNED only), so it is held to 1.2x its twin.
     for name, n in mma.items():
         kind, params = name.split("<")[0], [p.strip() for p in name[:-1].split("<", 1)[1].split(",")]
         at = {"lora_chunk": 3}.get(kind, len(params) - 1)
         if params[at] == "true":
             twin = f"{kind}<{', '.join(params[:at] + ['false'] + params[at + 1:])}>"
-            assert n < mma[twin], (name, n, mma[twin])
+            bound = 1.2 if (kind, params[1]) == ("lora_pair_expand", "16") else 1.0
+            assert n < bound * mma[twin], (name, n, mma[twin])
         # lora_chunk for one slice: the slice loops and lookups compiled out
         if kind == "lora_chunk" and params[4] == "false":
             sliced = f"{kind}<{', '.join(params[:4] + ['true'])}>"
