@@ -25,9 +25,9 @@
 // registers (the rows of A in NS * RW / 16 row tiles of 16); the expand's blocks of 8 warps share the
 // chunks' column tiles (16 columns of one slice, RW / 16 MMA k-steps) out, U tiles a warp in flight
 // (4 at RW = 16, 2 at 64), whole tiles (every Llama-shaped tile) on straight loads and stores
-// of pairs, a share of whole tiles of one slice (ALIGNED, RW = 16) in a loop of its own
-// (pair_expand_run: no slice walk or per-tile test). Blocks past the step's items leave at once, but for block 0, which waits for the grid
-// before.
+// of pairs; where every tile of a share is whole (ALIGNED, RW = 16), its tiles of each slice in a loop
+// of their own (pair_expand_run: no slice walk or per-tile test). Blocks past the step's items leave
+// at once, but for block 0, which waits for the grid before.
 // Order of a block: let the next grid launch; where EARLY_READS, the addressing, the chunk, the ranks
 // and the first loads of weights (A; B) in one round after slot_indptr's, x and y sent towards L2,
 // then wait for the grid before; then x (the shrink), or y and P (the expand). The expand waits for
@@ -283,14 +283,16 @@ __device__ __forceinline__ unsigned pair_add(unsigned yv, float da, float db) {
   return (da == 0.f ? (yv & 0xffffu) : (s & 0xffffu)) | (db == 0.f ? (yv & 0xffff0000u) : (s & 0xffff0000u));
 }
 
-// pair_expand's rounds over a share [t0, t1) of whole tiles of one slice at rank width 16, ALIGNED
-// (c0: the share's first column; vrow: the slice's v of the lane's position gq; rk: its rank): the
-// first round's B and y already in bw and yv (loaded before the wait as every share's are), then
-// rounds of U tiles a warp, tile w + EW u at column c0 + 16 (w + EW u). B masked past rk as the general
-// loop masks it; y's pairs written back where a position is present (zero deltas keep their bits).
+// pair_expand's rounds over a run [t0, t1) of whole tiles of one slice at rank width 16, ALIGNED
+// (c0: the run's first column; vrow: the slice's v of the lane's position gq; rk: its rank): where
+// `first` (the run starts the share), the first round's B and y already in bw and yv (loaded before
+// the wait as every share's are; those of tiles past t1, the next slice's, left unused), then rounds
+// of U tiles a warp, tile w + EW u at column c0 + 16 (w + EW u). B masked past rk as the general loop
+// masks it; y's pairs written back where a position is present (zero deltas keep their bits).
 template <typename T, int U>
 __device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow, int rk, const T* bs, T* const* yr,
-                                                uint2 (&bw)[U][2][1], unsigned (&yv)[U][2], int c0, int t0, int t1) {
+                                                uint2 (&bw)[U][2][1], unsigned (&yv)[U][2], int c0, int t0, int t1,
+                                                bool first) {
   constexpr int EW = PAIR_EW;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3, R = g.max_rank;
   const uint2 v = *reinterpret_cast<const uint2*>(vrow + 4 * t);
@@ -302,7 +304,7 @@ __device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow,
   const int cw = c0 + 16 * warp + 2 * gq;  // the lane's first column in the warp's first tile
   for (int base = t0 + warp; base < t1; base += EW * U) {
     const int cb = cw + 16 * (base - t0 - warp);
-    if (base != t0 + warp) {
+    if (!first || base != t0 + warp) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         if (base + EW * u >= t1) break;
@@ -494,13 +496,21 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   }
   __syncthreads();
   if constexpr (ALIGNED && RW == 16) {
-    // A share of whole tiles of one slice (every share of the Llama-shaped targets: slices of a
-    // multiple of 16 columns): the slice's v and B's rank mask held from the first tile on, each tile
-    // at a fixed stride from the one before, straight loads and stores, no slice walk or tile test.
-    int j = 0;
-    while (j + 1 < n && t0 >= tpre[j + 1]) ++j;
-    if (t1 <= tpre[j + 1] && !(off[j] & 1) && 16 * (t1 - tpre[j]) <= off[j + 1] - off[j]) {
-      pair_expand_run<T>(g, vs[gq] + j * RW, rks[j], bs, yr, bw, yv, off[j] + 16 * (t0 - tpre[j]), t0, t1);
+    // A share of whole tiles (every share of the Llama-shaped targets: slices of a multiple of 16
+    // columns), one run a slice it touches: the slice's v and B's rank mask held from the run's first
+    // tile on, each tile at a fixed stride from the one before, straight loads and stores, no slice
+    // walk or tile test. (A share that spans two slices took the general loop below before, 3-4 times
+    // as long a tile, and its block ended the launch last: NOTES.md, "runs a slice".)
+    int j0 = 0;
+    while (j0 + 1 < n && t0 >= tpre[j0 + 1]) ++j0;
+    bool whole = true;
+    for (int j = j0; j < n && tpre[j] < t1; ++j)
+      whole = whole && !(off[j] & 1) && 16 * (min(t1, tpre[j + 1]) - tpre[j]) <= off[j + 1] - off[j];
+    if (whole) {
+      for (int j = j0; j < n && tpre[j] < t1; ++j) {
+        const int r0 = max(t0, tpre[j]), r1 = min(t1, tpre[j + 1]);
+        pair_expand_run<T>(g, vs[gq] + j * RW, rks[j], bs, yr, bw, yv, off[j] + 16 * (r0 - tpre[j]), r0, r1, j == j0);
+      }
       return;
     }
   }
