@@ -429,17 +429,18 @@ LAYER_RANK = 16
 LAYER_SLOTS = 33
 
 
-def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, backend_kw: dict | None = None) -> dict:
-    """The four LoRA calls of one layer back to back in one graph, as a model's step runs them:
-    ``warm`` (no flush: what the layer's own earlier calls left in L2) and ``flushed`` (one flush
-    before the layer); each call alone warm; each target checked against the float64 oracle.
+def layer_calls(T: int, adapters: int, seed: int, backend_kw: dict | None = None):
+    """The four LoRA calls of one Llama-8B-shaped layer (``LAYER_TARGETS``, rank ``LAYER_RANK``, a
+    pool of ``LAYER_SLOTS``), T positions over ``adapters`` adapters in equal runs, on fresh random
+    data: ``(calls, errs, plans, backend)``, ``calls`` a list of (target name, zero-argument call)
+    in the layer's order, ``errs`` each target's relative error against float64 after one call.
     ``backend_kw``: options of the backend (``CupyBackend(spec, **backend_kw)``; ``early_reads`` True
-    unless given, as the pool's backend), for A/B runs."""
+    unless given, as the pool's backend)."""
     import torch
 
     from ..addressing import group_by_slot
     from ..backends.base import LayerWeights
-    from ..backends.cupy import TOLERANCE, CupyBackend
+    from ..backends.cupy import CupyBackend
     from ..spec import LoraSlice, LoraSpec, LoraTarget
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -475,6 +476,18 @@ def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, bac
         errs[t.name] = float(torch.linalg.norm(y.double() - ref) / torch.linalg.norm(ref))
         calls.append((t.name, lambda y=y, x=x, w=w: be.delta(y, x, w, to, ip)))
         plans[t.name] = _plan_label(be.plan(T, w, "bfloat16"))
+    return calls, errs, plans, be
+
+
+def run_layer(T: int, adapters: int, warm: Timer, flushed: Timer, seed: int, backend_kw: dict | None = None) -> dict:
+    """The four LoRA calls of one layer back to back in one graph, as a model's step runs them:
+    ``warm`` (no flush: what the layer's own earlier calls left in L2) and ``flushed`` (one flush
+    before the layer); each call alone warm; each target checked against the float64 oracle.
+    ``backend_kw``: as ``layer_calls``'s, for A/B runs."""
+    from ..backends.cupy import TOLERANCE
+
+    calls, errs, plans, be = layer_calls(T, adapters, seed, backend_kw)
+    S, R = LAYER_SLOTS, LAYER_RANK
 
     def layer():
         for _, c in calls:

@@ -1,0 +1,110 @@
+"""This tree against the same tree with kernel patches applied, in one GPU session (dev tool).
+
+Each patch (a unified diff against this tree, as `git diff` writes it; `raw_kernels/dev/*.patch`)
+gets a tree of its own: `lora_cupy/` and `raw_kernels/` copied under `--work` and the patch applied
+there (`git apply`, which needs no repository). `layer_rows.py` then runs from each tree's root in
+turn, `--rounds` times (this tree first in each round), with the arguments after `--`; its lines are
+gathered into one table, a column a tree, each cell the warm and flushed figures of every round
+(min-max where they differ).
+
+On a CPU machine, `--prebuild DIR` builds each patched tree's bf16 tensor-core family into DIR (the
+base tree's families: `lora-cupy check-kernels --prebuild DIR`), so the GPU's time is not spent in
+NVRTC: point `LORA_CUPY_PREBUILT` at DIR there (a tree whose sources differ matches none of the
+other trees' files, so each tree finds its own).
+
+    python raw_kernels/dev/ab_trees.py --prebuild out/pb dev/pair_one_slice_run.patch    # CPU
+    LORA_CUPY_PREBUILT=$PWD/out/pb python raw_kernels/dev/ab_trees.py --rounds 2 \\
+        raw_kernels/dev/pair_one_slice_run.patch raw_kernels/dev/chunk_red_quads.patch \\
+        -- --layer 16x8,64x8,64x32,256x32 --core r64
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"^(\S+)\s+(.*?)\s+warm\s+([\d.]+)\s+flushed\s+([\d.]+)(.*)$")
+
+
+def make_tree(patch: Path, work: Path) -> Path:
+    """``work``/<patch stem>: this tree's package and kernels with ``patch`` applied."""
+    tree = work / patch.stem
+    if tree.exists():
+        shutil.rmtree(tree)
+    tree.mkdir(parents=True)
+    for part in ("lora_cupy", "raw_kernels"):
+        shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    r = subprocess.run(["git", "apply", str(patch.resolve())], cwd=tree, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"ab_trees: {patch} does not apply to this tree:\n{r.stderr}")
+    return tree
+
+
+def run_rows(tag: str, tree: Path, args: list[str]) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, str(tree / "raw_kernels/dev/layer_rows.py"), "--tag", tag, *args]
+    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if r.returncode:
+        print(f"ab_trees: {tag} exited {r.returncode}:\n{r.stderr[-3000:]}", flush=True)
+    return r.stdout.splitlines()
+
+
+def table(lines: list[str], tags: list[str]) -> str:
+    cells: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for line in lines:
+        m = LINE.match(line)
+        if m:
+            tag, row, w, f, _ = m.groups()
+            cells.setdefault(row, {}).setdefault(tag, []).append((float(w), float(f)))
+
+    def span(v: list[float]) -> str:
+        lo, hi = min(v), max(v)
+        return f"{lo:.1f}" if hi - lo < 0.05 else f"{lo:.1f}-{hi:.1f}"
+
+    out = ["| row | " + " | ".join(tags) + " |", "|---|" + "---|" * len(tags)]
+    for row, by in cells.items():
+        txt = [f"{span([w for w, _ in by[t]])} ({span([f for _, f in by[t]])})" if t in by else "-" for t in tags]
+        out.append(f"| {row} | " + " | ".join(txt) + " |")
+    bad = [line for line in lines if "ok False" in line or "refused" in line]
+    return "\n".join(out + (["", "not ok or refused:", *bad] if bad else []))
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    rows_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("patches", nargs="+", type=Path)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lora-cupy-ab")
+    ap.add_argument("--prebuild", type=Path, help="CPU: build each patched tree's bf16 family's CUBIN here, and stop")
+    args = ap.parse_args(argv)
+    trees = {p.stem: make_tree(p, args.work) for p in args.patches}
+    if args.prebuild:
+        out = args.prebuild.resolve()
+        for tag, tree in trees.items():
+            code = ("import lora_cupy.kernels as k; "
+                    f"print(k.prebuild({str(out)!r}, 'sm_90', [k.mma_family('bfloat16')]))")
+            r = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                               capture_output=True, text=True)
+            print(f"{tag}: {r.stdout.strip() or r.stderr[-2000:]}", flush=True)
+        return
+    order = {"base": ROOT, **trees}
+    lines = []
+    for rnd in range(args.rounds):
+        for tag, tree in order.items():
+            got = run_rows(tag, tree, rows_args)
+            print(f"round {rnd + 1}, {tag}: {len(got)} lines", flush=True)
+            lines += got
+    print("\n".join(lines))
+    print("\nwarm (flushed) us, each round:\n" + table(lines, list(order)))
+
+
+if __name__ == "__main__":
+    main()

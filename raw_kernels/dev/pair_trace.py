@@ -1,0 +1,292 @@
+"""Where a decode layer's time goes, launch by launch and phase by phase (dev tool, not shipped).
+
+The bench's layer rows (`--layer 64x8,...`: the four LoRA calls of one Llama-8B-shaped layer, rank
+16, each call `lora_pair`'s shrink then expand) run from a traced copy of the kernels: `pair.cuh`
+as this tree has it, with `%globaltimer` stamps written at fixed places of `pair_shrink` and
+`pair_expand` into a device array of the module (`pair_trace_buf`), built here in a module of its
+own (the shipped sources are not touched; every place is found by its text, and a place that is
+not found stops the tool). Two layers are captured in one CUDA graph, as the bench's warm figure
+runs them back to back; after each replay the second layer's stamps are read back. Per launch,
+medians over the replays of each block's stamp less the layer's first block's entry (us):
+
+- entry: the first block's start, and the median block's;
+- scan: slot_indptr read and the step's chunks counted (`pair_scan`);
+- wait: the weights' first loads issued (A; B), just before the wait for the grid before, and
+  just after it returns;
+- work: the shrink's MMAs issued (x has arrived); the expand's v ready in shared memory (the
+  splits' parts read, summed and scaled; y's first tiles asked for);
+- exit: the median working block's last warp, and the last one of the launch.
+
+Stamps are thread 0's, but for the exit (the block's last warp, an atomicMax of each warp's);
+blocks past the step's items leave after the scan and count only in the entries. The stamps cost a
+few stores a block; each call's y is checked against float64 before the timing, as the bench does.
+The call of a launch is told by its target's shape (q/k/v three slices, gate_up two, down `in` >
+4096, o the rest), so the tool serves the bench's layer only.
+
+    PYTHONPATH=. python raw_kernels/dev/pair_trace.py --layer 64x8,64x32 --json $OUT/trace.json
+    python raw_kernels/dev/pair_trace.py --plot trace.png --from trace.json   # no GPU: the picture
+    python raw_kernels/dev/pair_trace.py --prebuild out/pb                    # the traced CUBIN, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+CALLS = ("qkv", "o", "gate_up", "down")  # the layer's order; a launch's call: trace_key() below
+KINDS = ("shrink", "expand")
+STAMPS = ("entry", "scan", "pre-wait", "post-wait", "work", "exit")
+BLOCKS = 2048  # the most blocks of a launch that are traced
+
+HEAD = r"""
+__device__ unsigned long long pair_trace_buf[2 * 4 * %(blocks)d * %(stamps)d];
+namespace lora {
+__device__ __forceinline__ unsigned long long pair_trace_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %%0, %%%%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+// The row of this block of launch (kind, call): call 0 q/k/v (three slices), 2 gate_up (two), 3 down
+// (in > 4096), 1 o.
+template <typename T>
+__device__ __forceinline__ unsigned long long* pair_trace_row(const Args<T>& g, int kind) {
+  const int call = g.n_slices == 3 ? 0 : g.n_slices == 2 ? 2 : g.in_features > 4096 ? 3 : 1;
+  return pair_trace_buf + ((size_t)(kind * 4 + call) * %(blocks)d + blockIdx.x) * %(stamps)d;
+}
+template <typename T>
+__device__ __forceinline__ void pair_trace_entry(const Args<T>& g, int kind) {
+  if (threadIdx.x != 0 || blockIdx.x >= %(blocks)d) return;
+  unsigned long long* r = pair_trace_row(g, kind);
+  r[0] = pair_trace_now();
+  for (int i = 1; i < %(stamps)d; ++i) r[i] = 0;
+}
+template <typename T>
+__device__ __forceinline__ void pair_trace_stamp(const Args<T>& g, int kind, int i) {
+  if (threadIdx.x == 0 && blockIdx.x < %(blocks)d) pair_trace_row(g, kind)[i] = pair_trace_now();
+}
+template <typename T>
+__device__ __forceinline__ void pair_trace_exit(const Args<T>& g, int kind) {
+  if ((threadIdx.x & 31) == 0 && blockIdx.x < %(blocks)d)
+    atomicMax(pair_trace_row(g, kind) + %(stamps)d - 1, pair_trace_now());
+}
+}  // namespace lora
+""" % {"blocks": BLOCKS, "stamps": len(STAMPS)}
+
+# (text in pair.cuh, the text that replaces it): each must occur exactly once.
+PLACES = [
+    ("#pragma once\n", "#pragma once\n" + HEAD),
+    # the shrink
+    ("  __shared__ __align__(16) float red[PAIR_SW][PAIR_M][W];\n",
+     "  __shared__ __align__(16) float red[PAIR_SW][PAIR_M][W];\n  pair_trace_entry(g, 0);\n"),
+    ("  const int chunks = pair_scan(g.slot_indptr, S, sip, cpre, [] {});\n",
+     "  const int chunks = pair_scan(g.slot_indptr, S, sip, cpre, [] {});\n  pair_trace_stamp(g, 0, 1);\n"),
+    ("    if (early) wait_prior_grid();\n#pragma unroll\n    for (int rt = 0; rt < RT; ++rt)  // past r_j",
+     "    pair_trace_stamp(g, 0, 2);\n    if (early) wait_prior_grid();\n    pair_trace_stamp(g, 0, 3);\n"
+     "#pragma unroll\n    for (int rt = 0; rt < RT; ++rt)  // past r_j"),
+    ("    if (early) wait_prior_grid();\n    const int per = (kbs + splits - 1) / splits",
+     "    pair_trace_stamp(g, 0, 2);\n    if (early) wait_prior_grid();\n    pair_trace_stamp(g, 0, 3);\n"
+     "    const int per = (kbs + splits - 1) / splits"),
+    ("#pragma unroll\n  for (int rt = 0; rt < RT; ++rt) {  // D: rows",
+     "  pair_trace_stamp(g, 0, 4);\n#pragma unroll\n  for (int rt = 0; rt < RT; ++rt) {  // D: rows"),
+    ("    *reinterpret_cast<float4*>(pc + e) = s;\n  }\n}\n",
+     "    *reinterpret_cast<float4*>(pc + e) = s;\n  }\n  pair_trace_exit(g, 0);\n}\n"),
+    # the expand
+    ("  __shared__ float sc[8];\n", "  __shared__ float sc[8];\n  pair_trace_entry(g, 1);\n"),
+    ("    tpre[n] = run;\n  });\n", "    tpre[n] = run;\n  });\n  pair_trace_stamp(g, 1, 1);\n"),
+    ("  if (early) wait_prior_grid();\n  unsigned yv[U][2];",
+     "  pair_trace_stamp(g, 1, 2);\n  if (early) wait_prior_grid();\n  pair_trace_stamp(g, 1, 3);\n  unsigned yv[U][2];"),
+    ("  __syncthreads();\n  if constexpr (ALIGNED && RW == 16) {",
+     "  __syncthreads();\n  pair_trace_stamp(g, 1, 4);\n  if constexpr (ALIGNED && RW == 16) {"),
+    ("      return;\n    }\n  }\n  unsigned short part = 0;",
+     "      pair_trace_exit(g, 1);\n      return;\n    }\n  }\n  unsigned short part = 0;"),
+    ("        if (db != 0.f) yr[e][c + 1] = two[1];\n      }\n    }\n  }\n}\n",
+     "        if (db != 0.f) yr[e][c + 1] = two[1];\n      }\n    }\n  }\n  pair_trace_exit(g, 1);\n}\n"),
+]
+
+
+def traced_dir(src: Path) -> Path:
+    """A copy of the kernel directory `src` whose pair.cuh carries the stamps."""
+    out = Path(tempfile.mkdtemp(prefix="pair_trace_"))
+    for p in src.iterdir():
+        if p.is_file():
+            shutil.copy(p, out / p.name)
+    text = (src / "pair.cuh").read_text()
+    for old, new in PLACES:
+        if text.count(old) != 1:
+            raise SystemExit(f"pair_trace: a stamp's place occurs {text.count(old)} times in pair.cuh "
+                             f"(wanted once): {old.strip()[:70]!r}")
+        text = text.replace(old, new)
+    (out / "pair.cuh").write_text(text)
+    return out
+
+
+def use_traced_kernels() -> None:
+    """Make lora_cupy build its kernels from the traced copy (before any module is loaded)."""
+    from lora_cupy import kernels
+
+    d = traced_dir(kernels.kernel_dir())
+    kernels.kernel_dir = lambda: d
+
+
+def read_stamps(mod) -> np.ndarray:
+    import cupy
+
+    from lora_cupy.kernels import PrebuiltModule
+
+    raw = mod._module if isinstance(mod, PrebuiltModule) else mod
+    return cupy.ndarray((2, 4, BLOCKS, len(STAMPS)), dtype=cupy.uint64, memptr=raw.get_global("pair_trace_buf"))
+
+
+def summarize(buf: np.ndarray, t0: int) -> dict:
+    """One replay's stamps: per launch (kind, call), us after t0."""
+    out = {}
+    for k, kind in enumerate(KINDS):
+        for c, call in enumerate(CALLS):
+            rows = buf[k, c].astype(np.int64)
+            live = rows[rows[:, 0] > 0]
+            if not len(live):
+                continue
+            work = live[live[:, -1] > 0]
+            rel = lambda v: (v - t0) / 1000.0  # noqa: E731
+            d = {"blocks": int(len(live)), "working": int(len(work)),
+                 "first entry": rel(live[:, 0].min()), "entry": rel(np.median(live[:, 0]))}
+            for i, name in enumerate(STAMPS[1:], start=1):
+                vals = work[:, i][work[:, i] > 0] if len(work) else np.array([])
+                if len(vals):
+                    d[name] = rel(np.median(vals))
+            if len(work):
+                d["last exit"] = rel(work[:, -1].max())
+            out[f"{call} {kind}"] = d
+    return out
+
+
+def trace_layer(T: int, adapters: int, replays: int, seed: int) -> dict:
+    import cupy
+    import torch
+
+    from lora_cupy import kernels
+    from lora_cupy.bench.kernels import layer_calls
+
+    calls, errs, plans, be = layer_calls(T, adapters, seed)
+    stamps = read_stamps(kernels.load_module(kernels.mma_family("bfloat16")))
+
+    def layer():
+        for _, c in calls:
+            c()
+
+    layer()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        layer()
+        layer()
+    per = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        stamps.fill(0)
+        cupy.cuda.Device().synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        buf = cupy.asnumpy(stamps)
+        live = buf[..., 0][buf[..., 0] > 0]
+        if len(live):
+            per.append(summarize(buf, int(live.min())))
+    launches = {}
+    for name in per[0] if per else {}:
+        keys = set.intersection(*(set(p.get(name, {})) for p in per))
+        launches[name] = {k: float(np.median([p[name][k] for p in per])) for k in keys}
+    del be
+    return {"T": T, "adapters": adapters, "replays": len(per), "errs": errs, "plans": plans, "launches": launches}
+
+
+def print_layer(r: dict) -> None:
+    cols = ("blocks", "working", "first entry", "entry", "scan", "pre-wait", "post-wait", "work", "exit", "last exit")
+    print(f"\nlayer {r['T']}x{r['adapters']} ({r['replays']} replays; errors "
+          + ", ".join(f"{k} {v:.1e}" for k, v in r["errs"].items()) + ")")
+    print("plans: " + "; ".join(f"{k} {v}" for k, v in r["plans"].items()))
+    print(f"{'launch':16s}" + "".join(f"{c:>12s}" for c in cols))
+    order = [f"{c} {k}" for c in CALLS for k in KINDS]
+    for name in order:
+        d = r["launches"].get(name)
+        if d is None:
+            continue
+        cells = []
+        for c in cols:
+            v = d.get(c)
+            cells.append("-" if v is None else (f"{int(v)}" if c in ("blocks", "working") else f"{v:.2f}"))
+        print(f"{name:16s}" + "".join(f"{x:>12s}" for x in cells))
+
+
+def plot(runs: list[dict], path: str) -> None:
+    """One panel a layer: a bar a launch from its first block's entry to its last exit, the median
+    working block's phases drawn over it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = (("entry", "scan", "#bbbbbb", "scan"), ("scan", "pre-wait", "#9ecae1", "setup, first loads"),
+              ("pre-wait", "post-wait", "#fdae6b", "wait for the grid before"),
+              ("post-wait", "work", "#e6550d", "x / parts and v"), ("work", "exit", "#31a354", "MMAs, stores"))
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.2 + 0.45 * 8 * len(runs)), squeeze=False)
+    for ax, r in zip(axes[:, 0], runs):
+        order = [f"{c} {k}" for c in CALLS for k in KINDS if f"{c} {k}" in r["launches"]]
+        for i, name in enumerate(order):
+            d = r["launches"][name]
+            y = len(order) - 1 - i
+            if "last exit" in d:
+                ax.barh(y, d["last exit"] - d["first entry"], left=d["first entry"], height=0.8, color="#eeeeee",
+                        edgecolor="#999999")
+            for a, b, color, label in phases:
+                if a in d and b in d and d[b] >= d[a]:
+                    ax.barh(y, d[b] - d[a], left=d[a], height=0.45, color=color, label=label if i == 0 else None)
+        ax.set_yticks(range(len(order)), list(reversed(order)))
+        ax.set_xlabel("us after the layer's first block (medians over replays)")
+        ax.set_title(f"layer {r['T']} positions x {r['adapters']} adapters: lora_pair's launches")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layer", default="64x8", help="TxADAPTERS,... (the bench's layer rows that run lora_pair)")
+    ap.add_argument("--replays", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--json", help="write the runs here")
+    ap.add_argument("--plot", help="a PNG of the runs (with --from: no GPU)")
+    ap.add_argument("--from", dest="src", help="a JSON written by --json, to plot")
+    ap.add_argument("--prebuild", help="build the traced bf16 family's CUBIN into this directory (no GPU)")
+    args = ap.parse_args()
+    if args.src:
+        runs = json.loads(Path(args.src).read_text())
+        for r in runs:
+            print_layer(r)
+        if args.plot:
+            plot(runs, args.plot)
+        return
+    use_traced_kernels()
+    if args.prebuild:
+        from lora_cupy import kernels
+
+        print(kernels.prebuild(args.prebuild, "sm_90", [kernels.mma_family("bfloat16")]))
+        return
+    runs = []
+    for spec in filter(None, args.layer.split(",")):
+        T, adapters = (int(v) for v in spec.split("x"))
+        r = trace_layer(T, adapters, args.replays, args.seed)
+        print_layer(r)
+        runs.append(r)
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+    if args.plot:
+        plot(runs, args.plot)
+
+
+if __name__ == "__main__":
+    main()
