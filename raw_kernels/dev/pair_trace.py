@@ -21,9 +21,11 @@ Stamps are thread 0's, but for the exit (the block's last warp, an atomicMax of 
 blocks past the step's items leave after the scan and count only in the entries. The stamps cost a
 few stores a block; each call's y is checked against float64 before the timing, as the bench does.
 The call of a launch is told by its target's shape (q/k/v three slices, gate_up two, down `in` >
-4096, o the rest), so the tool serves the bench's layer only.
+4096, o the rest), so it serves the bench's layer, and (`--core LABEL`) a bench row's one call, two in
+a graph, whose launches then read under that name (a one-slice row of `in` 4096 as o).
 
     PYTHONPATH=. python raw_kernels/dev/pair_trace.py --layer 64x8,64x32 --json $OUT/trace.json
+    PYTHONPATH=. python raw_kernels/dev/pair_trace.py --layer "" --core "T64 4096->4096 r64 s32"
     python raw_kernels/dev/pair_trace.py --plot trace.png --from trace.json   # no GPU: the picture
     python raw_kernels/dev/pair_trace.py --prebuild out/pb                    # the traced CUBIN, no GPU
 """
@@ -196,17 +198,72 @@ def trace_layer(T: int, adapters: int, replays: int, seed: int) -> dict:
         live = buf[..., 0][buf[..., 0] > 0]
         if len(live):
             per.append(summarize(buf, int(live.min())))
+    del be
+    return {"T": T, "adapters": adapters, "replays": len(per), "errs": errs, "plans": plans, "launches": _medians(per)}
+
+
+def trace_row(label: str, replays: int, seed: int) -> dict:
+    """One bench row's call (bf16 core or shapes rows whose label contains ``label``), as trace_layer:
+    two calls in one graph, the second's stamps. A one-slice row's launches read as "o" (down where
+    ``in`` > 4096), a fused one's as its slice count says."""
+    import cupy
+    import torch
+
+    from lora_cupy import kernels
+    from lora_cupy.backends import cupy as cb
+    from lora_cupy.backends.base import LayerWeights
+    from lora_cupy.bench.kernels import _plan_label, build, oracle_error, rows
+
+    picked = [r for r in rows() if label in r.label and r.dtype == "bfloat16" and r.label.split()[0] in ("core", "shapes")]
+    if not picked:
+        raise SystemExit(f"pair_trace: no bf16 core or shapes row's label contains {label!r}")
+    out = []
+    for row in picked:
+        d = build(row, seed)
+        w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
+        be = cb.CupyBackend(d.spec, early_reads=True)
+        plan = _plan_label(be.plan(row.T, w, "bfloat16"))
+
+        def call():
+            be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+
+        d.y.copy_(d.y0)
+        call()
+        torch.cuda.synchronize()
+        err = oracle_error(d, d.y)
+        stamps = read_stamps(kernels.load_module(kernels.mma_family("bfloat16")))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+            call()
+        per = []
+        for _ in range(replays):
+            torch.cuda.synchronize()
+            stamps.fill(0)
+            cupy.cuda.Device().synchronize()
+            g.replay()
+            torch.cuda.synchronize()
+            buf = cupy.asnumpy(stamps)
+            live = buf[..., 0][buf[..., 0] > 0]
+            if len(live):
+                per.append(summarize(buf, int(live.min())))
+        out.append({"T": row.label, "adapters": "", "replays": len(per), "errs": {"call": err},
+                    "plans": {"call": plan}, "launches": _medians(per)})
+    return out
+
+
+def _medians(per: list[dict]) -> dict:
     launches = {}
     for name in per[0] if per else {}:
         keys = set.intersection(*(set(p.get(name, {})) for p in per))
         launches[name] = {k: float(np.median([p[name][k] for p in per])) for k in keys}
-    del be
-    return {"T": T, "adapters": adapters, "replays": len(per), "errs": errs, "plans": plans, "launches": launches}
+    return launches
 
 
 def print_layer(r: dict) -> None:
     cols = ("blocks", "working", "first entry", "entry", "scan", "pre-wait", "post-wait", "work", "exit", "last exit")
-    print(f"\nlayer {r['T']}x{r['adapters']} ({r['replays']} replays; errors "
+    what = f"layer {r['T']}x{r['adapters']}" if r["adapters"] != "" else r["T"]
+    print(f"\n{what} ({r['replays']} replays; errors "
           + ", ".join(f"{k} {v:.1e}" for k, v in r["errs"].items()) + ")")
     print("plans: " + "; ".join(f"{k} {v}" for k, v in r["plans"].items()))
     print(f"{'launch':16s}" + "".join(f"{c:>12s}" for c in cols))
@@ -247,7 +304,8 @@ def plot(runs: list[dict], path: str) -> None:
                     ax.barh(y, d[b] - d[a], left=d[a], height=0.45, color=color, label=label if i == 0 else None)
         ax.set_yticks(range(len(order)), list(reversed(order)))
         ax.set_xlabel("us after the layer's first block (medians over replays)")
-        ax.set_title(f"layer {r['T']} positions x {r['adapters']} adapters: lora_pair's launches")
+        what = f"layer {r['T']} positions x {r['adapters']} adapters" if r["adapters"] != "" else r["T"]
+        ax.set_title(f"{what}: lora_pair's launches")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -256,6 +314,7 @@ def plot(runs: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layer", default="64x8", help="TxADAPTERS,... (the bench's layer rows that run lora_pair)")
+    ap.add_argument("--core", default="", help="also the bf16 core / shapes rows whose label contains this")
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--json", help="write the runs here")
@@ -280,6 +339,9 @@ def main() -> None:
     for spec in filter(None, args.layer.split(",")):
         T, adapters = (int(v) for v in spec.split("x"))
         r = trace_layer(T, adapters, args.replays, args.seed)
+        print_layer(r)
+        runs.append(r)
+    for r in trace_row(args.core, args.replays, args.seed) if args.core else []:
         print_layer(r)
         runs.append(r)
     if args.json:
