@@ -167,8 +167,31 @@ def summarize(buf: np.ndarray, t0: int) -> dict:
     return out
 
 
-def trace_layer(T: int, adapters: int, replays: int, seed: int) -> dict:
+def replay_twice(fn, stamps, replays: int) -> list[dict]:
+    """``fn`` twice in one CUDA graph, replayed ``replays`` times; after each, the stamps (the second
+    run's: every traced block rewrites its row) summarized from the replay's first block."""
     import cupy
+    import torch
+
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+        fn()
+    per = []
+    for _ in range(replays):
+        torch.cuda.synchronize()
+        stamps.fill(0)
+        cupy.cuda.Device().synchronize()
+        g.replay()
+        torch.cuda.synchronize()
+        buf = cupy.asnumpy(stamps)
+        live = buf[..., 0][buf[..., 0] > 0]
+        if len(live):
+            per.append(summarize(buf, int(live.min())))
+    return per
+
+
+def trace_layer(T: int, adapters: int, replays: int, seed: int) -> dict:
     import torch
 
     from lora_cupy import kernels
@@ -183,30 +206,15 @@ def trace_layer(T: int, adapters: int, replays: int, seed: int) -> dict:
 
     layer()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        layer()
-        layer()
-    per = []
-    for _ in range(replays):
-        torch.cuda.synchronize()
-        stamps.fill(0)
-        cupy.cuda.Device().synchronize()
-        g.replay()
-        torch.cuda.synchronize()
-        buf = cupy.asnumpy(stamps)
-        live = buf[..., 0][buf[..., 0] > 0]
-        if len(live):
-            per.append(summarize(buf, int(live.min())))
+    per = replay_twice(layer, stamps, replays)
     del be
     return {"T": T, "adapters": adapters, "replays": len(per), "errs": errs, "plans": plans, "launches": _medians(per)}
 
 
-def trace_row(label: str, replays: int, seed: int) -> dict:
-    """One bench row's call (bf16 core or shapes rows whose label contains ``label``), as trace_layer:
+def trace_row(label: str, replays: int, seed: int) -> list[dict]:
+    """Each bench row's call (bf16 core or shapes rows whose label contains ``label``), as trace_layer:
     two calls in one graph, the second's stamps. A one-slice row's launches read as "o" (down where
     ``in`` > 4096), a fused one's as its slice count says."""
-    import cupy
     import torch
 
     from lora_cupy import kernels
@@ -232,21 +240,7 @@ def trace_row(label: str, replays: int, seed: int) -> dict:
         torch.cuda.synchronize()
         err = oracle_error(d, d.y)
         stamps = read_stamps(kernels.load_module(kernels.mma_family("bfloat16")))
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
-            call()
-        per = []
-        for _ in range(replays):
-            torch.cuda.synchronize()
-            stamps.fill(0)
-            cupy.cuda.Device().synchronize()
-            g.replay()
-            torch.cuda.synchronize()
-            buf = cupy.asnumpy(stamps)
-            live = buf[..., 0][buf[..., 0] > 0]
-            if len(live):
-                per.append(summarize(buf, int(live.min())))
+        per = replay_twice(call, stamps, replays)
         out.append({"T": row.label, "adapters": "", "replays": len(per), "errs": {"call": err},
                     "plans": {"call": plan}, "launches": _medians(per)})
     return out
