@@ -1,20 +1,21 @@
 """Where a decode layer's time goes, launch by launch and phase by phase (dev tool, not shipped).
 
-The bench's layer rows (`--layer 64x8,...`: the four LoRA calls of one Llama-8B-shaped layer, rank
-16, each call `lora_pair`'s shrink then expand) run from a traced copy of the kernels: `pair.cuh`
-as this tree has it, with `%globaltimer` stamps written at fixed places of `pair_shrink` and
-`pair_expand` into a device array of the module (`pair_trace_buf`), built here in a module of its
-own (the shipped sources are not touched; every place is found by its text, and a place that is
-not found stops the tool). Two layers are captured in one CUDA graph, as the bench's warm figure
+The bench's layer rows (`--layer 1x1,64x8,...`: the four LoRA calls of one Llama-8B-shaped layer,
+rank 16; each call `lora_pair`'s shrink then expand, or at one position one `lora_one` launch) run from
+a traced copy of the kernels: `pair.cuh` and `lora_mma.cu` as this tree has them, with `%globaltimer`
+stamps written at fixed places of `pair_shrink`, `pair_expand` and `lora_one` into a device array of
+the module (`pair_trace_buf`), built here in a module of its own (the shipped sources are not
+touched; every place is found by its text, and a place that is not found stops the tool). Two layers are captured in one CUDA graph, as the bench's warm figure
 runs them back to back; after each replay the second layer's stamps are read back. Per launch,
 medians over the replays of each block's stamp less the layer's first block's entry (us):
 
 - entry: the first block's start, and the median block's;
-- scan: slot_indptr read and the step's chunks counted (`pair_scan`);
+- scan: slot_indptr read and the step's chunks counted (`pair_scan`; lora_one: its setup);
 - wait: the weights' first loads issued (A; B), just before the wait for the grid before, and
   just after it returns;
 - work: the shrink's MMAs issued (x has arrived); the expand's v ready in shared memory (the
-  splits' parts read, summed and scaled; y's first tiles asked for);
+  splits' parts read, summed and scaled; y's first tiles asked for); lora_one's v summed through
+  the cluster (its shrink and the cluster barrier before it);
 - exit: the median working block's last warp, and the last one of the launch.
 
 Stamps are thread 0's, but for the exit (the block's last warp, an atomicMax of each warp's);
@@ -41,12 +42,12 @@ from pathlib import Path
 import numpy as np
 
 CALLS = ("qkv", "o", "gate_up", "down")  # the layer's order; a launch's call: trace_key() below
-KINDS = ("shrink", "expand")
+KINDS = ("shrink", "expand", "one")  # lora_pair's two launches; lora_one (one position)
 STAMPS = ("entry", "scan", "pre-wait", "post-wait", "work", "exit")
 BLOCKS = 2048  # the most blocks of a launch that are traced
 
 HEAD = r"""
-__device__ unsigned long long pair_trace_buf[2 * 4 * %(blocks)d * %(stamps)d];
+__device__ unsigned long long pair_trace_buf[3 * 4 * %(blocks)d * %(stamps)d];
 namespace lora {
 __device__ __forceinline__ unsigned long long pair_trace_now() {
   unsigned long long t;
@@ -79,51 +80,68 @@ __device__ __forceinline__ void pair_trace_exit(const Args<T>& g, int kind) {
 }  // namespace lora
 """ % {"blocks": BLOCKS, "stamps": len(STAMPS)}
 
-# (text in pair.cuh, the text that replaces it): each must occur exactly once.
+# (file, text in it, the text that replaces it): each must occur exactly once.
 PLACES = [
-    ("#pragma once\n", "#pragma once\n" + HEAD),
+    ("pair.cuh", "#pragma once\n", "#pragma once\n" + HEAD),
     # the shrink
-    ("  __shared__ __align__(16) float red[PAIR_SW][PAIR_M][W];\n",
+    ("pair.cuh", "  __shared__ __align__(16) float red[PAIR_SW][PAIR_M][W];\n",
      "  __shared__ __align__(16) float red[PAIR_SW][PAIR_M][W];\n  pair_trace_entry(g, 0);\n"),
-    ("  const int chunks = pair_scan(g.slot_indptr, S, sip, cpre, [] {});\n",
+    ("pair.cuh", "  const int chunks = pair_scan(g.slot_indptr, S, sip, cpre, [] {});\n",
      "  const int chunks = pair_scan(g.slot_indptr, S, sip, cpre, [] {});\n  pair_trace_stamp(g, 0, 1);\n"),
-    ("    if (early) wait_prior_grid();\n#pragma unroll\n    for (int rt = 0; rt < RT; ++rt)  // past r_j",
+    ("pair.cuh", "    if (early) wait_prior_grid();\n#pragma unroll\n    for (int rt = 0; rt < RT; ++rt)  // past r_j",
      "    pair_trace_stamp(g, 0, 2);\n    if (early) wait_prior_grid();\n    pair_trace_stamp(g, 0, 3);\n"
      "#pragma unroll\n    for (int rt = 0; rt < RT; ++rt)  // past r_j"),
-    ("    if (early) wait_prior_grid();\n    const int per = (kbs + splits - 1) / splits",
+    ("pair.cuh", "    if (early) wait_prior_grid();\n    const int per = (kbs + splits - 1) / splits",
      "    pair_trace_stamp(g, 0, 2);\n    if (early) wait_prior_grid();\n    pair_trace_stamp(g, 0, 3);\n"
      "    const int per = (kbs + splits - 1) / splits"),
-    ("#pragma unroll\n  for (int rt = 0; rt < RT; ++rt) {  // D: rows",
+    ("pair.cuh", "#pragma unroll\n  for (int rt = 0; rt < RT; ++rt) {  // D: rows",
      "  pair_trace_stamp(g, 0, 4);\n#pragma unroll\n  for (int rt = 0; rt < RT; ++rt) {  // D: rows"),
-    ("    *reinterpret_cast<float4*>(pc + e) = s;\n  }\n}\n",
+    ("pair.cuh", "    *reinterpret_cast<float4*>(pc + e) = s;\n  }\n}\n",
      "    *reinterpret_cast<float4*>(pc + e) = s;\n  }\n  pair_trace_exit(g, 0);\n}\n"),
     # the expand
-    ("  __shared__ float sc[8];\n", "  __shared__ float sc[8];\n  pair_trace_entry(g, 1);\n"),
-    ("    tpre[n] = run;\n  });\n", "    tpre[n] = run;\n  });\n  pair_trace_stamp(g, 1, 1);\n"),
-    ("  if (early) wait_prior_grid();\n  unsigned yv[U][2];",
+    ("pair.cuh", "  __shared__ float sc[8];\n", "  __shared__ float sc[8];\n  pair_trace_entry(g, 1);\n"),
+    ("pair.cuh", "    tpre[n] = run;\n  });\n", "    tpre[n] = run;\n  });\n  pair_trace_stamp(g, 1, 1);\n"),
+    ("pair.cuh", "  if (early) wait_prior_grid();\n  unsigned yv[U][2];",
      "  pair_trace_stamp(g, 1, 2);\n  if (early) wait_prior_grid();\n  pair_trace_stamp(g, 1, 3);\n  unsigned yv[U][2];"),
-    ("  __syncthreads();\n  if constexpr (ALIGNED && RW == 16) {",
+    ("pair.cuh", "  __syncthreads();\n  if constexpr (ALIGNED && RW == 16) {",
      "  __syncthreads();\n  pair_trace_stamp(g, 1, 4);\n  if constexpr (ALIGNED && RW == 16) {"),
-    ("      return;\n    }\n  }\n  unsigned short part = 0;",
+    ("pair.cuh", "      return;\n    }\n  }\n  unsigned short part = 0;",
      "      pair_trace_exit(g, 1);\n      return;\n    }\n  }\n  unsigned short part = 0;"),
-    ("        if (db != 0.f) yr[e][c + 1] = two[1];\n      }\n    }\n  }\n}\n",
+    ("pair.cuh", "        if (db != 0.f) yr[e][c + 1] = two[1];\n      }\n    }\n  }\n}\n",
      "        if (db != 0.f) yr[e][c + 1] = two[1];\n      }\n    }\n  }\n  pair_trace_exit(g, 1);\n}\n"),
+    # lora_one (lora_mma.cu's kernel body): setup done, the wait, v summed through the cluster, exit
+    ("lora_mma.cu", "  LORA_ARGS;\n  // EARLY_READS: the addressing, ranks and the first B rows before the wait",
+     "  LORA_ARGS;\n  lora::pair_trace_entry(g, 2);\n  // EARLY_READS: the addressing, ranks and the first B rows before the wait"),
+    ("lora_mma.cu", "  lora::OneCol<T, RW, ALIGNED> pc;", "  lora::pair_trace_stamp(g, 2, 1);\n  lora::OneCol<T, RW, ALIGNED> pc;"),
+    ("lora_mma.cu", "    lora::one_prefetch_a<T>(g, st, lora::cluster_rank());\n    lora::wait_prior_grid();\n",
+     "    lora::one_prefetch_a<T>(g, st, lora::cluster_rank());\n    lora::pair_trace_stamp(g, 2, 2);\n"
+     "    lora::wait_prior_grid();\n    lora::pair_trace_stamp(g, 2, 3);\n"),
+    ("lora_mma.cu", "  lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so\n"
+     "  __syncthreads();\n",
+     "  lora::cluster_arrive();  // done reading the others' part: they may leave once all have said so\n"
+     "  __syncthreads();\n  lora::pair_trace_stamp(g, 2, 4);\n"),
+    ("lora_mma.cu", "  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);\n  lora::cluster_wait();\n",
+     "  lora::one_expand<T, RW, ALIGNED>(g, st, vs, blockIdx.x, gridDim.x, pc);\n  lora::pair_trace_exit(g, 2);\n"
+     "  lora::cluster_wait();\n"),
 ]
 
 
 def traced_dir(src: Path) -> Path:
-    """A copy of the kernel directory `src` whose pair.cuh carries the stamps."""
+    """A copy of the kernel directory `src` whose pair.cuh and lora_mma.cu carry the stamps."""
     out = Path(tempfile.mkdtemp(prefix="pair_trace_"))
     for p in src.iterdir():
         if p.is_file():
             shutil.copy(p, out / p.name)
-    text = (src / "pair.cuh").read_text()
-    for old, new in PLACES:
-        if text.count(old) != 1:
-            raise SystemExit(f"pair_trace: a stamp's place occurs {text.count(old)} times in pair.cuh "
-                             f"(wanted once): {old.strip()[:70]!r}")
-        text = text.replace(old, new)
-    (out / "pair.cuh").write_text(text)
+    for name in sorted({f for f, _, _ in PLACES}):
+        text = (src / name).read_text()
+        for f, old, new in PLACES:
+            if f != name:
+                continue
+            if text.count(old) != 1:
+                raise SystemExit(f"pair_trace: a stamp's place occurs {text.count(old)} times in {name} "
+                                 f"(wanted once): {old.strip()[:70]!r}")
+            text = text.replace(old, new)
+        (out / name).write_text(text)
     return out
 
 
@@ -141,7 +159,8 @@ def read_stamps(mod) -> np.ndarray:
     from lora_cupy.kernels import PrebuiltModule
 
     raw = mod._module if isinstance(mod, PrebuiltModule) else mod
-    return cupy.ndarray((2, 4, BLOCKS, len(STAMPS)), dtype=cupy.uint64, memptr=raw.get_global("pair_trace_buf"))
+    return cupy.ndarray((len(KINDS), 4, BLOCKS, len(STAMPS)), dtype=cupy.uint64,
+                        memptr=raw.get_global("pair_trace_buf"))
 
 
 def summarize(buf: np.ndarray, t0: int) -> dict:
@@ -299,7 +318,7 @@ def plot(runs: list[dict], path: str) -> None:
         ax.set_yticks(range(len(order)), list(reversed(order)))
         ax.set_xlabel("us after the layer's first block (medians over replays)")
         what = f"layer {r['T']} positions x {r['adapters']} adapters" if r["adapters"] != "" else r["T"]
-        ax.set_title(f"{what}: lora_pair's launches")
+        ax.set_title(f"{what}: the launches")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
