@@ -12,7 +12,7 @@ base tree's families: `lora-cupy check-kernels --prebuild DIR`), so the GPU's ti
 NVRTC: point `LORA_CUPY_PREBUILT` at DIR there (a tree whose sources differ matches none of the
 other trees' files, so each tree finds its own).
 
-    python raw_kernels/dev/ab_trees.py --prebuild out/pb dev/pair_one_slice_run.patch    # CPU
+    python raw_kernels/dev/ab_trees.py --prebuild out/pb raw_kernels/dev/pair_one_slice_run.patch   # CPU
     LORA_CUPY_PREBUILT=$PWD/out/pb python raw_kernels/dev/ab_trees.py --rounds 2 \\
         raw_kernels/dev/pair_one_slice_run.patch raw_kernels/dev/chunk_red_quads.patch \\
         -- --layer 16x8,64x8,64x32,256x32 --core r64

@@ -5,9 +5,10 @@ rank 16; each call `lora_pair`'s shrink then expand, or at one position one `lor
 a traced copy of the kernels: `pair.cuh` and `lora_mma.cu` as this tree has them, with `%globaltimer`
 stamps written at fixed places of `pair_shrink`, `pair_expand` and `lora_one` into a device array of
 the module (`pair_trace_buf`), built here in a module of its own (the shipped sources are not
-touched; every place is found by its text, and a place that is not found stops the tool). Two layers are captured in one CUDA graph, as the bench's warm figure
-runs them back to back; after each replay the second layer's stamps are read back. Per launch,
-medians over the replays of each block's stamp less the layer's first block's entry (us):
+touched; every place is found by its text, and a place that is not found stops the tool). Two
+layers are captured in one CUDA graph, as the bench's warm figure runs them back to back; after each
+replay the second layer's stamps are read back. Per launch, medians over the replays of each block's
+stamp less the layer's first block's entry (us):
 
 - entry: the first block's start, and the median block's;
 - scan: slot_indptr read and the step's chunks counted (`pair_scan`; lora_one: its setup);
@@ -41,13 +42,13 @@ from pathlib import Path
 
 import numpy as np
 
-CALLS = ("qkv", "o", "gate_up", "down")  # the layer's order; a launch's call: trace_key() below
+CALLS = ("qkv", "o", "gate_up", "down")  # the layer's order; a launch's call: HEAD's pair_trace_row
 KINDS = ("shrink", "expand", "one")  # lora_pair's two launches; lora_one (one position)
 STAMPS = ("entry", "scan", "pre-wait", "post-wait", "work", "exit")
 BLOCKS = 2048  # the most blocks of a launch that are traced
 
 HEAD = r"""
-__device__ unsigned long long pair_trace_buf[3 * 4 * %(blocks)d * %(stamps)d];
+__device__ unsigned long long pair_trace_buf[%(kinds)d * 4 * %(blocks)d * %(stamps)d];
 namespace lora {
 __device__ __forceinline__ unsigned long long pair_trace_now() {
   unsigned long long t;
@@ -78,7 +79,7 @@ __device__ __forceinline__ void pair_trace_exit(const Args<T>& g, int kind) {
     atomicMax(pair_trace_row(g, kind) + %(stamps)d - 1, pair_trace_now());
 }
 }  // namespace lora
-""" % {"blocks": BLOCKS, "stamps": len(STAMPS)}
+""" % {"kinds": len(KINDS), "blocks": BLOCKS, "stamps": len(STAMPS)}
 
 # (file, text in it, the text that replaces it): each must occur exactly once.
 PLACES = [
