@@ -2,7 +2,7 @@
 
 Each patch (a unified diff against this tree, as `git diff` writes it; `raw_kernels/dev/*.patch`)
 gets a tree of its own: `lora_cupy/` and `raw_kernels/` copied under `--work` and the patch applied
-there (`git apply`, which needs no repository). `layer_rows.py` then runs from each tree's root in
+there (`git apply`, which needs no repository; `patch -p1` where git is missing). `layer_rows.py` then runs from each tree's root in
 turn, `--rounds` times (this tree first in each round), with the arguments after `--`; its lines are
 gathered into one table, a column a tree, each cell the warm and flushed figures of every round
 (min-max where they differ).
@@ -40,7 +40,8 @@ def make_tree(patch: Path, work: Path) -> Path:
     tree.mkdir(parents=True)
     for part in ("lora_cupy", "raw_kernels"):
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    r = subprocess.run(["git", "apply", str(patch.resolve())], cwd=tree, capture_output=True, text=True)
+    cmd = ["git", "apply", str(patch.resolve())] if shutil.which("git") else ["patch", "-p1", "-i", str(patch.resolve())]
+    r = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"ab_trees: {patch} does not apply to this tree:\n{r.stderr}")
     return tree
