@@ -184,7 +184,13 @@ def test_threads_load_unload_ingest_remove_while_steps_run(tmp_path):
     pool.check_valid()
     snap = pool.snapshot()
     assert not any(snap.refcounts) and not snap.holders and not snap.reserved
-    assert pool.store.nbytes == 0 and not pool.store.stats()["entries"]
+    assert not pool.store.stats()["entries"]
+    # a read of a copy released mid-read still counts its bytes until the reader thread finishes it
+    # (LoraAdapterStore.nbytes): the tier must come back to zero, not be there at once
+    settle = time.monotonic() + 10
+    while pool.store.nbytes and time.monotonic() < settle:
+        time.sleep(0.005)
+    assert pool.store.nbytes == 0, pool.store.stats()
     assert counts["steps"] > 20 and counts["removed"] > 10 and counts["loads"] + counts["unloads"] > 2, counts
     pool.close()
 

@@ -182,6 +182,21 @@ def test_reads_released_before_their_turn_are_skipped(spec, paths):
         store.close()
 
 
+def test_a_copy_released_mid_read_counts_until_its_read_ends(spec, paths):
+    reader = GatedReader(gated=["ad0"])
+    store = make_store(spec, reader)
+    try:
+        e = store.acquire("ad0", paths["ad0"])
+        reader.wait_started("ad0")
+        store.release("ad0")  # the read is under way: its bytes stay counted, the entry goes
+        assert store.nbytes == e.need > 0 and store.stats()["entries"] == 0
+        reader.open("ad0")
+        assert e.done.wait(10)
+        assert store.nbytes == 0 and store.get("ad0") is None and e.image is None
+    finally:
+        store.close()
+
+
 def test_a_copy_larger_than_the_tier_fails_at_once(spec, paths):
     store = make_store(spec, None, max_bytes=1000)
     try:
