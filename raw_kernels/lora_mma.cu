@@ -1094,7 +1094,7 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, 1) lora_one(LORA_PARAMS)
 #endif
 }
 
-// lora_pair (pair.cuh): the decode buckets' delta in two launches, the shrink's parts of v in ws.
+// lora_pair (pair.cuh): the decode buckets' delta in two launches, v in ws (added into by the shrink).
 // Dynamic shared memory: slot_indptr and the chunks before each slot (2 x (S + 1) ints).
 template <typename T, int NS, int RW, bool ALIGNED>
 __global__ void __launch_bounds__(lora::PAIR_SW * 32) lora_pair_shrink(LORA_PARAMS) {

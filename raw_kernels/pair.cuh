@@ -13,13 +13,16 @@
 //
 // Algebra (chunk c: up to PAIR_M positions of one slot s, rows t_i = token_order[start_c + i]; slice
 // j with columns [lo_j, hi_j) and rank r_j = min(ranks[s, j], rw), rw <= RW):
-//   lora_pair_shrink, item (c, q):  P[c, q, i, j, r] = x[t_i, K_q] . A[s, j, r, K_q]   (fp32, r < r_j)
-//   lora_pair_expand, item (c, h):  v[i, j, r] = scaling[s, j] * sum over q of P[c, q, i, j, r]
+//   lora_pair_shrink, item (c, q):  V[c, i, j, r] += x[t_i, K_q] . A[s, j, r, K_q]   (fp32, r < r_j)
+//   lora_pair_expand, item (c, h):  v[i, j, r] = scaling[s, j] * V[c, i, j, r]
 //                                   y[t_i, col] += v[i, j, :r_j] . B[s, col, :r_j]   (col in share h)
-// P is the launch's workspace (ws: chunks x splits x PAIR_M x n * RW floats), written whole by the
-// shrink before the expand reads it, so nothing needs zeroing. Rows of A and ranks of B past r_j are
-// zeroed in registers (they may hold NaN). y keeps its bits where the delta is exactly zero; nothing
-// is written for slot 0 (no adapter).
+// V is the launch's workspace (ws: chunks x PAIR_M x n * RW floats, zero before and after): each split
+// adds its sums into its chunk's V with 16-byte reductions at L2, each of the chunk's expand blocks
+// reads it once (one load round, where the splits' parts written whole took a round, a block barrier
+// and a sum in shared memory), counts its reads done (counters[c]), and the chunk's last reader
+// zeroes V[c] and its count at its end (NOTES.md, "lora_pair's v by reduction"). Rows of A and ranks
+// of B past r_j are zeroed in registers (they may hold NaN). y keeps its bits where the delta is
+// exactly zero; nothing is written for slot 0 (no adapter).
 // Grids: the shrink `bound x splits` blocks of 4 warps (bound: the most chunks a step of `bucket`
 // positions can have), an item a block, `splits` ranges of 32-wide k-blocks, each warp KB of them in
 // registers (the rows of A in NS * RW / 16 row tiles of 16); the expand's blocks of 8 warps share the
@@ -30,9 +33,9 @@
 // at once, but for block 0, which waits for the grid before.
 // Order of a block: let the next grid launch; where EARLY_READS, the addressing, the chunk, the ranks
 // and the first loads of weights (A; B) in one round after slot_indptr's, x and y sent towards L2,
-// then wait for the grid before; then x (the shrink), or y and P (the expand). The expand waits for
-// its shrink, so y is read only after the call before has finished with it. P is rewritten by the
-// next call's shrink only after that shrink's wait, and every kernel of the family keeps one block
+// then wait for the grid before; then x (the shrink), or y and V (the expand). The expand waits for
+// its shrink, so y is read only after the call before has finished with it. V and the counts are
+// touched by the next call only after its shrink's wait, and every kernel of the family keeps one block
 // waiting for the grid before it (lora_one and lora_chunk too where they find no work), so no grid
 // finishes before the one before it: the next shrink's wait returns only once this expand has
 // finished.
@@ -257,8 +260,8 @@ __device__ void pair_shrink(const Args<T>& g, int* dsm) {
     red[warp][2 * t + 1][rt * 16 + gq + 8] = d[rt][3];
   }
   __syncthreads();
-  const int Wn = n * RW;  // P's rows are n slices wide
-  float* pc = g.ws + ((size_t)(item / splits) * splits + q) * PAIR_M * Wn;
+  const int Wn = n * RW;  // v's rows are n slices wide
+  float* vc = g.ws + (size_t)(item / splits) * PAIR_M * Wn;  // the chunk's v: every split adds into it
   for (int f = threadIdx.x; f < ch.m * Wn / 4; f += blockDim.x) {
     const int e = 4 * f, i = e / Wn, r = e % Wn;
     float4 s = *reinterpret_cast<const float4*>(&red[0][i][r]);
@@ -270,7 +273,7 @@ __device__ void pair_shrink(const Args<T>& g, int* dsm) {
       s.z += u.z;
       s.w += u.w;
     }
-    *reinterpret_cast<float4*>(pc + e) = s;
+    red_add4(vc + e, s);
   }
 }
 
@@ -343,10 +346,8 @@ template <typename T, int RW, bool ALIGNED>
 __device__ void pair_expand(const Args<T>& g, int* dsm) {
   constexpr int EW = PAIR_EW, U = PairU<RW>::U, Q = RW / 16;  // Q k-steps of 16 ranks a tile
   __shared__ __align__(16) T vs[PAIR_M][8 * 16];  // n * RW <= 128 (the host's plan)
-  __shared__ float4 psum[EW * 32];
   __shared__ int off[9], tpre[9], rks[8];
-  __shared__ float sc[8];
-  const int S = g.num_slots, n = g.n_slices, R = g.max_rank, out = g.out_features, splits = g.splits;
+  const int S = g.num_slots, n = g.n_slices, R = g.max_rank, out = g.out_features;
   const bool early = g.flags & EARLY_READS;
   release_next_grid();
   if (!early) wait_prior_grid();
@@ -368,10 +369,8 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3;
   const PairChunk ch = pair_find(sip, cpre, S, item / shares);
-  if (threadIdx.x < n) {  // the slot's ranks and scalings, read after the wait's barrier below
+  if (threadIdx.x < n)  // the slot's ranks, read after v's barrier below
     rks[threadIdx.x] = min(g.ranks[ch.slot * n + threadIdx.x], g.rank_cap());
-    sc[threadIdx.x] = g.scaling[ch.slot * n + threadIdx.x];
-  }
   const int tiles = tpre[n], h = item % shares, per = (tiles + shares - 1) / shares;
   const int t0 = min(tiles, h * per), t1 = min(tiles, t0 + per);
   const bool bvec = ALIGNED || (g.flags & 2), yvec = ALIGNED || (g.flags & 4);
@@ -446,55 +445,41 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
 #pragma unroll
   for (int u = 0; u < U; ++u)
     if (t0 + warp + EW * u < t1) load_y(u);
-  // v of the chunk: the splits' parts summed (a thread an entry of 4 floats and a group of the
-  // splits, up to 8 loads in flight, then the groups added in shared memory), scaled, rounded to T
-  {
-    constexpr int PU = 8;
-    const int Wn = n * RW, E4 = ch.m * Wn / 4, G = max(1, min(splits, (int)blockDim.x / E4));
-    const float* pc = g.ws + (size_t)(item / shares) * splits * PAIR_M * Wn;
-    for (int f = threadIdx.x; f < E4 * G; f += blockDim.x) {
-      const int e = 4 * (f % E4), grp = f / E4;
-      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int q0 = grp; q0 < splits; q0 += G * PU) {
-        float4 u[PU];
-#pragma unroll
-        for (int i = 0; i < PU; ++i) {
-          const int q = q0 + i * G;
-          u[i] = q < splits ? *reinterpret_cast<const float4*>(pc + (size_t)q * PAIR_M * Wn + e)
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int i = 0; i < PU; ++i) {
-          s.x += u[i].x;
-          s.y += u[i].y;
-          s.z += u[i].z;
-          s.w += u[i].w;
-        }
-      }
-      psum[f] = s;
+  // v of the chunk (the splits' sums, added by reduction): a thread an entry of 4 floats, read at L2,
+  // scaled, rounded to T; then thread 0 counts the block's reads done (the last of the chunk's shares
+  // to count zeroes v at its end: `release`)
+  const int Wn = n * RW, chunk = item / shares;
+  float* vc = g.ws + (size_t)chunk * PAIR_M * Wn;
+  for (int f = threadIdx.x; f < PAIR_M * Wn / 4; f += blockDim.x) {
+    const int e = 4 * f, i = e / Wn, r = e % Wn;
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (i < ch.m) {  // (the scaling read in the same round)
+      const float k = g.scaling[ch.slot * n + r / RW];
+      s = __ldcg(reinterpret_cast<const float4*>(vc + e));
+      s.x *= k;
+      s.y *= k;
+      s.z *= k;
+      s.w *= k;
     }
-    __syncthreads();
-    for (int f = threadIdx.x; f < PAIR_M * Wn / 4; f += blockDim.x) {
-      const int e = 4 * f, i = e / Wn, r = e % Wn;
-      float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (i < ch.m) {
-        for (int grp = 0; grp < G; ++grp) {
-          const float4 u = psum[grp * E4 + f];
-          s.x += u.x;
-          s.y += u.y;
-          s.z += u.z;
-          s.w += u.w;
-        }
-        const float k = sc[r / RW];
-        s.x *= k;
-        s.y *= k;
-        s.z *= k;
-        s.w *= k;
-      }
-      *reinterpret_cast<uint2*>(&vs[i][r]) = make_uint2(pack2<T>(s.x, s.y), pack2<T>(s.z, s.w));
-    }
+    *reinterpret_cast<uint2*>(&vs[i][r]) = make_uint2(pack2<T>(s.x, s.y), pack2<T>(s.z, s.w));
   }
   __syncthreads();
+  int readers = 0;  // warp 0: how many of the chunk's shares had read v before this one
+  if (warp == 0) {
+    if (lane == 0) {
+      __threadfence();  // the block's reads of v (complete: their values are in vs) before the count
+      readers = atomicAdd(g.counters + chunk, 1);
+    }
+    readers = __shfl_sync(0xffffffffu, readers, 0);
+  }
+  // at warp 0's end: the chunk's last reader zeroes its v and count for the next call (or replay)
+  auto release = [&] {
+    if (warp != 0 || readers != shares - 1) return;
+    __threadfence();
+    for (int f = lane; f < ch.m * Wn / 4; f += 32)
+      __stcg(reinterpret_cast<float4*>(vc + 4 * f), make_float4(0.f, 0.f, 0.f, 0.f));
+    if (lane == 0) atomicExch(g.counters + chunk, 0);
+  };
   if constexpr (ALIGNED && RW == 16) {
     // A share of whole tiles (every share of the Llama-shaped targets: slices of a multiple of 16
     // columns), one run a slice it touches: the slice's v and B's rank mask held from the run's first
@@ -511,6 +496,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
         const int r0 = max(t0, tpre[j]), r1 = min(t1, tpre[j + 1]);
         pair_expand_run<T>(g, vs[gq] + j * RW, rks[j], bs, yr, bw, yv, off[j] + 16 * (r0 - tpre[j]), r0, r1, j == j0);
       }
+      release();
       return;
     }
   }
@@ -568,6 +554,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
       }
     }
   }
+  release();
 }
 
 }  // namespace lora

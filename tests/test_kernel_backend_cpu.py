@@ -137,12 +137,12 @@ def test_plan_depends_on_the_bucket_alone(in_f, out, n, R, dtype):
         if prev is not None and prev.bucket == b:
             assert p == prev  # same bucket, same launch: a graph captured for it replays
         prev = p
-        if p.expand == "pair":  # lora_pair: its own workspace, no counters
+        if p.expand == "pair":  # lora_pair: its own workspace, a reader count a chunk in the counters
             assert cb.default_pair(b, dtype, R, n, in_f) and cb.pair_fits(b, dtype, R, n) is None
             assert p.rank_width == cb.pair_width(R) and R <= p.rank_width
-            assert (p.bm, p.tiles) == (cb.PAIR_M, cb.pair_chunks(b, spec.num_slots)) and p.counter_ints() == 0
+            assert (p.bm, p.tiles) == (cb.PAIR_M, cb.pair_chunks(b, spec.num_slots)) and p.counter_ints() == p.tiles <= ints
             assert p.blocks == p.tiles * p.splits and p.col_blocks >= p.tiles and p.splits <= cb.PAIR_MAX_SPLITS
-            assert cb.pair_floats(b, in_f, n, spec.num_slots, p.rank_width) <= cb.pair_workspace(spec)
+            assert cb.pair_floats(b, n, spec.num_slots, p.rank_width) <= cb.pair_workspace(spec)
             continue
         if p.expand == "one":  # lora_one: clusters, no workspace or counters
             assert cb.default_one(b, True, cb.one_share(in_f, n, R, dtype), dtype)

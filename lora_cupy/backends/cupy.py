@@ -245,7 +245,7 @@ class LaunchPlan:
         return self.bucket * self.n_slices * rw
 
     def counter_ints(self) -> int:
-        return 0 if self.expand == "pair" else 2 + 2 * self.tiles
+        return self.tiles if self.expand == "pair" else 2 + 2 * self.tiles  # the pair: a reader count a chunk
 
 
 def default_tile(bucket: int) -> int:
@@ -466,10 +466,10 @@ def pair_splits(in_features: int, n_slices: int, rw: int = 16) -> int:
     return max(1, min(PAIR_MAX_SPLITS, _ceil(_ceil(in_features, 32), per)))
 
 
-def pair_floats(bucket: int, in_features: int, n_slices: int, num_slots: int, rw: int = 16) -> int:
-    """Floats of the parts of v a ``lora_pair`` call of rank width ``rw`` writes (its workspace):
-    chunks x splits x ``PAIR_M`` x n x rw."""
-    return pair_chunks(bucket, num_slots) * pair_splits(in_features, n_slices, rw) * PAIR_M * n_slices * rw
+def pair_floats(bucket: int, n_slices: int, num_slots: int, rw: int = 16) -> int:
+    """Floats of the v a ``lora_pair`` call of rank width ``rw`` adds into (its workspace, zero before and
+    after): chunks x ``PAIR_M`` x n x rw."""
+    return pair_chunks(bucket, num_slots) * PAIR_M * n_slices * rw
 
 
 def pair_fits(bucket: int, dtype: str, max_rank: int, n_slices: int) -> str | None:
@@ -499,13 +499,13 @@ def default_pair(bucket: int, dtype: str, max_rank: int, n_slices: int, in_featu
 
 
 def pair_workspace(spec: LoraSpec) -> int:
-    """Floats the parts of v of ``lora_pair`` take for every target of a spec, at its largest bucket
+    """Floats the v of ``lora_pair`` takes for every target of a spec, at its largest bucket
     the pair serves and the widest rank it may be planned for (0: a dtype it does not serve)."""
     if normalize_dtype(spec.dtype) not in CHUNK_DTYPES or spec.max_tokens < 1:
         return 0
     bucket = min(spec.max_tokens, PAIR_TO)
     widths = [rw for rw in PAIR_RT if rw <= (pair_width(spec.max_rank) or max(PAIR_RT))]
-    return max([pair_floats(bucket, t.in_features, t.num_slices, spec.num_slots, rw) for t in spec.targets
+    return max([pair_floats(bucket, t.num_slices, spec.num_slots, rw) for t in spec.targets
                 for rw in widths if t.num_slices <= PAIR_RT[rw][-1]] or [0])
 
 
@@ -758,7 +758,8 @@ def plan_workspace(spec: LoraSpec) -> tuple[int, int]:
     n_max = max(t.num_slices for t in spec.targets)
     floats = spec.max_tokens * n_max * rank_width(spec.max_rank)
     units = max(_ceil(spec.max_tokens, min(MMA_SHRINK_BM)), fused_units(spec.max_tokens, min(MMA_SHRINK_BM), spec.num_slots))
-    return floats, 2 + 2 * units
+    # (lora_pair counts each chunk's readers of v: at most its chunks, fewer than 2 + 2 units, kept explicit)
+    return floats, max(2 + 2 * units, pair_chunks(min(spec.max_tokens, PAIR_TO), spec.num_slots))
 
 
 # -- argument inspection (CuPy arrays, torch tensors, any __cuda_array_interface__) --------------
@@ -1276,7 +1277,7 @@ class CupyBackend:
             sms = int(num_sms or self._device.attributes["MultiProcessorCount"])
             floats, ints = plan_workspace(spec)
             self.workspace = cupy.zeros(floats, np.float32)  # v [bucket, n, rw]: zero between launches
-            #: lora_pair's parts of v (written whole by its shrink before its expand reads them)
+            #: lora_pair's v (its shrink adds into it, its expand's last reader of a chunk zeroes it)
             self.pair_ws = cupy.zeros(max(1, pair_workspace(spec) if kernel == "mma" else 0), np.float32)
             self.counters = cupy.zeros(ints, np.int32)  # every launch leaves them at zero
             self._offsets, offset_ptrs = self._offset_table(cupy)
@@ -1488,9 +1489,9 @@ class CupyBackend:
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
-        if plan.expand == "pair":  # two launches, the parts of v in the pair's own workspace
+        if plan.expand == "pair":  # two launches, v in the pair's own workspace, a reader count a chunk
             rw = plan.rank_width
-            need = pair_floats(plan.bucket, in_f, n, S, rw)
+            need = pair_floats(plan.bucket, n, S, rw)
             if need > self.pair_ws.size:
                 raise ValueError(f"lora_pair needs {need} floats of workspace for this call; the backend built "
                                  f"{self.pair_ws.size} for its spec")

@@ -284,8 +284,8 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
     use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
     rw = cb.rank_width(planned(case, part is None))
     pair = plan.expand == "pair"
-    if ws is None:  # the pair's own workspace: the shrink's parts written whole, NaN before
-        ws = (np.full(cb.pair_floats(plan.bucket, in_f, n, S, plan.rank_width), np.nan, np.float32) if pair
+    if ws is None:  # the pair's own workspace (each chunk's v, zero before and after) or v
+        ws = (np.zeros(cb.pair_floats(plan.bucket, n, S, plan.rank_width), np.float32) if pair
               else np.zeros(plan.bucket * n * rw, np.float32))
         counters = np.zeros(plan.counter_ints(), np.int32)
     offs = np.asarray(offsets, np.int32) if n > 1 else None
@@ -304,7 +304,7 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
                        ptr(ranks), ptr(offs), ptr(case.token_order), ptr(case.slot_indptr), ptr(ws), ptr(counters),
                        ptr(dims))
     assert rc == 0, f"no kernel for tile {plan.bm}" if rc == 2 else f"ALIGNED asked with flags {flags}"
-    if part is None and not pair:
+    if part is None:
         assert not ws.any(), "v not zeroed after the launch"
         assert not counters.any(), "counters not reset after the launch"
     return y, flags, use_aligned

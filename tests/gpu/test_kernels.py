@@ -97,9 +97,10 @@ def backend_for(spec, **kw):
 
 
 def check_clean(be):
-    """Every tensor-core launch leaves v and the counters at zero for the next one."""
+    """Every tensor-core launch leaves v (lora_pair's too) and the counters at zero for the next one."""
     if be.kernel == "mma":
         assert not bool(be.workspace.any()), "v not zeroed after the launch"
+        assert not bool(be.pair_ws.any()), "lora_pair's v not zeroed after the launch"
         assert not bool(be.counters.any()), "counters not reset after the launch"
 
 

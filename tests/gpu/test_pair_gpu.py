@@ -1,5 +1,5 @@
-"""``lora_pair`` (raw_kernels/pair.cuh: the decode buckets' delta as a shrink launch writing parts of v
-and an expand launch summing them, both overlapping the call before under programmatic dependent
+"""``lora_pair`` (raw_kernels/pair.cuh: the decode buckets' delta as a shrink launch adding into v
+and an expand launch reading it, both overlapping the call before under programmatic dependent
 launch) against the float64 oracle on fresh random data: both 16-bit dtypes, odd `in` (element-wise
 x and A, a k-block past `in`), odd ranks with NaN past them, 1 to 8 slices (every instantiation of the
 shrink) with rank-0 ones, a slot of more positions than a chunk, 513 slots, padding positions,
@@ -8,7 +8,7 @@ both instantiations through a prepared layer, each member of a fused target alon
 nothing to add (y bit-exact), calls back to back on one stream, and a CUDA graph replayed under new
 addressing. At rank width 64 (one or two slices): odd ranks and `in`, max_rank off 8 (B's element-wise
 path), capped splits, padding, both instantiations, a pool of max_rank 128 planned for 64. v and the
-counters stay at zero (the pair has a workspace of its own)."""
+counters stay at zero (the pair's v, a workspace of its own, too)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ DEFAULT64 = {"T5-odd-r61", "T20-identical-r64", "T64-two-slices-r64"}
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CASES) + list(CASES64))
 def test_pair_matches_oracle(make_case, check, name, dtype):
-    """Twice on one backend (the second call on fresh data): the parts of v are rewritten whole."""
+    """Twice on one backend (the second call on fresh data): v starts from zero again."""
     kw = CASES.get(name) or CASES64[name]
     case = make_case(dtype=dtype, **kw)
     be = backend_for(case.spec, **PAIR)
@@ -173,7 +173,7 @@ def test_pair_keeps_y_where_there_is_nothing_to_add(make_case, check, where):
 
 def test_pair_calls_back_to_back_on_one_stream(make_case, check):
     """Four calls queued back to back on fresh data and addressing (each launch waits only for the one
-    before it, the parts of v shared), each y against its oracle: no call reads another's parts."""
+    before it, v shared), each y against its oracle: no call reads another's v."""
     cases = [make_case(T=T, in_f=1032, slices=(96, 40, 24), max_rank=16, ranks=(3, 16), dtype="bfloat16", mix=mix,
                        num_slots=17, active=12)
              for T, mix in ((64, "zipf"), (9, "distinct"), (64, "identical"), (50, "uniform"))]
