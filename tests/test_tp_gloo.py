@@ -692,6 +692,8 @@ def test_a_rank_that_dies_mid_step_fails_the_others_with_a_clear_error(tmp_path,
         assert not res["ok"] and res["kind"] == "RankFailureError", res
         assert f"rank {res['rank']} of 3: agree of admit 4 failed" in res["error"], res["error"]
         assert "died or stopped answering" in res["error"]
-        # each failed within its timeout of the victim's last step, not at the launch's limit
-        limit = HANG_TIMEOUT + 2 if how == "hang" else 5.0
+        # each failed within its timeout of the victim's last step, not at the launch's limit; an exit is
+        # seen when the peer's sockets close, well inside the collective's 20 s (it took 6.4 s once on a
+        # loaded two-core CI machine, where the bound was 5 s)
+        limit = HANG_TIMEOUT + 2 if how == "hang" else COLLECTIVE_TIMEOUT / 2
         assert float(res["error"].split("failed after ")[1].split("s")[0]) < limit, res["error"]
