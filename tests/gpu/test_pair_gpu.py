@@ -43,6 +43,12 @@ CASES = {
                          num_slots=33, active=20, pad_to=64),
     "T200-down": dict(T=200, in_f=14336, slices=(520,), max_rank=16, ranks=(7, 16), mix="skewed", num_slots=33,
                       active=32),
+    # shares of whole tiles (the ALIGNED expand's own path) with a pool of max_rank 8 (B's ranks past 8
+    # never read), and with chunks of one or two positions (the rows past m neither read nor written)
+    "T24-r8-whole": dict(T=24, in_f=264, slices=(256, 128), max_rank=8, ranks=(1, 5, 8), mix="uniform",
+                         num_slots=9, active=5),
+    "T5-whole-rows": dict(T=5, in_f=256, slices=(384,), max_rank=16, ranks=(16,), mix="distinct", num_slots=5,
+                          active=3),
 }
 
 #: rank width 64: one or two slices
