@@ -446,8 +446,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   for (int u = 0; u < U; ++u)
     if (t0 + warp + EW * u < t1) load_y(u);
   // v of the chunk (the splits' sums, added by reduction): a thread an entry of 4 floats, read at L2,
-  // scaled, rounded to T; then thread 0 counts the block's reads done (the last of the chunk's shares
-  // to count zeroes v at its end: `release`)
+  // scaled, rounded to T
   const int Wn = n * RW, chunk = item / shares;
   float* vc = g.ws + (size_t)chunk * PAIR_M * Wn;
   for (int f = threadIdx.x; f < PAIR_M * Wn / 4; f += blockDim.x) {
@@ -464,18 +463,14 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
     *reinterpret_cast<uint2*>(&vs[i][r]) = make_uint2(pack2<T>(s.x, s.y), pack2<T>(s.z, s.w));
   }
   __syncthreads();
-  int readers = 0;  // warp 0: how many of the chunk's shares had read v before this one
-  if (warp == 0) {
-    if (lane == 0) {
-      __threadfence();  // the block's reads of v (complete: their values are in vs) before the count
-      readers = atomicAdd(g.counters + chunk, 1);
-    }
-    readers = __shfl_sync(0xffffffffu, readers, 0);
-  }
+  // the block's reads of v are done (their values are in vs): thread 0 counts them, and the count's
+  // return is used only at warp 0's end, so no warp waits on it
+  int readers = 0;
+  if (threadIdx.x == 0) readers = atomicAdd(g.counters + chunk, 1);
   // at warp 0's end: the chunk's last reader zeroes its v and count for the next call (or replay)
   auto release = [&] {
-    if (warp != 0 || readers != shares - 1) return;
-    __threadfence();
+    if (warp != 0 || __shfl_sync(0xffffffffu, readers, 0) != shares - 1) return;
+    __threadfence();  // every other share's count (after its reads) before the zeroes
     for (int f = lane; f < ch.m * Wn / 4; f += 32)
       __stcg(reinterpret_cast<float4*>(vc + 4 * f), make_float4(0.f, 0.f, 0.f, 0.f));
     if (lane == 0) atomicExch(g.counters + chunk, 0);
