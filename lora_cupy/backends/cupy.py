@@ -413,8 +413,8 @@ PAIR_TO = 256
 #: (17.8 against 15.5) and in = 14336 at T=64 (24.9 against 18.1) kept lora_chunk ahead.
 PAIR_WIDE_RANK_TO = 64
 #: Warps of a ``lora_pair_shrink`` block, the 32-wide k-blocks each holds by its row tiles of 16 ranks
-#: (``PairKB``, pair.cuh: slices x rank width / 16), and the most splits of ``in`` a chunk (the expand
-#: sums them).
+#: (``PairKB``, pair.cuh: slices x rank width / 16), and the most splits of ``in`` a chunk (each adds its
+#: sums into the chunk's v).
 PAIR_SW = 4
 PAIR_KB = {1: 4, 2: 3, 3: 2, 4: 2, 8: 1}
 PAIR_MAX_SPLITS = 32
