@@ -27,10 +27,9 @@
 // positions can have), an item a block, `splits` ranges of 32-wide k-blocks, each warp KB of them in
 // registers (the rows of A in NS * RW / 16 row tiles of 16); the expand's blocks of 8 warps share the
 // chunks' column tiles (16 columns of one slice, RW / 16 MMA k-steps) out, U tiles a warp in flight
-// (4 at RW = 16, 2 at 64) while the next round's lines of B and y are sent towards L2, whole tiles
-// (every Llama-shaped tile) on straight loads and stores of pairs; where every tile of a share is whole
-// (ALIGNED, RW = 16), its tiles of each slice in a loop of their own (pair_expand_run: no slice walk or
-// per-tile test). Blocks past the step's items leave
+// (4 at RW = 16, 2 at 64), whole tiles (every Llama-shaped tile) on straight loads and stores
+// of pairs; where every tile of a share is whole (ALIGNED, RW = 16), its tiles of each slice in a loop
+// of their own (pair_expand_run: no slice walk or per-tile test). Blocks past the step's items leave
 // at once, but for block 0, which waits for the grid before.
 // Order of a block: let the next grid launch; where EARLY_READS, the addressing, the chunk, the ranks
 // and the first loads of weights (A; B) in one round after slot_indptr's, x and y sent towards L2,
@@ -321,19 +320,6 @@ __device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow,
         }
       }
     }
-    {  // the next round's lines towards L2: y's 8 rows of tile gq (lanes gq < 4), B's line t of tile gq - 4
-      const int tile = base + EW * U + EW * (gq & 3);
-      if (tile < t1) {
-        const int ct = c0 + 16 * (tile - t0);
-        if (gq < 4) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (yr[e]) pair_prefetch_l2(yr[e] + ct);
-        } else {
-          pair_prefetch_l2(bs + (size_t)(ct + 4 * t) * R);
-        }
-      }
-    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + EW * u >= t1) break;
@@ -438,25 +424,6 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
 #pragma unroll
       for (int c = 0; c < 2; ++c)
         if (t0 + warp + EW * u < t1 && yr[c]) pair_prefetch_l2(yr[c] + pc[u]);
-  // the lines of the warp's round from tile `base` towards L2 (the general loop sends the next round's
-  // while it works on this one): lane l a column of B of tile l >> 4 of each pair of tiles, lanes l % 16 < 4
-  // that tile's rows of y
-  auto prefetch_round = [&](int base) {
-#pragma unroll
-    for (int u0 = 0; u0 < U; u0 += 2) {
-      const int tile = base + EW * (u0 + (lane >> 4));
-      if (tile < t1) {
-        int j = 0;
-        while (j + 1 < n && tile >= tpre[j + 1]) ++j;
-        const int ct = off[j] + 16 * (tile - tpre[j]), hi = off[j + 1], cl = ct + (lane & 15);
-        if (cl < hi) pair_prefetch_l2(bs + (size_t)cl * R);
-        if ((lane & 15) < 4)
-#pragma unroll
-          for (int c = 0; c < 2; ++c)
-            if (yr[c]) pair_prefetch_l2(yr[c] + ct);
-      }
-    }
-  };
   if (early) wait_prior_grid();
   unsigned yv[U][2];  // y: [tile][position 2t, 2t + 1] at columns c0 + 2g, c0 + 2g + 1
   auto load_y = [&](int u) {
@@ -542,7 +509,6 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
         }
       }
     }
-    prefetch_round(base + EW * U);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + EW * u >= t1) break;
