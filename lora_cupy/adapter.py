@@ -14,7 +14,9 @@ class TargetWeights:
     ``a[L, n, r, in]`` and ``b[L, out, r]`` in the pool's dtype, where ``r`` is this adapter's
     largest rank at the target (slices and layers of smaller rank are zero-padded);
     ``ranks[L, n]`` (int32, 0 where the adapter adds nothing) and ``scaling[L, n]`` (float32).
-    Slice ``j`` owns rows ``out_offsets[j]:out_offsets[j+1]`` of ``b``.
+    Slice ``j`` owns rows ``out_offsets[j]:out_offsets[j+1]`` of ``b``. A pool's image of it
+    (``AdapterStore.build_image``) is padded to the pool's ``max_rank`` and in the pool's layout:
+    ``b`` rank-blocked, ``[L, ceil(R / 16), out, 16]``, above 16 ranks (``LoraSpec.b_shape``).
     """
 
     a: np.ndarray

@@ -17,7 +17,8 @@ from .spec import LoraSpec, LoraTarget
 
 # -- the slot weights -----------------------------------------------------------------------
 class SlotWeights:
-    """One target's slot arrays on the device: ``a[L, S, n, R, in]``, ``b[L, S, out, R]``,
+    """One target's slot arrays on the device: ``a[L, S, n, R, in]``, ``b[L, S, out, R]`` (rank-blocked
+    above 16 ranks: :meth:`LoraSpec.b_shape`),
     ``ranks``/``scaling[L, S, n]``; and a host mirror of the ranks. A layer's A may be kept in
     an array of its own instead (:meth:`bind`: the rows a base weight was extended by)."""
 

@@ -7,7 +7,9 @@ and writes its own column range of y.
 
 Slot weights, per target (``L`` layers, ``S`` slots, ``n`` slices, ``R`` max rank):
 ``A[L, S, n, R, in]`` and ``B[L, S, out, R]``, where slice ``j`` owns rows
-``out_offsets[j]:out_offsets[j+1]`` of B. Under tensor parallelism a column-parallel target
+``out_offsets[j]:out_offsets[j+1]`` of B; above 16 ranks B is rank-blocked, ``[L, S, ceil(R / 16),
+out, 16]`` (:meth:`LoraSpec.b_shape`), so a small adapter's B is contiguous in a pool of a large
+``max_rank``. Under tensor parallelism a column-parallel target
 keeps its rank's share of ``out`` (of every slice), a row-parallel target its share of ``in``;
 the delta is linear in x, so a row-parallel rank's partial delta sums correctly in the
 all-reduce that follows.
@@ -20,9 +22,13 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .dtypes import itemsize, normalize_dtype
 
 DEFAULT_CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: Ranks a block of a rank-blocked B holds (:meth:`LoraSpec.b_shape`).
+B_RANK_BLOCK = 16
 
 #: PEFT module names a Llama-style model exposes, and the fused targets that hold them.
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -209,9 +215,21 @@ class LoraSpec:
         return (target.num_layers, self.num_slots, target.num_slices, self.max_rank,
                 target.local_in_features(self.tp_size))
 
+    @property
+    def b_blocked(self) -> bool:
+        """Whether B is stored rank-blocked (:meth:`b_shape`): for a ``max_rank`` above 16."""
+        return self.max_rank > B_RANK_BLOCK
+
     def b_shape(self, target: LoraTarget) -> tuple[int, ...]:
-        """``[layers, slots, out, max_rank]`` on this rank."""
-        return (target.num_layers, self.num_slots, target.local_out_features(self.tp_size), self.max_rank)
+        """``[layers, slots, out, max_rank]`` on this rank; for a ``max_rank`` above 16 rank-blocked,
+        ``[layers, slots, ceil(max_rank / 16), out, 16]`` (ranks past ``max_rank`` zero): block ``i``
+        holds ranks ``16 i .. 16 i + 15`` of every column, so a slot's adapter of rank ``r`` is
+        ``ceil(r / 16)`` contiguous blocks whatever the pool's ``max_rank`` (in ``[out, max_rank]``
+        a rank-16 adapter's column is 32 bytes of every ``2 * max_rank``, and DRAM serves whole lines)."""
+        L, S, out = target.num_layers, self.num_slots, target.local_out_features(self.tp_size)
+        if self.b_blocked:
+            return (L, S, -(-self.max_rank // B_RANK_BLOCK), out, B_RANK_BLOCK)
+        return (L, S, out, self.max_rank)
 
     def target_bytes(self, target: LoraTarget) -> int:
         """Device bytes of one target's slot weights, ranks (int32) and scalings (float32)."""
@@ -312,3 +330,27 @@ def layer_index(module_path: str) -> int | None:
     m = _LAYER_RE.search(module_path + ".")
     return None if m is None else int(m.group(1))
 
+
+# -- B's layout ---------------------------------------------------------------------------------
+def pool_layout_b(b, max_rank: int):
+    """``b[..., out, max_rank]`` as a pool of ``max_rank`` stores it (:meth:`LoraSpec.b_shape`): as it
+    is up to 16 ranks, rank-blocked (a copy, :func:`blocked_b`) above."""
+    return b if max_rank <= B_RANK_BLOCK else blocked_b(b, max_rank)
+
+
+def blocked_b(b, max_rank: int):
+    """``b[..., out, r]`` (``r <= max_rank``; NumPy or torch) in the rank-blocked layout of a pool of
+    ``max_rank`` above 16, ``[..., ceil(max_rank / 16), out, 16]``, ranks past ``r`` zero (a new
+    C-contiguous array)."""
+    *lead, out, r = b.shape
+    if max_rank <= B_RANK_BLOCK or r > max_rank:
+        raise ValueError(f"a rank-blocked B is for a max_rank above {B_RANK_BLOCK} holding the rank "
+                         f"{r}, not {max_rank}")
+    nb = -(-max_rank // B_RANK_BLOCK)
+    if type(b).__module__.startswith("torch"):
+        wide = b.new_zeros((*lead, out, nb * B_RANK_BLOCK))
+    else:
+        wide = np.zeros((*lead, out, nb * B_RANK_BLOCK), b.dtype)
+    wide[..., :r] = b
+    blocked = wide.reshape(*lead, out, nb, B_RANK_BLOCK).swapaxes(-2, -3)
+    return blocked.contiguous() if hasattr(blocked, "contiguous") else np.ascontiguousarray(blocked)

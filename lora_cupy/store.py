@@ -32,7 +32,7 @@ from .dtypes import numpy_dtype
 from .errors import (AdapterFileError, CapacityError, DigestMismatchError, LoraError, RankTooLargeError,
                      ShapeMismatchError, TargetMismatchError)
 from .peft import read_peft_adapter
-from .spec import LoraSpec
+from .spec import B_RANK_BLOCK, LoraSpec
 
 #: Where a host copy stands, as the agreement across ranks encodes it (the max wins).
 READY, READING, FAILED = 0, 1, 2
@@ -308,7 +308,8 @@ class LoraAdapterStore:
         return w
 
     def build_image(self, w: AdapterWeights) -> AdapterWeights:
-        """``w`` padded to the pool's maximum rank, in host memory copies can start from: one
+        """``w`` padded to the pool's maximum rank and in its layout (B rank-blocked above 16 ranks:
+        :meth:`LoraSpec.b_shape`), in host memory copies can start from: one
         zeroed block whose aligned views are the targets' arrays, so an image is one host
         allocation, not four per target (on CUDA each is a pinned-pool block and two gc-tracked
         objects, alive from the read until the image is dropped)."""
@@ -331,7 +332,8 @@ class LoraAdapterStore:
             if r > R or int(tw.ranks.max(initial=0)) > r:
                 raise RankTooLargeError(f"target {tname!r} has rank {max(r, int(tw.ranks.max()))}, above the "
                                         f"pool's max_rank {R}", adapter=w.name, path=w.path)
-            layout.append((tname, tw, r, [((L, n, R, inl), self.dtype), ((L, outl, R), self.dtype),
+            b_shape = self.spec.b_shape(t)
+            layout.append((tname, tw, r, [((L, n, R, inl), self.dtype), ((L, *b_shape[2:]), self.dtype),
                                           ((L, n), np.dtype(np.int32)), ((L, n), np.dtype(np.float32))]))
         spans, end = [], 0  # (first byte, end byte, shape, dtype) of each array in the block
         for *_, parts in layout:
@@ -345,7 +347,12 @@ class LoraAdapterStore:
         for k, (tname, tw, r, _) in enumerate(layout):
             img = targets[tname] = TargetWeights(*arrays[4 * k:4 * k + 4])
             img.a[:, :, :r] = tw.a
-            img.b[:, :, :r] = tw.b
+            if self.spec.b_blocked:  # [L, ceil(R / 16), out, 16]: block i holds ranks 16 i .. 16 i + 15
+                for i in range(-(-r // B_RANK_BLOCK)):
+                    k0 = i * B_RANK_BLOCK
+                    img.b[:, i, :, :min(B_RANK_BLOCK, r - k0)] = tw.b[:, :, k0:k0 + B_RANK_BLOCK]
+            else:
+                img.b[:, :, :r] = tw.b
             img.ranks[...] = tw.ranks
             img.scaling[...] = tw.scaling
         return AdapterWeights(w.name, w.path, w.digest, targets)

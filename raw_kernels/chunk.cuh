@@ -429,14 +429,14 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
           for (int i = 0; i < BPT; ++i) {
             const int row = br0 + i * BROWS, col = c0 + row;
             const bool ok = col >= cw.lo[j] && col < cw.hi[j] && bytes > 0;
-            cp_async16(sb + row * C::LDB + bk, ok ? bs + (size_t)col * g.max_rank + rb0 + bk : g.B, ok ? bytes : 0);
+            cp_async16(sb + row * C::LDB + bk, ok ? bs + g.b_at(col, rb0 + bk) : g.B, ok ? bytes : 0);
           }
         }
       } else {
         for (int e = tid; e < BN * rr16; e += THREADS) {
           const int row = e / rr16, k = e % rr16, col = c0 + row;
           const bool ok = col >= cw.lo[j] && col < cw.hi[j] && k < rr;
-          sb[row * C::LDB + k] = ok ? bs[(size_t)col * g.max_rank + rb0 + k] : from_float<T>(0.f);
+          sb[row * C::LDB + k] = ok ? bs[g.b_at(col, rb0 + k)] : from_float<T>(0.f);
         }
       }
     }

@@ -171,7 +171,7 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
       for (int j = 0; j < 2; ++j) {
         bnext[i][j] = make_uint2(0u, 0u);
         if (cb < cb1 && col < inter && 4 * tq < rw[j])
-          bnext[i][j] = __ldg(reinterpret_cast<const uint2*>(bw + (size_t)(rm.s_off[j] + col) * g.max_rank + 4 * tq));
+          bnext[i][j] = __ldg(reinterpret_cast<const uint2*>(bw + g.b_at(rm.s_off[j] + col, 4 * tq)));
       }
     }
   };
@@ -228,7 +228,7 @@ __device__ void expand_glu_task(const Args<T>& g, const T* __restrict__ up, T* h
               for (int j = 0; j < 2; ++j) {
                 bq[i][j] = make_uint2(0u, 0u);
                 if (col < inter && k0 < r[j])
-                  bq[i][j] = __ldg(reinterpret_cast<const uint2*>(bs + (size_t)(rm.s_off[j] + col) * g.max_rank + k0));
+                  bq[i][j] = __ldg(reinterpret_cast<const uint2*>(bs + g.b_at(rm.s_off[j] + col, k0)));
               }
             }
 #pragma unroll

@@ -118,7 +118,7 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
       const int s = tr.run_slot[w.run], r = pr[w.j][w.run], k0 = w.kc * RK;
       const int ca = max(c0, s_off[w.j]), cz = min(c1, s_off[w.j + 1]);
       const int kw = min(((r - k0) + 15) & ~15, RK);  // ranks < r rounded up to 16: all the MMAs read
-      const T* bs = g.B + (size_t)s * g.b_slot + k0;
+      const T* bs = g.B + (size_t)s * g.b_slot;
       if (vec_b) {
         if (bk < kw) {  // the pieces of ranks < r16 (the others are never read)
           const int bytes = min(max(r - (k0 + bk), 0), CH) * (int)sizeof(T);
@@ -126,14 +126,14 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
           for (int k = 0; k < BPT; ++k) {
             const int row = br0 + k * BROWS, col = c0 + row;
             const bool ok = col >= ca && col < cz && bytes > 0;
-            cp_async16(sb + row * C::LDB + bk, ok ? bs + (size_t)col * g.max_rank + bk : g.B, ok ? bytes : 0);
+            cp_async16(sb + row * C::LDB + bk, ok ? bs + g.b_at(col, k0 + bk) : g.B, ok ? bytes : 0);
           }
         }
       } else {
         for (int e = tid; e < BN * kw; e += THREADS) {
           const int row = e / kw, k = e % kw, col = c0 + row;
           const bool ok = col >= ca && col < cz && k0 + k < r;
-          sb[row * C::LDB + k] = ok ? bs[(size_t)col * g.max_rank + k] : from_float<T>(0.f);
+          sb[row * C::LDB + k] = ok ? bs[g.b_at(col, k0 + k)] : from_float<T>(0.f);
         }
       }
     }

@@ -70,7 +70,7 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
   const int groups = g.col_groups(), cg = u % groups, tile = u / groups, p0 = tile * BM;
   read_tile<BM>(tr, s_indptr, g.slot_indptr, g.token_order, g.num_slots, g.positions, p0);
   if (p0 >= tr.pend || tr.nrun == 0) return;
-  const int out = g.out_features, n = g.n_slices, nrun = tr.nrun, R = g.max_rank;
+  const int out = g.out_features, n = g.n_slices, nrun = tr.nrun;
   read_run_meta<T, BM>(g, tr, rm);
 
   const int m0 = (warp % MT) * 16, cl = warp / MT;
@@ -90,7 +90,8 @@ __device__ void expand_stream_task(const Args<T>& g, int* s_indptr, TileRows<BM>
   };
   // B fragment of column col (zero outside [ca, cz)), ranks 16 ks + 4 tq .. + 3 (zero from r on)
   auto b_frag = [&](Frags<M, C::SPLIT, T>& fb, const T* bs, int col, int ca, int cz, int r, int ks) {
-    load_frag_col<T, M, C::SPLIT, ALIGNED>(fb, bs, R, col, col >= ca && col < cz, ks * 16 + 4 * tq, r, vec_b);
+    load_frag_col<T, M, C::SPLIT, ALIGNED>(fb, bs + (size_t)ks * g.b_blk, g.b_ld, col, col >= ca && col < cz, 4 * tq,
+                                           r - 16 * ks, vec_b);
   };
 
   // a warp with one run of one slice keeps that run's v fragments for every pass

@@ -6,7 +6,8 @@
 // What is left of the delta is, for each position p of slot s's range of token_order (s >= 1),
 // t = token_order[p], and each slice j with r_sj = ranks[s, j] > 0:
 //   y_j[t, c] += scaling[s, j] * sum_{r < r_sj} v[t, (s*n + j)*R + r] * B[s, boff_j + c, r]
-// (B of one slot [out_total, R], R contiguous; slots b_slot elements apart).
+// (B of one slot [out_total, R], R contiguous, or rank-blocked [ceil(R / 16), out_total, 16]: column c,
+// rank r at c * b_ld + (r / 16) * b_blk + r % 16, as lora_mma.cu's Args::b_at; slots b_slot elements apart).
 //
 // CUDA cores, no shared-memory pipeline, no workspace, no counters: a block takes one chunk (at
 // most TG positions of one slot, chunks numbered in slot order) x one slice x 4 * blockDim.x
@@ -60,7 +61,7 @@ template <typename T, int R, int TG>
 __global__ void __launch_bounds__(128) lora_expand_v(
     T* y0, T* y1, T* y2, long long ldy0, long long ldy1, long long ldy2, int out0, int out1, int out2,
     int boff0, int boff1, int boff2, const T* __restrict__ v, long long ldv, const T* __restrict__ B,
-    long long b_slot, const float* __restrict__ scaling, const int* __restrict__ ranks,
+    long long b_slot, int b_ld, long long b_blk, const float* __restrict__ scaling, const int* __restrict__ ranks,
     const int* __restrict__ token_order, const int* __restrict__ slot_indptr, int num_slots, int n,
     int compact) {
   static_assert(R % 8 == 0, "the rank width comes in 16-byte pieces");
@@ -133,14 +134,14 @@ __global__ void __launch_bounds__(128) lora_expand_v(
   int tok[TG];
 #pragma unroll
   for (int i = 0; i < TG; ++i) tok[i] = i < np ? token_order[p0 + i] : 0;
-  const T* bs = B + s * b_slot + static_cast<long long>(boff + (mine ? c0 : 0)) * R;
+  const T* bs = B + s * b_slot + static_cast<long long>(boff + (mine ? c0 : 0)) * b_ld;
   uint2 yv[TG];
   uint4 b[COLS][P];
   if (mine) {
 #pragma unroll
     for (int c = 0; c < COLS; ++c)
 #pragma unroll
-      for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + 8 * q);
+      for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * b_ld + 8 * q);
   }
   lora::wait_prior_grid();  // y and v below: the GEMM's (every thread reads v)
   if (mine) {
@@ -176,7 +177,8 @@ __global__ void __launch_bounds__(128) lora_expand_v(
 #pragma unroll
       for (int c = 0; c < COLS; ++c)
 #pragma unroll
-        for (int q = 0; q < P; ++q) b[c][q] = *reinterpret_cast<const uint4*>(bs + c * R + k0 + 8 * q);
+        for (int q = 0; q < P; ++q)
+          b[c][q] = *reinterpret_cast<const uint4*>(bs + c * b_ld + (k0 >> 4) * b_blk + (k0 & 15) + 8 * q);
     }
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {

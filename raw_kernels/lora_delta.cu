@@ -5,7 +5,8 @@
 // shrink: grid (ceil(bucket / SHRINK_ROWS), n_slices), block (32, SHRINK_ROWS): one warp per position,
 //         lanes split `in`; v[p, j, k] in the float32 workspace [bucket, n, rw].
 // expand: grid (ceil(out / 128), ceil(bucket / rows_per_block)), block 128: one thread per column.
-// Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R], scaling [S, n] f32, ranks [S, n] i32,
+// Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R] or rank-blocked (b_ld, b_blk: lora_mma.cu's
+// Args::b_at), scaling [S, n] f32, ranks [S, n] i32,
 // out_offsets [n + 1] i32 (null: one slice). The grid depends on the bucket, never on this step's counts.
 #include "common.cuh"
 
@@ -37,7 +38,7 @@ __global__ void lora_expand_simt(T* __restrict__ y, const float* __restrict__ v,
                                  const int* __restrict__ out_offsets, const int* __restrict__ token_order,
                                  const int* __restrict__ slot_indptr, int num_slots, int n_slices,
                                  int max_rank, int out_features, int bucket, int rw, int rows_per_block,
-                                 long long b_slot) {
+                                 long long b_slot, int b_ld, long long b_blk) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= out_features) return;
   int j = 0;
@@ -50,9 +51,9 @@ __global__ void lora_expand_simt(T* __restrict__ y, const float* __restrict__ v,
     const int r = min(ranks[s * n_slices + j], min(max_rank, rw));
     if (r == 0) continue;
     const float* vp = v + ((long long)p * n_slices + j) * rw;
-    const T* b = B + (long long)s * b_slot + (long long)c * max_rank;
+    const T* b = B + (long long)s * b_slot + (long long)c * b_ld;  // (lora_mma.cu's Args::b_at)
     float acc = 0.f;
-    for (int k = 0; k < r; ++k) acc += vp[k] * lora::to_float(b[k]);
+    for (int k = 0; k < r; ++k) acc += vp[k] * lora::to_float(b[(k >> 4) * b_blk + (k & 15)]);
     const long long t = token_order[p];
     T* yp = y + t * out_features + c;
     *yp = lora::from_float<T>(lora::to_float(*yp) + scaling[s * n_slices + j] * acc);

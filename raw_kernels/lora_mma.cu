@@ -65,8 +65,9 @@
 //     count, raised only by blocks already running.
 // Kernels tried and not chosen anywhere (each warp streaming x through registers; per-warp rings of
 // cp.async stages) are kept in raw_kernels/dev/, outside the wheel, with their measurements in NOTES.md.
-// Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R] (b_slot elements from one slot to
-// the next: out * R, or more where B is one slice's columns of a fused target's B), scaling [S, n] f32,
+// Shapes: x [rows, in], y [rows, out], A [S, n, R, in], B [S, out, R] or rank-blocked [S, ceil(R / 16),
+// out, 16] (Args::b_at; b_slot elements from one slot to the next: out * R, or more where B is one slice's
+// columns of a fused target's B), scaling [S, n] f32,
 // ranks [S, n] i32, out_offsets [n + 1] i32 (null: one slice), token_order [positions] i32,
 // slot_indptr [S + 1] i32, ws = v [bucket, n, rw] f32 (rw = R rounded up to 16), counters i32:
 // [0] ticket, [1] done, [2, 2 + units) ready, [2 + units, 2 + 2 * units) v readers done.
@@ -100,12 +101,22 @@ struct Args {
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
       col_blocks, cpb, flags;
   long long b_slot;  // B's elements from one slot to the next (out * R, more for a slice's view of a fused B)
+  // B's layout inside a slot: column c, rank k at b_at(c, k) = c * b_ld + (k / 16) * b_blk + k % 16.
+  // [S, out, R]: b_ld = R, b_blk = 16 (so b_at = c * R + k). Rank-blocked [S, ceil(R / 16), out, 16] (a
+  // pool of max_rank above 16; lora_cupy/spec.py, b_shape): b_ld = 16, b_blk = out_total * 16, so an
+  // adapter of rank 16 reads one contiguous block whatever the pool's max_rank. A piece of 8 ranks
+  // from a multiple of 8 (16 bytes of a 2-byte type) is contiguous in both.
+  int b_ld;
+  long long b_blk;
   int chunked = 0;  // work units are chunks of one slot (lora_fused<..., true>), else tiles
   // The ranks a call runs: the layout's max_rank, or the narrower rank width the host planned the
   // call for (a pool of a large max_rank whose step's slots all have smaller ranks; rw = that width
   // rounded up to 16, < max_rank). Every slot's rank is clamped to it, so a slot above it reads no
   // A row or v entry past the width (its delta is then cut to the width: the host's promise broken).
   __device__ int rank_cap() const { return min(max_rank, rw); }
+  __device__ size_t b_at(int col, int k) const {
+    return (size_t)col * b_ld + (size_t)(k >> 4) * b_blk + (k & 15);
+  }
   __device__ int rank_blocks() const { return (rank_cap() + 63) / 64; }
   __device__ int tiles(int bm) const { return (bucket + bm - 1) / bm; }
   // Work units a launch is sized for: tiles of BM positions, or (chunked) the most chunks of one
@@ -766,20 +777,20 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
         T* sb = reinterpret_cast<T*>(base);
         const int s = tr.run_slot[w.run], r = pr[w.j][w.run], k0 = w.kc * C::KC;
         const int ca = max(c0, s_off[w.j]), cz = min(c1, s_off[w.j + 1]);
-        const T* bs = g.B + (size_t)s * g.b_slot + k0;
+        const T* bs = g.B + (size_t)s * g.b_slot;
         if (vec_b) {
 #pragma unroll
           for (int c = tid; c < BN * C::BCPR; c += THREADS) {
             const int row = c / C::BCPR, k = (c % C::BCPR) * C::CH, col = c0 + row;
             const bool ok = col >= ca && col < cz;
             const int bytes = ok ? min(max(r - (k0 + k), 0), C::CH) * (int)sizeof(T) : 0;
-            cp_async16(sb + row * C::LDB + k, bytes ? bs + (size_t)col * g.max_rank + k : g.B, bytes);
+            cp_async16(sb + row * C::LDB + k, bytes ? bs + g.b_at(col, k0 + k) : g.B, bytes);
           }
         } else {
           for (int e = tid; e < BN * C::KC; e += THREADS) {
             const int row = e / C::KC, k = e % C::KC, col = c0 + row;
             const bool ok = col >= ca && col < cz && k0 + k < r;
-            sb[row * C::LDB + k] = ok ? bs[(size_t)col * g.max_rank + k] : from_float<T>(0.f);
+            sb[row * C::LDB + k] = ok ? bs[g.b_at(col, k0 + k)] : from_float<T>(0.f);
           }
         }
       }
@@ -940,11 +951,12 @@ __device__ void fused_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRow
   T *y, const T *x, const T *A, const T *B, const float *scaling, const int *ranks,                   \
       const int *out_offsets, const int *token_order, const int *slot_indptr, float *ws, int *counters, \
       int num_slots, int n_slices, int max_rank, int in_features, int out_features, int bucket,        \
-      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int flags, long long b_slot
+      int positions, int rw, int splits, int k_split, int col_blocks, int cpb, int flags, long long b_slot, \
+      int b_ld, long long b_blk
 #define LORA_ARGS                                                                                  \
   lora::Args<T> g{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters,  \
                   num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw,  \
-                  splits, k_split, col_blocks, cpb, flags, b_slot}
+                  splits, k_split, col_blocks, cpb, flags, b_slot, b_ld, b_blk}
 
 // Dynamic shared memory: the kernel's stages (and y tiles), then slot_indptr (S + 1 ints).
 // Blocks per multiprocessor the shrink's registers are capped for (tuning runs may set it): 4,

@@ -167,7 +167,7 @@ __device__ __forceinline__ void one_prefetch(const Args<T>& g, const OneStep& st
                                              OneCol<T, RW, ALIGNED>& pc) {
   if constexpr (OneCol<T, RW, ALIGNED>::ON) {
     constexpr int CH = 16 / sizeof(T);
-    const int out = g.out_features, n = g.n_slices, R = g.max_rank;
+    const int out = g.out_features, n = g.n_slices;
     const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
 #pragma unroll
     for (int h = 0; h < ONE_HELD; ++h) {
@@ -176,10 +176,10 @@ __device__ __forceinline__ void one_prefetch(const Args<T>& g, const OneStep& st
       int j = 0;
       while (j + 1 < n && c >= st.off[j + 1]) ++j;
       const int rj = st.rank[j];
-      const T* br = g.B + (size_t)st.slot * g.b_slot + (size_t)c * R;
+      const T* bs = g.B + (size_t)st.slot * g.b_slot;
 #pragma unroll
       for (int p = 0; p < OneCol<T, RW, ALIGNED>::P; ++p)
-        pc.b[h][p] = p * CH < rj ? *reinterpret_cast<const uint4*>(br + p * CH) : make_uint4(0u, 0u, 0u, 0u);
+        pc.b[h][p] = p * CH < rj ? *reinterpret_cast<const uint4*>(bs + g.b_at(c, p * CH)) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
 }
@@ -475,7 +475,7 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
                            const OneCol<T, RW, ALIGNED>& pc) {
   constexpr int CH = 16 / sizeof(T);
   constexpr bool HELD = OneCol<T, RW, ALIGNED>::ON;
-  const int out = g.out_features, n = g.n_slices, R = g.max_rank;
+  const int out = g.out_features, n = g.n_slices;
   const int per = (out + blocks - 1) / blocks, c0 = blk * per, c1 = min(out, c0 + per);
   const bool vec = ALIGNED || (g.flags & 2);
   const T* bs = g.B + (size_t)st.slot * g.b_slot;
@@ -486,7 +486,6 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
     while (j + 1 < n && c >= st.off[j + 1]) ++j;
     const int rj = st.rank[j];
     if (rj == 0) return;
-    const T* br = bs + (size_t)c * R;
     const float* vj = vs + j * RW;
     float d = 0.f;
 #pragma unroll
@@ -498,7 +497,7 @@ __device__ void one_expand(const Args<T>& g, const OneStep& st, const float* vs,
 #pragma unroll
         for (int i = 0; i < CH; ++i) bf[i] = p * CH + i < rj ? to_float(e[i]) : 0.f;
       } else {
-        one_piece<T, ALIGNED>(br + p * CH, min(CH, rj - p * CH), vec, bf);
+        one_piece<T, ALIGNED>(bs + g.b_at(c, p * CH), min(CH, rj - p * CH), vec, bf);
       }
 #pragma unroll
       for (int i = 0; i < CH; ++i) d = fmaf(bf[i], vj[p * CH + i], d);

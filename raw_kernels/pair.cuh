@@ -312,10 +312,10 @@ __device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow,
       for (int u = 0; u < U; ++u) {
         if (base + EW * u >= t1) break;
         const int c = cb + 16 * EW * u;
-        const T* p = bs + (size_t)c * R + 4 * t;
+        const T* p = bs + g.b_at(c, 4 * t);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          bw[u][e][0] = bon ? *reinterpret_cast<const uint2*>(p + e * R) : make_uint2(0u, 0u);
+          bw[u][e][0] = bon ? *reinterpret_cast<const uint2*>(p + e * g.b_ld) : make_uint2(0u, 0u);
           yv[u][e] = yr[e] ? *reinterpret_cast<const unsigned*>(yr[e] + c) : 0u;
         }
       }
@@ -391,20 +391,21 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   uint2 bw[U][2][Q];
   auto load_b = [&](int u) {
     const int c = pc[u] + 2 * gq;
-    const T* p = bs + (size_t)c * R + 4 * Q * t;
+    const T* p = bs + g.b_at(c, 4 * Q * t);  // ranks 4 Q t .. 4 Q t + 4 Q - 1: one block of 16 or inside one
     if (ALIGNED && pw[u]) {
 #pragma unroll
       for (int e = 0; e < 2; ++e)
 #pragma unroll
         for (int b = 0; b < Q; ++b)  // (ranks past R, in a pool of max_rank below RW, are never read)
-          bw[u][e][b] = 4 * Q * t + 4 * b < R ? *reinterpret_cast<const uint2*>(p + e * R + 4 * b) : make_uint2(0u, 0u);
+          bw[u][e][b] =
+              4 * Q * t + 4 * b < R ? *reinterpret_cast<const uint2*>(p + e * g.b_ld + 4 * b) : make_uint2(0u, 0u);
     } else {
       const int hi = off[pj[u] + 1];
 #pragma unroll
       for (int e = 0; e < 2; ++e)
 #pragma unroll
         for (int b = 0; b < Q; ++b)
-          bw[u][e][b] = pair_load4<T, ALIGNED>(p + e * R + 4 * b, c + e < hi ? R - 4 * Q * t - 4 * b : 0, bvec);
+          bw[u][e][b] = pair_load4<T, ALIGNED>(p + e * g.b_ld + 4 * b, c + e < hi ? R - 4 * Q * t - 4 * b : 0, bvec);
     }
   };
 #pragma unroll

@@ -29,7 +29,7 @@ import numpy as np
 from lora_cupy.adapter import AdapterWeights
 from lora_cupy.backends.base import LayerWeights
 from lora_cupy.dtypes import numpy_dtype
-from lora_cupy.spec import PEFT_MODULES, LoraSpec
+from lora_cupy.spec import PEFT_MODULES, LoraSpec, blocked_b
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 64, 128, 4, 2, 64
 _ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"}
@@ -162,7 +162,7 @@ def write_random_adapter(path, spec: LoraSpec, *, r: int = 4, lora_alpha: float 
 
 @dataclass
 class SlotWeights:
-    """One target's slot arrays: ``a[L, S, n, R, in]``, ``b[L, S, out, R]``, ``ranks`` and
+    """One target's slot arrays: ``a[L, S, n, R, in]``, ``b`` as ``spec.b_shape``, ``ranks`` and
     ``scaling`` ``[L, S, n]``, as a pool holds them."""
 
     a: np.ndarray
@@ -191,7 +191,10 @@ def install_slots(spec: LoraSpec, adapters: Mapping[int, AdapterWeights]) -> dic
             if tw is None:
                 continue
             sw.a[:, s, :, :tw.rank] = tw.a
-            sw.b[:, s, :, :tw.rank] = tw.b
+            if spec.b_blocked:
+                sw.b[:, s] = blocked_b(tw.b, spec.max_rank)
+            else:
+                sw.b[:, s, :, :tw.rank] = tw.b
             sw.ranks[:, s] = tw.ranks
             sw.scaling[:, s] = tw.scaling
         slots[t.name] = sw

@@ -166,6 +166,17 @@ def run_step(pool, rids, num_tokens=None, seq: int = 0):
     return out, addr, ctx
 
 
+def step_alone(pool, rid, name: str, tokens: int, seq: int) -> int:
+    """Request ``rid`` on adapter ``name`` opened, read, reserved and run alone for one step of
+    ``tokens`` tokens; returns the slot it holds."""
+    ingest(pool, rid, name)
+    wait_reads(pool, [name])
+    reserve_all(pool, [rid])
+    out, _, _ = run_step(pool, [rid], [tokens], seq=seq)
+    assert out.ok
+    return pool.snapshot().holders[rid]
+
+
 def expected_image(pool, name: str):
     """What slot weights an adapter should have: its file read again and padded."""
     info = pool.adapter_info(name)
@@ -234,8 +245,8 @@ def oracle_weights(spec: LoraSpec, images: Mapping, target: str, layer: int, slo
     t = spec.target(target)
     dt = numpy_dtype(spec.dtype)
     S, n, R = spec.num_slots, t.num_slices, spec.max_rank
-    inl, outl = t.local_in_features(spec.tp_size), t.local_out_features(spec.tp_size)
-    a, b = np.zeros((S, n, R, inl), dt), np.zeros((S, outl, R), dt)
+    inl = t.local_in_features(spec.tp_size)
+    a, b = np.zeros((S, n, R, inl), dt), np.zeros(spec.b_shape(t)[1:], dt)  # B in the pool's layout
     ranks, scaling = np.zeros((S, n), np.int32), np.zeros((S, n), np.float32)
     for s, name in slot_adapter.items():
         img = images[name].targets.get(target)

@@ -701,7 +701,7 @@ def test_bad_arguments_are_refused(over, err, match):
 
 def test_one_slice_of_a_fused_b_is_a_slot_strided_view():
     """A call serving one slice of a fused target reads that slice's rows of the fused B in place:
-    its slot stride is the fused B's, passed to the kernels (b_slot, the last argument); a B laid
+    its slot stride is the fused B's, passed to the kernels (b_slot); a B laid
     out any other way is refused; the member's slice offsets give the other slices no columns."""
     assert member_offsets((0, 64, 80, 96), 0) == (0, 64, 64, 64)
     assert member_offsets((0, 64, 80, 96), 1) == (0, 0, 16, 16)
@@ -728,6 +728,61 @@ def test_one_slice_of_a_fused_b_is_a_slot_strided_view():
         bad = LayerWeights(w.a, FakeDeviceArray((S, 16, R), "<u2", strides=strides), w.scaling, w.ranks, limits_offs)
         with pytest.raises(ValueError, match="w.b must be C-contiguous, or one slice"):
             cb.check_weights(limits, bad)
+
+
+def test_a_rank_blocked_b_gives_the_kernels_its_strides():
+    """B rank-blocked, ``[S, ceil(R / 16), out, 16]`` (a pool above 16 ranks): the kernels read column c,
+    rank k at ``c * b_ld + (k // 16) * b_blk + k % 16`` with b_ld 16 and b_blk ``out * 16``; ``[S, out, R]``
+    is b_ld R, b_blk 16. One slice's columns of a blocked fused B are read in place; other shapes and
+    layouts are refused."""
+    S, out, R = 5, 96, 40
+    call = _call(R=R, b=FakeDeviceArray((S, 3, out, 16), "<u2"))
+    assert (call.b_slot, call.b_ld, call.b_blk) == (3 * out * 16, 16, out * 16) and call.flags == 7
+    plain = _call(R=R)
+    assert (plain.b_slot, plain.b_ld, plain.b_blk) == (out * R, R, 16) and plain.flags == 7
+    assert _call(R=20).flags == 5  # [S, out, 20] bf16: columns 40 bytes apart, no 16-byte pieces of B
+    assert _call(R=20, b=FakeDeviceArray((S, 2, out, 16), "<u2")).flags == 7  # blocked: 32 bytes apart
+    widths = (64, 16, 16)
+    spec = LoraSpec((LoraTarget("t", 64, out, 1, tuple(LoraSlice(f"s{j}", w) for j, w in enumerate(widths))),),
+                    num_slots=S, max_rank=R, dtype="bfloat16")
+    offs = member_offsets((0, 64, 80, 96), 1)
+    floats, ints = cb.plan_workspace(spec)
+    limits = cb.CallLimits(spec, 0, cb.DEFAULT_SMS, floats, ints, {offs: 4096})
+    a, sc, rk = FakeDeviceArray((S, 3, R, 64), "<u2"), FakeDeviceArray((S, 3), "<f4"), FakeDeviceArray((S, 3), "<i4")
+    # slice 1 (columns 64:80) of a [5, 3, 96, 16] bfloat16 B: strides (3 * 96 * 16, 96 * 16, 16, 1) elements
+    view = FakeDeviceArray((S, 3, 16, 16), "<u2", strides=(2 * 3 * out * 16, 2 * out * 16, 32, 2),
+                           ptr=(1 << 30) + 2 * 64 * 16)
+    wa = cb.check_weights(limits, LayerWeights(a, view, sc, rk, offs))
+    assert (wa.b_slot, wa.b_ld, wa.b_blk, wa.dims[4], wa.flags) == (3 * out * 16, 16, out * 16, 16, 7)
+    for b, match in ((FakeDeviceArray((S, 2, out, 16), "<u2"), "rank-blocked"),  # too few blocks for 40
+                     (FakeDeviceArray((S, 3, out, 8), "<u2"), "rank-blocked"),
+                     (FakeDeviceArray((S, 3, 16, 16), "<u2", strides=(2 * 3 * out * 16, 32, 2 * out * 16, 2)),
+                      "C-contiguous rank-blocked")):  # blocks and columns swapped
+        with pytest.raises(ValueError, match=match):
+            cb.check_weights(limits, LayerWeights(a, b, sc, rk, offs))
+    with pytest.raises(ValueError, match=r"w.b must be \[S, out, R\] = \(5, 'out', 16\), got"):
+        _call(R=16, b=FakeDeviceArray((S, 1, out, 16), "<u2"))  # not blocked at 16 ranks
+
+
+def test_rank_blocked_calls_are_planned():
+    """Every call of the GPU suite's rank-blocked B test is one the planner accepts, onto the kernel the
+    test names: that test runs each kernel on the layout, none refused on a GPU."""
+    from tests.gpu.test_kernels import BLOCKED_CALLS, BLOCKED_SHAPES
+
+    for name, dtype, kw, bound, kernel in BLOCKED_CALLS:
+        sh = BLOCKED_SHAPES[name]
+        if kw.get("kernel") == "simt":
+            continue
+        spec = LoraSpec((LoraTarget("t", sh["in_f"], sum(sh["slices"]), 1,
+                                    tuple(LoraSlice(f"s{j}", o) for j, o in enumerate(sh["slices"]))),),
+                        num_slots=sh.get("num_slots", 9), max_rank=sh["max_rank"], dtype=dtype)
+        bucket = spec.bucket_for(sh["T"])
+        plan = cb.plan_launch(bucket, sh["in_f"], sum(sh["slices"]), len(sh["slices"]),
+                              cb.planned_rank(sh["max_rank"], bound), dtype, num_slots=spec.num_slots,
+                              slice_align=cb.slice_alignment(spec.targets[0].out_offsets()),
+                              **{k: v for k, v in kw.items() if k in ("fused", "expand", "tile")})
+        got = "fused" if plan.fused else plan.expand
+        assert kernel is None or got == kernel, (name, dtype, kw, bound, got)
 
 
 def test_unknown_slices_and_oversized_weights_are_refused():

@@ -311,7 +311,8 @@ class _VRecorder:
         self.launches.append(dict(fn=fn, grid=(gx, gy, gz), block=(bx, by, bz), stream=stream,
                                   ys=[u64(i) for i in range(3)], ldy=[i64(i) for i in range(3, 6)],
                                   out=[i32(i) for i in range(6, 9)], boff=[i32(i) for i in range(9, 12)],
-                                  v=u64(12), ldv=i64(13), b=u64(14), b_slot=i64(15), S=i32(20), n=i32(21)))
+                                  v=u64(12), ldv=i64(13), b=u64(14), b_slot=i64(15), b_ld=i32(16), b_blk=i64(17),
+                                  S=i32(22), n=i32(23)))
 
 
 def _v_layer(S=33, R=16, slices=(4096, 1024, 1024)):
@@ -348,7 +349,7 @@ def test_expand_v_packs_each_slice_and_v_and_refuses_misaligned_rows():
     assert got["ys"] == [gemm] + [y.__cuda_array_interface__["data"][0] for y in ys[1:]]
     assert got["ldy"] == [N, 1024, 1024] and got["out"] == [4096, 1024, 1024] and got["boff"] == [0, 4096, 5120]
     assert got["v"] == gemm + 2 * 4096 and got["ldv"] == N and got["S"] == S and got["n"] == 3
-    assert got["b_slot"] == 6144 * R
+    assert got["b_slot"] == 6144 * R and got["b_ld"] == R and got["b_blk"] == 16  # B [S, out, R]
     layer.expand_v(ys, v, _views(1, S), 1)
     assert be.rec.launches[-1]["grid"][1] == 1  # one position: one chunk
     n = len(be.rec.launches)

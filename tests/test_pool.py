@@ -13,7 +13,7 @@ from lora_cupy.errors import LoraError
 from lora_cupy.pool import LoraAdapterPool
 from lora_cupy.store import FAILED, READING, READY, LoraAdapterStore
 from tests.pool_helpers import (GatedReader, assert_slot_holds, check_delta, ingest, make_adapters,
-                                reserve_all, run_step, small_spec, wait_reads)
+                                reserve_all, run_step, small_spec, step_alone, wait_reads)
 
 
 @pytest.fixture
@@ -252,12 +252,7 @@ def test_lru_eviction_reuses_slots_with_the_new_weights(pool, rng):
     # 3 slots, 5 adapters in turn: every slot is evicted and rewritten
     order = ["ad0", "ad1", "ad2", "ad3", "ad4", "ad0", "ad2"]
     for k, name in enumerate(order):
-        ingest(pool, k, name)
-        wait_reads(pool, [name])
-        reserve_all(pool, [k])
-        out, _, _ = run_step(pool, [k], [2], seq=k)
-        assert out.ok
-        s = pool.snapshot().holders[k]
+        s = step_alone(pool, k, name, 2, seq=k)
         assert_slot_holds(pool, s, name)
         check_delta(pool, [k], [2], rng)
         pool.remove_request(k)

@@ -12,8 +12,10 @@ import numpy as np
 class LayerWeights:
     """One target's slot weights at one stack layer: views resolved once, read every step.
 
-    ``a[S, n, R, in]``, ``b[S, out, R]``, ``scaling[S, n]`` (float32), ``ranks[S, n]`` (int32);
-    slice ``j`` writes columns ``out_offsets[j]:out_offsets[j+1]`` of y. Slot 0 is all zero.
+    ``a[S, n, R, in]``, ``b[S, out, R]`` or rank-blocked ``b[S, ceil(R / 16), out, 16]`` (for
+    ``R`` above 16: what a pool stores, :meth:`LoraSpec.b_shape`; :func:`b_columns` reads either),
+    ``scaling[S, n]`` (float32), ``ranks[S, n]`` (int32); slice ``j`` writes columns
+    ``out_offsets[j]:out_offsets[j+1]`` of y. Slot 0 is all zero.
     """
 
     a: Any
@@ -61,9 +63,27 @@ def member_weights(w: LayerWeights, j: int) -> LayerWeights:
     """Slice ``j`` of a fused target's weights, for a call into that slice's own output: ``a``,
     ``scaling`` and ``ranks`` as they are (the other slices have no columns: the tensor-core
     kernels and the NumPy reference compute nothing for them), ``b`` the view of slice ``j``'s
-    rows (each slot's rows contiguous, slots ``out * R`` elements apart: no copy)."""
+    rows (each slot's rows contiguous, slots ``out * R`` elements apart: no copy; rank-blocked,
+    each block's rows)."""
     o0, o1 = w.out_offsets[j], w.out_offsets[j + 1]
-    return LayerWeights(w.a, w.b[:, o0:o1], w.scaling, w.ranks, member_offsets(w.out_offsets, j))
+    return LayerWeights(w.a, w.b[..., o0:o1, :], w.scaling, w.ranks, member_offsets(w.out_offsets, j))
+
+
+def b_columns(b, s: int, c0: int, c1: int, r: int):
+    """Slot ``s``'s B at columns ``c0:c1`` and ranks ``:r`` as ``[c1 - c0, r]``, from a layer's ``b``
+    in either layout (:class:`LayerWeights`; NumPy or torch): a view of ``[S, out, R]``, a copy of
+    the rank-blocked ``[S, ceil(R / 16), out, 16]``."""
+    if b.ndim == 3:
+        return b[s, c0:c1, :r]
+    w = b.shape[-1]  # 16 (LoraSpec.b_shape)
+    nb = -(-r // w)
+    return b[s, :nb, c0:c1].swapaxes(0, 1).reshape(c1 - c0, nb * w)[:, :r]
+
+
+def unblocked_b(b):
+    """A rank-blocked ``b[..., RB, out, 16]`` as ``[..., out, RB * 16]`` (NumPy or torch; a copy)."""
+    *lead, nb, out, w = b.shape
+    return b.swapaxes(-2, -3).reshape(*lead, out, nb * w)
 
 
 def active_slots(slot_indptr) -> list[int]:

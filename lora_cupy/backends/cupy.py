@@ -33,7 +33,7 @@ from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        ONE_CLUSTER, ONE_RW, PAIR_M, PAIR_RT, STREAM_BN, chunk_name, expand_v_name,
                        glu_name, load_module, mma_family, mma_kernels, mma_name, one_name, pair_name)
-from ..spec import LoraSpec
+from ..spec import B_RANK_BLOCK, LoraSpec
 from .base import LayerWeights, check_compact, check_gather_pairs, member_offsets
 
 #: Threads per block of every tensor-core kernel.
@@ -835,18 +835,31 @@ def element_strides(a, d: DeviceArg) -> tuple[int, ...]:
     return tuple(st // size for st in cai["strides"])
 
 
-def slot_stride(name: str, b, d: DeviceArg) -> int:
-    """Elements from one slot's rows of ``b`` ``[S, out, R]`` to the next: ``out * R`` for a
-    C-contiguous array; more for one slice's columns of a fused target's ``[S, out_total, R]``
-    (each slot's rows contiguous, slots further apart). ValueError for any other layout."""
-    S, out, R = d.shape
+def b_strides(name: str, b, d: DeviceArg) -> tuple[int, int, int]:
+    """The kernels' strides of ``b`` (lora_mma.cu's ``Args::b_at``), in elements: from one slot to
+    the next, from one column to the next, and from one block of 16 ranks to the next. ``[S, out,
+    R]``: ``(out * R, R, 16)`` where C-contiguous, the slot stride more for one slice's columns of a
+    fused target's ``[S, out_total, R]`` (each slot's rows contiguous, slots further apart).
+    Rank-blocked ``[S, RB, out, 16]``: ``(RB * out * 16, 16, out * 16)`` where C-contiguous, or one
+    slice's columns of such an array. ValueError for any other layout."""
+    if len(d.shape) == 3:
+        S, out, R = d.shape
+        if d.contiguous:
+            return out * R, R, 16
+        strides = element_strides(b, d)
+        if strides[2] == 1 and strides[1] == R and (S == 1 or strides[0] >= out * R):
+            return (int(strides[0]) if S > 1 else out * R), R, 16
+        raise ValueError(f"{name} must be C-contiguous, or one slice's columns of a C-contiguous [S, out, R] "
+                         f"array (strides {strides})")
+    S, RB, out, W = d.shape
     if d.contiguous:
-        return out * R
+        return RB * out * W, W, out * W
     strides = element_strides(b, d)
-    if len(strides) == 3 and strides[2] == 1 and strides[1] == R and (S == 1 or strides[0] >= out * R):
-        return int(strides[0]) if S > 1 else out * R
-    raise ValueError(f"{name} must be C-contiguous, or one slice's columns of a C-contiguous [S, out, R] "
-                     f"array (strides {strides})")
+    blk = int(strides[1]) if RB > 1 else out * W
+    if strides[3] == 1 and strides[2] == W and blk >= out * W and (S == 1 or strides[0] >= RB * blk):
+        return (int(strides[0]) if S > 1 else RB * blk), W, blk
+    raise ValueError(f"{name} must be C-contiguous, or one slice's columns of a C-contiguous rank-blocked "
+                     f"[S, RB, out, 16] array (strides {strides})")
 
 
 def expand_v_grid(bucket: int, num_slots: int, widest: int, n_slices: int) -> tuple[int, int, int]:
@@ -942,7 +955,9 @@ class WeightArgs:
     ptrs: tuple[int, int, int, int, int]
     dims: tuple[int, int, int, int, int]
     flags: int
-    b_slot: int  # w.b's elements from one slot to the next (slot_stride)
+    b_slot: int  # w.b's elements from one slot to the next (b_strides)
+    b_ld: int  # ... from one column to the next inside a block of 16 ranks
+    b_blk: int  # ... from one block of 16 ranks to the next
     live: int  # slices with columns (n, or 1 for one slice of a fused target served alone)
     align: int  # what every column offset of its slices is a multiple of (slice_alignment)
 
@@ -962,10 +977,14 @@ def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
     if len(A.shape) != 4:
         raise ValueError(f"w.a must be [S, n, R, in], got {A.shape}")
     S, n, R, in_f = A.shape
-    if len(B.shape) != 3 or B.shape[0] != S or B.shape[2] != R:
-        raise ValueError(f"w.b must be [S, out, R] = {(S, 'out', R)}, got {B.shape}")
-    out = B.shape[1]  # y's columns; the slices' offsets must end there
-    b_slot = slot_stride("w.b", w.b, B)
+    blocked = (S, -(-R // B_RANK_BLOCK), "out", B_RANK_BLOCK)
+    if not ((len(B.shape) == 3 and B.shape[0] == S and B.shape[2] == R)
+            or (R > B_RANK_BLOCK and len(B.shape) == 4 and B.shape[:2] == blocked[:2] and B.shape[3] == blocked[3])):
+        raise ValueError(f"w.b must be [S, out, R] = {(S, 'out', R)}"
+                         + (f" or rank-blocked [S, ceil(R / 16), out, 16] = {blocked}" if R > B_RANK_BLOCK else "")
+                         + f", got {B.shape}")
+    out = B.shape[-2]  # y's columns; the slices' offsets must end there
+    b_slot, b_ld, b_blk = b_strides("w.b", w.b, B)
     if SC.shape != (S, n) or RK.shape != (S, n):
         raise ValueError(f"w.scaling and w.ranks must be [S, n] = {(S, n)}, got {SC.shape} and {RK.shape}")
     if not 1 <= S <= MAX_SLOTS:
@@ -990,8 +1009,10 @@ def check_weights(limits: CallLimits, w: LayerWeights) -> WeightArgs:
                          f"{max(t.num_slices for t in limits.spec.targets)} slices)")
     ch = 16 // _ITEMSIZE[A.dtype]
     flags = ((1 if in_f % ch == 0 and A.ptr % 16 == 0 else 0)
-             | (2 if R % ch == 0 and b_slot % ch == 0 and B.ptr % 16 == 0 else 0) | (4 if out % ch == 0 else 0))
+             | (2 if b_ld % ch == 0 and b_blk % ch == 0 and b_slot % ch == 0 and B.ptr % 16 == 0 else 0)
+             | (4 if out % ch == 0 else 0))
     return WeightArgs(A.dtype, (A.ptr, B.ptr, SC.ptr, RK.ptr, off_ptr), (S, n, R, in_f, out), flags, b_slot,
+                      b_ld, b_blk,
                       live_slices(offs), slice_alignment(offs))
 
 
@@ -1024,6 +1045,8 @@ class LaunchArgs:
     positions: int
     torch: bool
     b_slot: int  # w.b's elements from one slot to the next (WeightArgs.b_slot)
+    b_ld: int  # ... from one column to the next (WeightArgs.b_ld)
+    b_blk: int  # ... from one block of 16 ranks to the next (WeightArgs.b_blk)
     rank: int  # the rank the kernels are planned, picked and sized for (planned_rank; R: dims[2])
 
 
@@ -1066,7 +1089,7 @@ def _launch_args(limits: CallLimits, wa: WeightArgs, y_ptr: int, x_ptr: int, TO:
     a, b, sc, rk, offs = wa.ptrs
     return LaunchArgs(dtype=wa.dtype, plan=plan, rw=rank_width(rank), flags=_xy_flags(wa.flags, x_ptr, y_ptr),
                       ptrs=(y_ptr, x_ptr, a, b, sc, rk, offs, TO.ptr, IP.ptr), dims=wa.dims, positions=T,
-                      torch=torch, b_slot=wa.b_slot, rank=rank)
+                      torch=torch, b_slot=wa.b_slot, b_ld=wa.b_ld, b_blk=wa.b_blk, rank=rank)
 
 
 def check_call(limits: CallLimits, y, x, w: LayerWeights, token_order, slot_indptr,
@@ -1389,7 +1412,7 @@ class CupyBackend:
         """The launch plan a call with ``num_tokens`` positions of addressing takes for ``w``
         (``rank_bound``: as :meth:`delta`'s)."""
         S, n, R, in_f = w.a.shape
-        return self.limits.plan(num_tokens, in_f, w.b.shape[1], n, planned_rank(R, rank_bound),
+        return self.limits.plan(num_tokens, in_f, w.b.shape[-2], n, planned_rank(R, rank_bound),
                                 normalize_dtype(dtype or self.spec.dtype), S,
                                 live_slices(w.out_offsets), slice_align=slice_alignment(w.out_offsets))
 
@@ -1398,7 +1421,8 @@ class CupyBackend:
         position p of slot s's range of ``token_order`` (s >= 1), t = token_order[p], r = ranks[s, j].
 
         x ``[rows, in]`` and y ``[rows, out]`` (float16, bfloat16 or float32), weights as
-        :class:`LayerWeights` (``a[S, n, R, in]``, ``b[S, out, R]`` of x's dtype, ``scaling[S, n]``
+        :class:`LayerWeights` (``a[S, n, R, in]``, ``b[S, out, R]`` or rank-blocked ``b[S, ceil(R / 16), out,
+        16]`` for R above 16, of x's dtype, ``scaling[S, n]``
         float32, ``ranks[S, n]`` int32), ``token_order[T]`` and ``slot_indptr[S + 1]`` int32. y is
         changed in place; rows of slot 0 and positions past ``slot_indptr[S]`` are left untouched.
         Launches on torch's current stream when x or y is a torch tensor, else on CuPy's.
@@ -1467,7 +1491,7 @@ class CupyBackend:
         dtype, plan = call.dtype, call.plan
         S, n, R, in_f, out = call.dims
         y, x, a, b, sc, rk, offs, to, ip = (np.uint64(p) for p in call.ptrs)
-        b_slot = np.int64(call.b_slot)
+        b_slot, b_ld, b_blk = np.int64(call.b_slot), np.int32(call.b_ld), np.int64(call.b_blk)
         ws, ctr = np.uint64(self.workspace.data.ptr), np.uint64(self.counters.data.ptr)
         i32 = np.int32
         if self.kernel == "simt":
@@ -1478,14 +1502,16 @@ class CupyBackend:
                                               i32(plan.bucket), i32(call.rw)), None, 1, None),
                 KernelCall("expand simt", self._kernel_fn(dtype, ("expand",)), (_ceil(out, 128), _ceil(plan.bucket, per), 1),
                            (128, 1, 1), 0, (y, ws, b, sc, rk, offs, to, ip, i32(S), i32(n), i32(R), i32(out),
-                                            i32(plan.bucket), i32(call.rw), i32(per), b_slot), 0, None, None)]
+                                            i32(plan.bucket), i32(call.rw), i32(per), b_slot, b_ld, b_blk), 0, None,
+                           None)]
         args = (y, x, a, b, sc, rk, offs, to, ip, ws, ctr, i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(plan.bucket), i32(call.positions), i32(call.rw), i32(plan.splits), i32(plan.k_split),
-                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags | self.early_reads), b_slot)
+                i32(plan.col_blocks), i32(plan.cpb), i32(call.flags | self.early_reads), b_slot, b_ld, b_blk)
+        flags_at = len(args) - 4  # (then b_slot, b_ld, b_blk)
         extra = 4 * (S + 1)  # slot_indptr, after the stages
         mma = lambda name, key, blocks, smem, extra=extra: KernelCall(  # noqa: E731
             name, self._kernel_fn(dtype, (*key, False)), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
-            len(args) - 2, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)), pdl=True)
+            flags_at, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)), pdl=True)
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
                         fused_smem(dtype, plan.bm, plan.bn))]
@@ -1503,7 +1529,7 @@ class CupyBackend:
                 if part in parts:
                     out_calls.append(KernelCall(
                         f"pair_{part}", self._kernel_fn(dtype, (*key, False)), (grid, 1, 1), (32 * warps, 1, 1), smem,
-                        pargs, 0, 1, len(pargs) - 2,
+                        pargs, 0, 1, flags_at,
                         None if self.aligned is False else self._kernel_fn(dtype, (*key, True)), pdl=True))
             return out_calls
         if plan.expand in ("chunk", "one") and set(parts) != {"shrink", "expand"}:
@@ -1690,6 +1716,7 @@ class LayerLaunch:
         _a, b, sc, rk, _offs = wa.ptrs
         args = (*(u64(p) for p, _ in yargs), *(i64(ld) for _, ld in yargs), *(i32(c) for c in (*cols, *[0] * pad)),
                 *(i32(o) for o in (*offs[:n], *[0] * pad)), u64(vp), i64(ldv), u64(b), i64(wa.b_slot),
+                i32(wa.b_ld), i64(wa.b_blk),
                 u64(sc), u64(rk), u64(TO.ptr), u64(IP.ptr), i32(S), i32(n), i32(compact))
         packed = PackedArgs(args)
         torch = type(v).__module__.startswith("torch")
@@ -1775,7 +1802,8 @@ class LayerLaunch:
         args = (u64(gp), u64(0), u64(a), u64(b), u64(sc), u64(rk), u64(offs), u64(to), u64(ip),
                 u64(be.workspace.data.ptr), u64(be.counters.data.ptr), i32(S), i32(n), i32(R), i32(in_f), i32(out),
                 i32(positions), i32(positions), i32(rank_width(R)), i32(1), i32(0), i32(col_blocks), i32(cpb),
-                i32(0), np.int64(wa.b_slot), u64(up), u64(hp), i32(ld), i32(ldh), i32(inter))
+                i32(0), np.int64(wa.b_slot), i32(wa.b_ld), np.int64(wa.b_blk), u64(up), u64(hp), i32(ld), i32(ldh),
+                i32(inter))
         packed = PackedArgs(args)
         torch = type(g).__module__.startswith("torch")
         with be.device:

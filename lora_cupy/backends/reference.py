@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import LayerWeights, active_slots, check_compact, check_gather_pairs
+from .base import LayerWeights, active_slots, b_columns, check_compact, check_gather_pairs
 
 
 def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, slot_indptr) -> None:
@@ -27,7 +27,7 @@ def reference_delta(y: np.ndarray, x: np.ndarray, w: LayerWeights, token_order, 
             if r == 0 or c1 == c0:  # nothing to add: rank 0, or a slice with no columns here
                 continue
             v = xs @ w.a[s, j, :r].astype(np.float32).T  # [m, r]
-            acc[:, c0:c1] += scaling[s, j] * (v @ w.b[s, c0:c1, :r].astype(np.float32).T)
+            acc[:, c0:c1] += scaling[s, j] * (v @ b_columns(w.b, s, c0, c1, r).astype(np.float32).T)
         y[rows] = acc.astype(y.dtype)
 
 
@@ -53,7 +53,7 @@ def reference_expand_v(ys, v: np.ndarray, w: LayerWeights, token_order, slot_ind
             col = ((s if block is None else block[s]) * n + j) * R
             vs = v[rows, col:col + r].astype(np.float32)
             acc = ys[j][rows].astype(np.float32)
-            acc += scaling[s, j] * (vs @ w.b[s, c0:c1, :r].astype(np.float32).T)
+            acc += scaling[s, j] * (vs @ b_columns(w.b, s, c0, c1, r).astype(np.float32).T)
             ys[j][rows] = acc.astype(ys[j].dtype)
 
 
@@ -83,7 +83,7 @@ def dense_delta64(x: np.ndarray, w: LayerWeights, row_slots) -> np.ndarray:
     Returns the delta alone, ``[T, out]`` float64; rows on slot 0 get zeros.
     """
     row_slots = np.asarray(row_slots)
-    T, out = x.shape[0], w.b.shape[1]
+    T, out = x.shape[0], w.b.shape[-2]
     d = np.zeros((T, out), np.float64)
     x64 = x.astype(np.float64)
     offs = w.out_offsets
@@ -94,7 +94,7 @@ def dense_delta64(x: np.ndarray, w: LayerWeights, row_slots) -> np.ndarray:
         for j in range(len(offs) - 1):
             r = int(w.ranks[s, j])
             c0, c1 = offs[j], offs[j + 1]
-            dense = float(w.scaling[s, j]) * (w.b[s, c0:c1, :r].astype(np.float64)
+            dense = float(w.scaling[s, j]) * (b_columns(w.b, s, c0, c1, r).astype(np.float64)
                                                @ w.a[s, j, :r].astype(np.float64))  # [cols, in]
             d[rows, c0:c1] += x64[rows] @ dense.T
     return d
@@ -135,7 +135,7 @@ class ReferenceLaunch:
     def __init__(self, w: LayerWeights, backend: ReferenceBackend | None = None):
         self.weights = w
         self.backend = backend
-        self.in_features, self.out_features = w.a.shape[3], w.b.shape[1]
+        self.in_features, self.out_features = w.a.shape[3], w.b.shape[-2]
         self.dtype = w.a.dtype
 
     def half(self, part: str, t, views, rows: int) -> None:
@@ -172,7 +172,8 @@ class ReferenceLaunch:
                 for j in range(n):
                     r, c0, c1 = int(ranks[s, j]), offs[j], offs[j + 1]
                     if r and c1 > c0:
-                        acc[:, c0:c1] += np.float32(w.scaling[s, j]) * (v[lo:hi, j, :r] @ w.b[s, c0:c1, :r].astype(np.float32).T)
+                        bj = b_columns(w.b, s, c0, c1, r).astype(np.float32)
+                        acc[:, c0:c1] += np.float32(w.scaling[s, j]) * (v[lo:hi, j, :r] @ bj.T)
                 t[rows_t] = acc.astype(t.dtype)
         if part == "expand" and v is not None:
             for j in range(n):

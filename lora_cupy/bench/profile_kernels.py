@@ -64,12 +64,13 @@ def run(only: list[str]) -> None:
     from lora_cupy.backends.base import LayerWeights
     from lora_cupy.backends.cupy import CupyBackend
     from lora_cupy.bench.kernels import build
+    from lora_cupy.spec import pool_layout_b
 
     for label, row, kw in configs():
         if only and not any(o in label for o in only):
             continue
         d = build(row, 0)
-        w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
+        w = LayerWeights(d.a, pool_layout_b(d.b, row.pool_rank), d.scaling, d.ranks, d.offsets)
         be = CupyBackend(d.spec, **kw)
         plan = be.plan(d.token_order.shape[0], w, row.dtype)
         torch.cuda.synchronize()

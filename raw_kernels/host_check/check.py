@@ -9,6 +9,7 @@ v / counter protocol; it cannot check timing, memory ordering between blocks, or
 
     python raw_kernels/host_check/check.py [--fused | --expand expand|expand_stream|expand_ring|chunk|one|pair]
         [--tiles-only | --chunks] [--sms 1] [--misalign] [--asan] [--cp-async late|early] [--aligned auto|never] [--members | --halves]
+        [--b-blocked]
     python raw_kernels/host_check/check.py --expand-v    # lora_expand_v (expand_v.cu)
     python raw_kernels/host_check/check.py --expand-v --compact    # lora_gather_a, then compact
     python raw_kernels/host_check/check.py --glu [--sms 132] [--inf] [--cp-async early] [--asan]
@@ -61,6 +62,7 @@ from conftest import build_case, check_result, with_inf, with_row_at  # noqa: E4
 
 from lora_cupy.backends import cupy as cb  # noqa: E402
 from lora_cupy.backends.base import member_offsets  # noqa: E402
+from lora_cupy.spec import blocked_b  # noqa: E402
 from lora_cupy.kernels import ALIGNED_FLAGS, GLU_KS, cuda_include_dirs  # noqa: E402
 
 #: common.cuh functions made of inline PTX, replaced by host_cuda.h (the last one by a macro that
@@ -142,6 +144,7 @@ CASES = {**GPU_CASES,
 #: Cases of one position whose row is moved among more rows of x and y: (rows, the row).
 ROW_AT = {"one-row": (5, 3)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
+B_BLOCKED = [False]  # --b-blocked: B of cases above 16 ranks rank-blocked, as a pool holds it
 
 #: lora_expand_glu's cases: a gate_up target of two slices of ``inter`` columns each (inter a
 #: multiple of 8, R of 4: what the backend's glu_fits allows). ``h``: "g" writes h in place over g,
@@ -269,17 +272,21 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
     S, n, R, in_f = w.a.shape
     T = case.token_order.shape[0]
     b, offsets, y0, b_slot = w.b, w.out_offsets, case.y0, 0
+    b_ld, b_blk = R, 16
+    if B_BLOCKED[0] and R > 16:  # B rank-blocked, [S, ceil(R / 16), out, 16], as a pool above 16 ranks holds it
+        b = blocked_b(np.asarray(w.b), R)
+        b_ld, b_blk, b_slot = 16, b.shape[2] * 16, b.shape[1] * b.shape[2] * 16
     if member is not None:
         o0, o1 = w.out_offsets[member], w.out_offsets[member + 1]
-        b, offsets, y0 = w.b[:, o0:o1], member_offsets(w.out_offsets, member), case.y0[:, o0:o1]
-        b_slot = w.b.shape[1] * R
+        b, offsets, y0 = b[..., o0:o1, :], member_offsets(w.out_offsets, member), case.y0[:, o0:o1]
+        b_slot = b_slot or w.b.shape[1] * R
     out = y0.shape[1]
     x, y = case.x, np.array(y0, copy=True, order="C")  # never the case's own y0
     if misalign:
         x, y = _misaligned(x), _misaligned(y)
     ch = 16 // x.itemsize
     flags = ((1 if in_f % ch == 0 and x.ctypes.data % 16 == 0 and w.a.ctypes.data % 16 == 0 else 0)
-             | (2 if R % ch == 0 and b.ctypes.data % 16 == 0 else 0)
+             | (2 if b_ld % ch == 0 and b_blk % ch == 0 and b.ctypes.data % 16 == 0 else 0)
              | (4 if out % ch == 0 and y.ctypes.data % 16 == 0 else 0))
     use_aligned = aligned == "auto" and flags == ALIGNED_FLAGS
     rw = cb.rank_width(planned(case, part is None))
@@ -292,7 +299,8 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
     scaling = np.ascontiguousarray(w.scaling, np.float32)
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     dims = np.asarray([S, n, R, in_f, out, plan.bucket, T, rw, plan.splits, plan.k_split, plan.col_blocks,
-                       plan.cpb, int(plan.chunks), flags, int(use_aligned), b_slot, int(plan.sliced)], np.int32)
+                       plan.cpb, int(plan.chunks), flags, int(use_aligned), b_slot, int(plan.sliced), b_ld, b_blk],
+                      np.int32)
 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
@@ -371,6 +379,10 @@ def run_expand_v(lib, case, compact: bool = False) -> tuple[list[np.ndarray], np
     out = (ctypes.c_int * 3)(*[offs[j + 1] - offs[j] for j in range(n)], *[0] * pad)
     boff = (ctypes.c_int * 3)(*offs[:n], *[0] * pad)
     b = np.ascontiguousarray(w.b)
+    b_ld, b_blk, b_slot = R, 16, b.shape[1] * R
+    if B_BLOCKED[0] and R > 16:  # rank-blocked, as in run()
+        b = blocked_b(b, R)
+        b_ld, b_blk, b_slot = 16, b.shape[2] * 16, b.shape[1] * b.shape[2] * 16
     scaling = np.ascontiguousarray(w.scaling, np.float32)  # held while the call reads them
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     grid = cb.expand_v_grid(len(case.token_order), S, max(out[:n]), n)
@@ -378,7 +390,8 @@ def run_expand_v(lib, case, compact: bool = False) -> tuple[list[np.ndarray], np
     vptr = gemm[:, offs[1] + max(kb - 1, 0) * n * R:].ctypes.data  # compact: the first slot's block
     rc = lib.emu_expand_v(DTYPE_CODE[case.spec.dtype], ptrs, ldy, out, boff,
                           ctypes.c_void_p(vptr), ctypes.c_longlong(gemm.shape[1]),
-                          ctypes.c_void_p(b.ctypes.data), ctypes.c_longlong(b.shape[1] * R),
+                          ctypes.c_void_p(b.ctypes.data), ctypes.c_longlong(b_slot), ctypes.c_int(b_ld),
+                          ctypes.c_longlong(b_blk),
                           ctypes.c_void_p(scaling.ctypes.data), ctypes.c_void_p(ranks.ctypes.data),
                           ctypes.c_void_p(case.token_order.ctypes.data), ctypes.c_void_p(case.slot_indptr.ctypes.data),
                           ctypes.c_void_p(dims.ctypes.data))
@@ -561,8 +574,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bound", action="store_true",
                     help="plan each whole call for its case's largest rank, as a pool's planner does "
                          "(the bound-* cases: narrower than the pool's maximum rank)")
+    ap.add_argument("--b-blocked", action="store_true",
+                    help="B of every case above 16 ranks rank-blocked, [S, ceil(R / 16), out, 16], as a pool "
+                         "of such a max_rank holds it (lora_expand_glu's cases keep [S, out, R])")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    B_BLOCKED[0] = args.b_blocked
     global BOUND
     BOUND = args.bound
     with tempfile.TemporaryDirectory() as tmp:

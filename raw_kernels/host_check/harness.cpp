@@ -99,6 +99,7 @@ struct Launch {
   int* counters;
   int num_slots, n_slices, max_rank, in_features, out_features, bucket, positions, rw, splits, k_split,
       col_blocks, cpb, chunked, flags, aligned, b_slot, sliced;  // b_slot: 0 for out * R
+  int b_ld = 0, b_blk = 0;  // B's column and rank-block strides (0, 0: [S, out, R], so R and 16)
 };
 static Launch L;
 static std::vector<char> dsm(256 * 1024);
@@ -109,7 +110,8 @@ template <typename T> static lora::Args<T> args() {
                        L.token_order, L.slot_indptr, L.ws, L.counters, L.num_slots, L.n_slices, L.max_rank,
                        L.in_features, L.out_features, L.bucket, L.positions, L.rw, L.splits, L.k_split,
                        L.col_blocks, L.cpb, L.flags,
-                       L.b_slot ? (long long)L.b_slot : (long long)L.out_features * L.max_rank, L.chunked};
+                       L.b_slot ? (long long)L.b_slot : (long long)L.out_features * L.max_rank,
+                       L.b_ld ? L.b_ld : L.max_rank, L.b_blk ? (long long)L.b_blk : 16LL, L.chunked};
 }
 template <typename T, int BM, bool AL> static void shrink_block(int u) {
   static lora::TileRows<BM> tr;
@@ -354,14 +356,14 @@ extern "C" long long emu_mma_count() { return emu::mma_count; }
 // 6 (lora_chunk: shrink_blocks its blocks), 7 (lora_one: shrink_blocks its blocks), 9 (lora_pair: shrink_blocks
 // the shrink's grid, expand_blocks the expand's), 0 / 1 (the fused launch on tiles / chunks);
 // dims: S n R in out bucket positions rw splits k_split col_blocks cpb chunked flags aligned b_slot
-// sliced (lora_chunk's instantiation for several slices)
+// sliced (lora_chunk's instantiation for several slices) b_ld b_blk (0 0: B [S, out, R])
 extern "C" void emu_set_cp_early(int v) { emu::cp_early = v != 0; }
 extern "C" int emu_delta(int dtype, int bm, int expand, int shrink_blocks, int expand_blocks, void* y, const void* x,
                          const void* A, const void* B, const float* scaling, const int* ranks, const int* out_offsets,
                          const int* token_order, const int* slot_indptr, float* ws, int* counters, const int* dims) {
   L = Launch{y, x, A, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0], dims[1],
              dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11], dims[12],
-             dims[13], dims[14], dims[15], dims[16]};
+             dims[13], dims[14], dims[15], dims[16], dims[17], dims[18]};
   if (dtype == 0) return run_t<__nv_bfloat16>(bm, expand, shrink_blocks, expand_blocks);
   if (dtype == 1) return run_t<__half>(bm, expand, shrink_blocks, expand_blocks);
   return run_t<float>(bm, expand, shrink_blocks, expand_blocks);
@@ -413,6 +415,8 @@ struct VLaunch {
   int out[3], boff[3];
   const void *v, *B;
   long long ldv, b_slot;
+  int b_ld;
+  long long b_blk;
   const float* scaling;
   const int *ranks, *token_order, *slot_indptr;
   int num_slots, n, compact;
@@ -420,7 +424,8 @@ struct VLaunch {
 static VLaunch V;
 template <typename T, int R> static void expand_v_block(int) {
   lora_expand_v<T, R, 8>((T*)V.y0, (T*)V.y1, (T*)V.y2, V.ldy[0], V.ldy[1], V.ldy[2], V.out[0], V.out[1], V.out[2],
-                         V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.scaling,
+                         V.boff[0], V.boff[1], V.boff[2], (const T*)V.v, V.ldv, (const T*)V.B, V.b_slot, V.b_ld, V.b_blk,
+                         V.scaling,
                          V.ranks, V.token_order, V.slot_indptr, V.num_slots, V.n, V.compact);
 }
 template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz) {
@@ -432,10 +437,11 @@ template <typename T> static int expand_v_grid(int R, int gx, int gy, int gz) {
 }
 // dtype 0 bf16, 1 fp16; ys[3], ldy[3], out[3], boff[3]; dims: R gx gy gz S n compact
 extern "C" int emu_expand_v(int dtype, void** ys, const long long* ldy, const int* out, const int* boff, const void* v,
-                            long long ldv, const void* B, long long b_slot, const float* scaling, const int* ranks,
+                            long long ldv, const void* B, long long b_slot, int b_ld, long long b_blk,
+                            const float* scaling, const int* ranks,
                             const int* token_order, const int* slot_indptr, const int* dims) {
   V = VLaunch{ys[0], ys[1], ys[2], {ldy[0], ldy[1], ldy[2]}, {out[0], out[1], out[2]}, {boff[0], boff[1], boff[2]},
-              v, B, ldv, b_slot, scaling, ranks, token_order, slot_indptr, dims[4], dims[5], dims[6]};
+              v, B, ldv, b_slot, b_ld, b_blk, scaling, ranks, token_order, slot_indptr, dims[4], dims[5], dims[6]};
   if (dtype == 0) return expand_v_grid<__nv_bfloat16>(dims[0], dims[1], dims[2], dims[3]);
   if (dtype == 1) return expand_v_grid<__half>(dims[0], dims[1], dims[2], dims[3]);
   return 3;

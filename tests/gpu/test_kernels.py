@@ -428,6 +428,80 @@ def test_occupancy_names_each_launched_kernel(make_case, T, version, kernels):
         assert occ["expand_ring"]["blocks_per_sm"] >= RING_BLOCKS_PER_SM
 
 
+def rank_blocked(case):
+    """``case`` with B rank-blocked, ``[S, ceil(R / 16), out, 16]``, as a pool above 16 ranks holds it
+    (the NaN past each slot's rank kept; the oracle is the same)."""
+    from dataclasses import replace
+
+    from lora_cupy.spec import blocked_b
+
+    w = case.w
+    return replace(case, w=LayerWeights(w.a, blocked_b(w.b, w.a.shape[2]), w.scaling, w.ranks, w.out_offsets))
+
+
+#: Shapes whose B is rank-blocked (pools of max_rank 64 and 128), and the kernels each is run through:
+#: (shape, dtype, backend arguments, rank_bound, the kernel the plan must take). Each is a call the
+#: planner accepts (tests/test_kernel_backend_cpu.py: test_rank_blocked_calls_are_planned).
+BLOCKED_SHAPES = {
+    "T1-r64": dict(T=1, in_f=256, slices=(512,), max_rank=64, ranks=(17, 64), mix="identical"),
+    "T16-r64": dict(T=16, in_f=264, slices=(200,), max_rank=64, ranks=(1, 17, 33, 64), mix="uniform"),
+    "T64-r16-in-128": dict(T=64, in_f=512, slices=(256,), max_rank=128, ranks=(16,), mix="uniform", num_slots=33,
+                           active=32),
+    "T1024-r64": dict(T=1024, in_f=512, slices=(512,), max_rank=64, ranks=(1, 17, 64), mix="uniform"),
+    "T7-qkv": CASES["T7-qkv"], "T133-zipf": CASES["T133-zipf"], "T1000": CASES["T1000"],
+}
+BLOCKED_CALLS = [
+    ("T1-r64", "bfloat16", {}, None, "one"), ("T1-r64", "float16", dict(fused=False, expand="chunk"), None, "chunk"),
+    ("T1-r64", "float32", dict(fused=True), None, "fused"), ("T1-r64", "float32", dict(kernel="simt"), None, None),
+    ("T16-r64", "bfloat16", dict(expand="pair"), None, "pair"),
+    ("T16-r64", "float16", dict(expand="pair"), None, "pair"),
+    ("T64-r16-in-128", "bfloat16", {}, 16, "pair"), ("T64-r16-in-128", "bfloat16", {}, None, None),
+    ("T64-r16-in-128", "bfloat16", dict(fused=False, expand="chunk"), 16, "chunk"),
+    ("T7-qkv", "bfloat16", {}, None, None), ("T7-qkv", "float32", dict(fused=False, expand="expand_stream"), None,
+                                              "expand_stream"),
+    ("T133-zipf", "bfloat16", {}, None, None), ("T133-zipf", "float16", dict(fused=False, expand="expand"), None,
+                                                "expand"),
+    ("T1000", "bfloat16", {}, None, None), ("T1024-r64", "bfloat16", {}, None, "chunk"),
+    ("T1024-r64", "float16", {}, None, "chunk"),
+    ("T1000", "float32", dict(fused=False, expand="expand"), None, "expand"),
+    ("T1000", "bfloat16", dict(fused=False, expand="expand_ring", tile=RING_TILE), None, "expand_ring"),
+    ("T1000", "float16", dict(fused=True), None, "fused"),
+]
+
+
+@pytest.mark.parametrize("name,dtype,kw,bound,kernel", BLOCKED_CALLS,
+                         ids=[f"{c[0]}-{c[1]}-{c[4] or c[2].get('kernel', 'default')}-b{c[3]}" for c in BLOCKED_CALLS])
+def test_rank_blocked_b_matches_oracle(make_case, check, name, dtype, kw, bound, kernel):
+    """B rank-blocked (a pool above 16 ranks stores it so: lora_cupy/spec.py, b_shape) through every
+    kernel, against the float64 oracle on fresh data: ranks 1-128 in pools of 64 and 128, rank-16
+    adapters in a pool of 128 planned for their bound (the layout's reason), NaN past every rank; a
+    second call with fresh data on the same backend."""
+    for _ in range(2):
+        case = rank_blocked(make_case(dtype=dtype, **BLOCKED_SHAPES[name]))
+        be = backend_for(case.spec, **kw)
+        w = dev_weights(case.w)
+        T = case.token_order.shape[0]
+        if kernel == "fused":
+            assert be.plan(T, w, dtype, rank_bound=bound).fused
+        elif kernel is not None:
+            assert be.plan(T, w, dtype, rank_bound=bound).expand == kernel
+        y = dev(case.y0)
+        be.delta(y, dev(case.x), w, dev(case.token_order), dev(case.slot_indptr), rank_bound=bound)
+        cp().cuda.get_current_stream().synchronize()
+        check_clean(be)
+        check(case, host(y, dtype), dtype)
+
+
+@pytest.mark.parametrize("T,launch", [(7, "fused_chunks"), (45, "fused_tiles"), (300, "expand"), (1000, "expand_ring")])
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+def test_one_slice_of_a_rank_blocked_fused_b(make_case, check, dtype, T, launch):
+    """Each slice of a fused target at rank 64 served alone from its rows of a rank-blocked fused B."""
+    case = rank_blocked(make_case(T=T, in_f=200, slices=(96, 40, 24), max_rank=64, ranks=(0, 1, 8, 13, 64),
+                                  dtype=dtype, mix="zipf", num_slots=17, active=9))
+    be = backend_for(case.spec, **LAUNCHES[launch])
+    check(case, run_members(be, case, dtype, prepared={1}), dtype)
+
+
 @pytest.mark.parametrize("T,launch", [(7, "fused_chunks"), (45, "fused_tiles"), (300, "expand"),
                                       (300, "expand_stream"), (1000, "expand"), (1000, "expand_ring")])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -455,7 +529,7 @@ def run_members(be, case, dtype: str, expand: str | None = None, prepared=frozen
     got = np.empty_like(case.y0)
     for j in range(len(offs) - 1):
         mw = member_weights(w, j)
-        assert mw.b.shape[1] == offs[j + 1] - offs[j] and not mw.b.flags.c_contiguous
+        assert mw.b.shape[-2] == offs[j + 1] - offs[j] and not mw.b.flags.c_contiguous
         assert expand is None or be.plan(T, mw, dtype).expand == expand
         y = dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]]))
         if j in prepared:
