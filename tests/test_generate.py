@@ -308,23 +308,25 @@ def test_a_request_whose_adapter_fails_to_read_is_refused_alone(tmp_path):
 
 def test_comparison_with_peft_finds_a_wrong_adapter(tmp_path):
     """The near-tie allowance cannot hide a wrong delta: tokens of another adapter part from
-    PEFT's by a margin far above NEAR_TIE."""
+    PEFT's, mostly by a margin far above NEAR_TIE (on a random prompt two adapters' top logits can
+    come close by chance: one run saw 8e-4, 8x NEAR_TIE, still told apart)."""
     from lora_cupy.integrations.peft_reference import NEAR_TIE
 
     base = tiny("llama")
     dirs = adapters_for("llama", base, tmp_path, [4, 8])
     ref = PeftReference(base, dirs)
     rng = np.random.default_rng()
-    parted = 0
-    for _ in range(6):
+    parted = far = 0
+    for _ in range(8):
         prompt = rng.integers(0, VOCAB, 6).tolist()
         other = ref.generate(prompt, "ad1", 8)
         c = ref.compare(prompt, "ad0", other, 8)
         assert ref.compare(prompt, "ad0", ref.generate(prompt, "ad0", 8), 8).equal
         if not c.equal:
             parted += 1
-            assert c.margin is None or c.margin > 10 * NEAR_TIE, c
-    assert parted >= 3
+            assert c.margin is None or c.margin > NEAR_TIE, c
+            far += c.margin is None or c.margin > 10 * NEAR_TIE
+    assert parted >= 3 and far >= parted - 1, (parted, far)
 
 
 def test_static_decode_keys_its_graphs_by_the_steps_rank_class(tmp_path):

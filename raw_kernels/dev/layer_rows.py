@@ -6,7 +6,11 @@ ab_bench.sh does; ``python -m`` and ``PYTHONPATH=.`` import the tree of the work
     PYTHONPATH=. python raw_kernels/dev/layer_rows.py --tag after --layer 1x1 --core "T1 "
 
 Each line: the tag, the row, warm and flushed us (the bench's Timer: graphs of 20 calls, diff
-method; the layer's four calls also each alone warm), and the oracle check.
+method; the layer's four calls also each alone warm), and the oracle check. ``--b-layout both`` runs
+each core / poolrank row with B ``[S, out, R]`` and rank-blocked in turn (the backend takes either):
+
+    PYTHONPATH=. python raw_kernels/dev/layer_rows.py --layer "" --core r64 --b-layout both
+    PYTHONPATH=. python raw_kernels/dev/layer_rows.py --layer "" --core pool128 --b-layout both
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ def main() -> None:
     from lora_cupy.backends import cupy as cb
     from lora_cupy.backends.base import LayerWeights
     from lora_cupy.bench.kernels import Timer, build, oracle_error, rows, run_layer
+    from lora_cupy.spec import pool_layout_b
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", default="tree")
@@ -29,6 +34,9 @@ def main() -> None:
     ap.add_argument("--max-t", type=int, default=None, help="only the core rows of at most this many positions")
     ap.add_argument("--layer-expand", default=None, help="the layer rows with this expand kernel forced (e.g. pair)")
     ap.add_argument("--expand", default=None, help="the core rows also with this expand kernel forced (e.g. one)")
+    ap.add_argument("--b-layout", default="pool", choices=("pool", "plain", "both"),
+                    help="B of the core, shapes and poolrank rows as a pool of the row's max_rank holds it (rank-blocked "
+                         "above 16 ranks, as the bench), as [S, out, R], or each in turn (an A/B of the layout)")
     args = ap.parse_args()
     warm, flushed = Timer(args.replays, "diff", "none"), Timer(args.replays, "diff", "write")
     for spec in filter(None, args.layer.split(",")):
@@ -40,26 +48,30 @@ def main() -> None:
               f"{calls}  ok {r['ok']}", flush=True)
     for row in rows():
         group = row.label.split()[0]
-        if not args.core or args.core not in row.label or group not in ("core", "shapes") or row.dtype != "bfloat16":
+        if (not args.core or args.core not in row.label or group not in ("core", "shapes", "poolrank")
+                or row.dtype != "bfloat16"):
             continue
         if args.max_t is not None and row.T > args.max_t:
             continue
         d = build(row, 1000)
-        w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
-        for expand in (None, args.expand) if args.expand else (None,):
-            label = row.label + (f" [{expand}]" if expand else "")
+        bound = max(row.ranks) if max(row.ranks) < row.pool_rank else None  # a pool's planner's rank bound
+        layouts = ("plain", "pool") if args.b_layout == "both" else (args.b_layout,)
+        for layout, expand in [(lo, e) for lo in layouts for e in ((None, args.expand) if args.expand else (None,))]:
+            label = row.label + (f" [{expand}]" if expand else "") + (f" B {layout}" if len(layouts) > 1 else "")
+            w = LayerWeights(d.a, pool_layout_b(d.b, row.pool_rank) if layout == "pool" else d.b, d.scaling,
+                             d.ranks, d.offsets)
             be = cb.CupyBackend(d.spec, early_reads=True, **({"expand": expand} if expand else {}))
             d.y.copy_(d.y0)
             try:
-                be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+                be.delta(d.y, d.x, w, d.token_order, d.slot_indptr, rank_bound=bound)
             except ValueError as e:  # a forced kernel that cannot serve the row says why
                 print(f"{args.tag:8s} {label:46s} refused: {e}", flush=True)
                 continue
             torch.cuda.synchronize()
             err = oracle_error(d, d.y)
 
-            def call():
-                be.delta(d.y, d.x, w, d.token_order, d.slot_indptr)
+            def call(be=be, w=w):
+                be.delta(d.y, d.x, w, d.token_order, d.slot_indptr, rank_bound=bound)
 
             print(f"{args.tag:8s} {label:46s} warm {warm(call):6.1f} flushed {flushed(call):6.1f}  err {err:.1e}",
                   flush=True)
