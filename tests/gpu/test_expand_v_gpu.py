@@ -11,7 +11,7 @@ from lora_cupy.backends.cupy import TOLERANCE
 from lora_cupy.dtypes import numpy_dtype
 from lora_cupy.planning import LaunchViews
 
-from test_kernels import backend_for, dev, dev_weights, host, pytestmark  # noqa: F401
+from test_kernels import backend_for, dev, dev_weights, host, pytestmark, rank_blocked  # noqa: F401
 
 CASES = {
     "T1": dict(T=1, in_f=256, slices=(512,), max_rank=16, ranks=(16,), mix="identical"),
@@ -50,9 +50,13 @@ def _oracle(case, v: np.ndarray) -> list[np.ndarray]:
     return out
 
 
+#: each case with B [S, out, R], and those above 16 ranks also rank-blocked, as a pool of such a max_rank holds it
+LAYOUTS = [(name, "plain") for name in CASES] + [(name, "blocked") for name, c in CASES.items() if c["max_rank"] > 16]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("name", list(CASES))
-def test_expand_v_matches_oracle(make_case, name, dtype):
+@pytest.mark.parametrize("name,layout", LAYOUTS)
+def test_expand_v_matches_oracle(make_case, name, layout, dtype):
     import cupy
 
     case = make_case(dtype=dtype, **CASES[name])
@@ -65,7 +69,7 @@ def test_expand_v_matches_oracle(make_case, name, dtype):
     d_gemm = dev(gemm)
     ys = [d_gemm[:, :offs[1]]] + [dev(np.ascontiguousarray(case.y0[:, offs[j]:offs[j + 1]])) for j in range(1, n)]
     be = backend_for(case.spec)
-    launch = be.prepare(dev_weights(case.w))
+    launch = be.prepare(dev_weights(rank_blocked(case).w if layout == "blocked" else case.w))
     views = LaunchViews(len(case.token_order), 0, dev(case.token_order), dev(case.slot_indptr))
     launch.expand_v(ys, d_gemm[:, offs[1]:], views, rows)
     cupy.cuda.get_current_stream().synchronize()
