@@ -475,10 +475,14 @@ def run_glu(lib, case, spec: dict, sms: int) -> dict:
     offs = np.asarray(w.out_offsets, np.int32)
     assert list(offs) == [0, inter, 2 * inter]
     b = np.ascontiguousarray(w.b)
+    b_slot, b_ld, b_blk = 2 * inter * R, 0, 0  # (0 0: [S, out, R])
+    if B_BLOCKED[0] and R > 16:  # rank-blocked, as in run()
+        b = blocked_b(b, R)
+        b_ld, b_blk, b_slot = 16, 2 * inter * 16, b.shape[1] * 2 * inter * 16
     scaling = np.ascontiguousarray(w.scaling, np.float32)
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     dims = np.asarray([S, n, R, in_f, 2 * inter, positions, positions, rw, 1, 0, col_blocks, cpb, 0, 0, 0,
-                       2 * inter * R, ld, ld_h, inter], np.int32)
+                       b_slot, ld, ld_h, inter, b_ld, b_blk], np.int32)
 
     def ptr(a):
         return ctypes.c_void_p(None if a is None else a.ctypes.data)
@@ -576,7 +580,7 @@ def main(argv=None) -> int:
                          "(the bound-* cases: narrower than the pool's maximum rank)")
     ap.add_argument("--b-blocked", action="store_true",
                     help="B of every case above 16 ranks rank-blocked, [S, ceil(R / 16), out, 16], as a pool "
-                         "of such a max_rank holds it (lora_expand_glu's cases keep [S, out, R])")
+                         "of such a max_rank holds it")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     B_BLOCKED[0] = args.b_blocked

@@ -394,7 +394,7 @@ template <typename T> static int glu_grid(int ks, int blocks, int reverse) {
   return 0;
 }
 // dtype 0 bf16, 1 fp16; ks k-steps (1, 2, 4); blocks = tiles * column groups; dims as emu_delta's
-// (x and A unread), then ld ld_h inter. Returns 2 for another ks, 4 where shared memory past
+// (x and A unread) to b_slot, then ld ld_h inter b_ld b_blk. Returns 2 for another ks, 4 where shared memory past
 // Glu<T>::SMEM was written.
 extern "C" int emu_glu(int dtype, int ks, int blocks, int reverse, void* g, const void* up, void* h, const void* B,
                        const float* scaling, const int* ranks, const int* out_offsets, const int* token_order,
@@ -402,6 +402,8 @@ extern "C" int emu_glu(int dtype, int ks, int blocks, int reverse, void* g, cons
   L = Launch{g, nullptr, nullptr, B, scaling, ranks, out_offsets, token_order, slot_indptr, ws, counters, dims[0],
              dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7], dims[8], dims[9], dims[10], dims[11],
              dims[12], dims[13], dims[14], dims[15]};
+  L.b_ld = dims[19];  // 0 0: B [S, out, R]
+  L.b_blk = dims[20];
   GL = GluLaunch{up, h, dims[16], dims[17], dims[18]};
   if (dtype == 0) return glu_grid<__nv_bfloat16>(ks, blocks, reverse);
   if (dtype == 1) return glu_grid<__half>(ks, blocks, reverse);
