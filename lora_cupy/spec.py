@@ -7,9 +7,9 @@ and writes its own column range of y.
 
 Slot weights, per target (``L`` layers, ``S`` slots, ``n`` slices, ``R`` max rank):
 ``A[L, S, n, R, in]`` and ``B[L, S, out, R]``, where slice ``j`` owns rows
-``out_offsets[j]:out_offsets[j+1]`` of B; above 16 ranks B is rank-blocked, ``[L, S, ceil(R / 16),
-out, 16]`` (:meth:`LoraSpec.b_shape`), so a small adapter's B is contiguous in a pool of a large
-``max_rank``. Under tensor parallelism a column-parallel target
+``out_offsets[j]:out_offsets[j+1]`` of B; in a pool of a large ``max_rank`` (``b_layout``) B is
+rank-blocked, ``[L, S, ceil(R / 16), out, 16]`` (:meth:`LoraSpec.b_shape`), so a small adapter's B is
+contiguous. Under tensor parallelism a column-parallel target
 keeps its rank's share of ``out`` (of every slice), a row-parallel target its share of ``in``;
 the delta is linear in x, so a row-parallel rank's partial delta sums correctly in the
 all-reduce that follows.
@@ -29,6 +29,12 @@ from .dtypes import itemsize, normalize_dtype
 DEFAULT_CAPTURE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 #: Ranks a block of a rank-blocked B holds (:meth:`LoraSpec.b_shape`).
 B_RANK_BLOCK = 16
+#: ``b_layout="auto"`` stores B rank-blocked above this many ranks: where a pool spans more than one
+#: rank class (16, 64) of the planner. Measured on an H100 (raw_kernels/NOTES.md, "B rank-blocked"): a
+#: pool of 128 running rank-16 adapters 1.1-2.1 us faster rank-blocked, a pool of 64 running rank-64
+#: adapters 0.3-2.9 us slower.
+B_BLOCKED_ABOVE = 64
+B_LAYOUTS = ("auto", "blocked", "plain")
 
 #: PEFT module names a Llama-style model exposes, and the fused targets that hold them.
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,6 +132,11 @@ class LoraSpec:
     ``num_slots`` counts slot 0, the zero adapter, which is never handed out: a pool of
     ``num_slots`` holds ``num_slots - 1`` adapters at once.
 
+    ``b_layout``: how B is stored (:meth:`b_shape`): ``"blocked"`` rank-blocked above 16 ranks, so
+    a small adapter's B is contiguous in a pool of a large ``max_rank``; ``"plain"`` ``[out,
+    max_rank]`` a slot, which full-width reads take best; ``"auto"`` (the default) rank-blocked
+    above 64 ranks (:data:`B_BLOCKED_ABOVE`).
+
     ``module_prefix`` is where this pool's node sits in the model's module paths (after PEFT's
     ``base_model.model.``), e.g. ``"model.visual."`` for a vision encoder and
     ``"model.language_model."`` for the LLM of one model: an adapter's modules outside it belong
@@ -141,6 +152,7 @@ class LoraSpec:
     tp_size: int = 1
     node: str = "llm"
     module_prefix: str = ""
+    b_layout: str = "auto"
     _by_name: Mapping[str, LoraTarget] = field(default=None, init=False, repr=False, compare=False)
     _by_module: Mapping[str, tuple[LoraTarget, int | None]] = field(
         default=None, init=False, repr=False, compare=False)
@@ -155,6 +167,8 @@ class LoraSpec:
             raise ValueError(f"num_slots must be >= 2 (slot 0 is the zero adapter), got {self.num_slots}")
         if self.max_rank < 1:
             raise ValueError(f"max_rank must be >= 1, got {self.max_rank}")
+        if self.b_layout not in B_LAYOUTS:
+            raise ValueError(f"b_layout must be one of {B_LAYOUTS}, got {self.b_layout!r}")
         if not self.capture_buckets or self.capture_buckets[0] < 1:
             raise ValueError(f"capture_buckets must be positive token counts, got {self.capture_buckets}")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -217,11 +231,13 @@ class LoraSpec:
 
     @property
     def b_blocked(self) -> bool:
-        """Whether B is stored rank-blocked (:meth:`b_shape`): for a ``max_rank`` above 16."""
-        return self.max_rank > B_RANK_BLOCK
+        """Whether B is stored rank-blocked (:meth:`b_shape`): never at 16 ranks or fewer (the two
+        layouts are one there), else as ``b_layout`` says."""
+        above = {"auto": B_BLOCKED_ABOVE, "blocked": B_RANK_BLOCK}.get(self.b_layout)
+        return above is not None and self.max_rank > above
 
     def b_shape(self, target: LoraTarget) -> tuple[int, ...]:
-        """``[layers, slots, out, max_rank]`` on this rank; for a ``max_rank`` above 16 rank-blocked,
+        """``[layers, slots, out, max_rank]`` on this rank; rank-blocked where :attr:`b_blocked`,
         ``[layers, slots, ceil(max_rank / 16), out, 16]`` (ranks past ``max_rank`` zero): block ``i``
         holds ranks ``16 i .. 16 i + 15`` of every column, so a slot's adapter of rank ``r`` is
         ``ceil(r / 16)`` contiguous blocks whatever the pool's ``max_rank`` (in ``[out, max_rank]``
@@ -332,10 +348,10 @@ def layer_index(module_path: str) -> int | None:
 
 
 # -- B's layout ---------------------------------------------------------------------------------
-def pool_layout_b(b, max_rank: int):
-    """``b[..., out, max_rank]`` as a pool of ``max_rank`` stores it (:meth:`LoraSpec.b_shape`): as it
-    is up to 16 ranks, rank-blocked (a copy, :func:`blocked_b`) above."""
-    return b if max_rank <= B_RANK_BLOCK else blocked_b(b, max_rank)
+def pool_layout_b(b, spec: LoraSpec):
+    """``b[..., out, max_rank]`` as a pool of ``spec`` stores it (:meth:`LoraSpec.b_shape`): as it is,
+    or rank-blocked (a copy, :func:`blocked_b`) where :attr:`LoraSpec.b_blocked`."""
+    return blocked_b(b, spec.max_rank) if spec.b_blocked else b
 
 
 def blocked_b(b, max_rank: int):

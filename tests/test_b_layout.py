@@ -3,6 +3,8 @@ reference delta and a pool's deltas on the CPU (the kernels' strides: test_kerne
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -21,13 +23,19 @@ def rng():
     return np.random.default_rng()
 
 
-@pytest.mark.parametrize("R, b_shape", [(8, (2, 5, 48, 8)), (16, (2, 5, 48, 16)), (17, (2, 5, 2, 48, 16)),
-                                        (40, (2, 5, 3, 48, 16)), (128, (2, 5, 8, 48, 16))])
-def test_b_is_rank_blocked_above_16_ranks(R, b_shape):
-    spec = small_spec(num_slots=5, max_rank=R)
+@pytest.mark.parametrize("R, layout, b_shape", [
+    (8, "blocked", (2, 5, 48, 8)), (16, "blocked", (2, 5, 48, 16)), (17, "blocked", (2, 5, 2, 48, 16)),
+    (40, "blocked", (2, 5, 3, 48, 16)), (128, "blocked", (2, 5, 8, 48, 16)),
+    (40, "auto", (2, 5, 48, 40)), (64, "auto", (2, 5, 48, 64)), (65, "auto", (2, 5, 5, 48, 16)),
+    (128, "auto", (2, 5, 8, 48, 16)), (128, "plain", (2, 5, 48, 128))])
+def test_b_is_rank_blocked_where_the_layout_says(R, layout, b_shape):
+    spec = replace(small_spec(num_slots=5, max_rank=R), b_layout=layout)
     t = spec.target("qkv_proj")
-    assert spec.b_blocked == (R > 16) and spec.b_shape(t) == b_shape
+    assert spec.b_blocked == (len(b_shape) == 5) and spec.b_shape(t) == b_shape
     assert spec.target_bytes(t) == (np.prod(spec.a_shape(t)) + np.prod(b_shape)) * 4 + 2 * 5 * 3 * 8
+    assert small_spec(max_rank=R).b_blocked == (R > 64)  # the default, "auto"
+    with pytest.raises(ValueError, match="b_layout"):
+        replace(spec, b_layout="blocks")
 
 
 @pytest.mark.parametrize("lib", ["numpy", "torch"])
@@ -90,7 +98,7 @@ def test_reference_delta_reads_either_layout_alike(rng):
 
 
 def test_image_of_a_pool_above_16_ranks_is_rank_blocked(tmp_path, rng):
-    spec = small_spec(max_rank=40)
+    spec = replace(small_spec(max_rank=40), b_layout="blocked")
     paths = make_adapters(tmp_path, spec, 4, seed=int(rng.integers(1 << 30)), ranks=(5, 16, 17, 40))
     store = LoraAdapterStore(spec, "cpu")
     try:
@@ -110,15 +118,16 @@ def test_image_of_a_pool_above_16_ranks_is_rank_blocked(tmp_path, rng):
 
 
 def check_against_file(pool, slot: int, path: str, rng) -> None:
-    """Slot ``slot``'s B holds rank k of the adapter file's column c at block k // 16, k % 16, and
-    o_proj's delta (one row, every layer) is the file's ``x @ (scaling * B @ A).T`` in float64:
-    neither through the pool's image nor through b_columns."""
+    """Slot ``slot``'s B holds rank k of the adapter file's column c at block k // 16, k % 16 where
+    rank-blocked (else at k), and o_proj's delta (one row, every layer) is the file's
+    ``x @ (scaling * B @ A).T`` in float64: neither through the pool's image nor through b_columns."""
     w = read_peft_adapter(path, pool.spec)
     for tname, tw in w.targets.items():
         _, b, _, _ = slot_arrays(pool, tname, slot)
         for k in range(tw.rank):
-            np.testing.assert_array_equal(b[:, k // 16, :, k % 16], tw.b[:, :, k], err_msg=f"{tname} rank {k}")
-        assert not unblocked_b(b)[..., tw.rank:].any()
+            got = b[:, k // 16, :, k % 16] if pool.spec.b_blocked else b[:, :, k]
+            np.testing.assert_array_equal(got, tw.b[:, :, k], err_msg=f"{tname} rank {k}")
+        assert not (unblocked_b(b) if pool.spec.b_blocked else b)[..., tw.rank:].any()
     tw = w.targets["o_proj"]
     for layer in range(tw.a.shape[0]):
         x = rng.standard_normal((1, 32)).astype(np.float32)
@@ -131,10 +140,13 @@ def check_against_file(pool, slot: int, path: str, rng) -> None:
         np.testing.assert_allclose(y, want, atol=1e-4 * (1 + np.abs(want).max()), rtol=0)
 
 
-def test_pool_above_16_ranks_serves_correct_deltas(tmp_path, rng):
-    """A pool of max_rank 40 (B rank-blocked): slots hold the adapters' files, steps give the
-    float64 oracle's deltas, and a slot written again after an eviction holds the new adapter only."""
-    spec = small_spec(num_slots=3, max_rank=40)
+@pytest.mark.parametrize("R, layout", [(40, "blocked"), (80, "auto"), (40, "auto")])
+def test_pool_above_16_ranks_serves_correct_deltas(tmp_path, rng, R, layout):
+    """A pool of max_rank above 16, B rank-blocked (40 asked for; 80 by default) or not (40 by
+    default): slots hold the adapters' files, steps give the float64 oracle's deltas, and a slot
+    written again after an eviction holds the new adapter only."""
+    spec = replace(small_spec(num_slots=3, max_rank=R), b_layout=layout)
+    assert spec.b_blocked == (layout == "blocked" or R > 64)
     paths = make_adapters(tmp_path, spec, 4, seed=int(rng.integers(1 << 30)), ranks=(3, 17, 40, 16))
     pool = LoraAdapterPool(spec, "cpu", adapters=paths)
     try:

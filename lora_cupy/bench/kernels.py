@@ -579,7 +579,7 @@ def run_row(row: Row, timer: Timer, bw: float, seed: int, sweep: bool) -> dict:
     from ..backends.cupy import TOLERANCE, CupyBackend, check_call, default_tile
 
     d = build(row, seed)
-    w = LayerWeights(d.a, pool_layout_b(d.b, row.pool_rank), d.scaling, d.ranks, d.offsets)  # B as a pool holds it
+    w = LayerWeights(d.a, pool_layout_b(d.b, d.spec), d.scaling, d.ranks, d.offsets)  # B as a pool holds it
     # the rank bound a pool's planner hands its launches: the step's slots' largest rank (only a
     # poolrank row, a pool of maximum rank 128 running rank-16 adapters, plans narrower for it)
     rb = max(row.ranks)

@@ -70,7 +70,7 @@ def run(only: list[str]) -> None:
         if only and not any(o in label for o in only):
             continue
         d = build(row, 0)
-        w = LayerWeights(d.a, pool_layout_b(d.b, row.pool_rank), d.scaling, d.ranks, d.offsets)
+        w = LayerWeights(d.a, pool_layout_b(d.b, d.spec), d.scaling, d.ranks, d.offsets)
         be = CupyBackend(d.spec, **kw)
         plan = be.plan(d.token_order.shape[0], w, row.dtype)
         torch.cuda.synchronize()

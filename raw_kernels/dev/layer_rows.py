@@ -24,7 +24,7 @@ def main() -> None:
     from lora_cupy.backends import cupy as cb
     from lora_cupy.backends.base import LayerWeights
     from lora_cupy.bench.kernels import Timer, build, oracle_error, rows, run_layer
-    from lora_cupy.spec import pool_layout_b
+    from lora_cupy.spec import blocked_b, pool_layout_b
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", default="tree")
@@ -34,9 +34,10 @@ def main() -> None:
     ap.add_argument("--max-t", type=int, default=None, help="only the core rows of at most this many positions")
     ap.add_argument("--layer-expand", default=None, help="the layer rows with this expand kernel forced (e.g. pair)")
     ap.add_argument("--expand", default=None, help="the core rows also with this expand kernel forced (e.g. one)")
-    ap.add_argument("--b-layout", default="pool", choices=("pool", "plain", "both"),
-                    help="B of the core, shapes and poolrank rows as a pool of the row's max_rank holds it (rank-blocked "
-                         "above 16 ranks, as the bench), as [S, out, R], or each in turn (an A/B of the layout)")
+    ap.add_argument("--b-layout", default="pool", choices=("pool", "plain", "blocked", "both"),
+                    help="B of the core, shapes and poolrank rows as a pool of the row's max_rank holds it (as the "
+                         "bench; b_layout 'auto'), as [S, out, R], rank-blocked, or [S, out, R] and rank-blocked in "
+                         "turn (an A/B of the layout)")
     args = ap.parse_args()
     warm, flushed = Timer(args.replays, "diff", "none"), Timer(args.replays, "diff", "write")
     for spec in filter(None, args.layer.split(",")):
@@ -55,11 +56,13 @@ def main() -> None:
             continue
         d = build(row, 1000)
         bound = max(row.ranks) if max(row.ranks) < row.pool_rank else None  # a pool's planner's rank bound
-        layouts = ("plain", "pool") if args.b_layout == "both" else (args.b_layout,)
+        layouts = ("plain", "blocked") if args.b_layout == "both" else (args.b_layout,)
         for layout, expand in [(lo, e) for lo in layouts for e in ((None, args.expand) if args.expand else (None,))]:
             label = row.label + (f" [{expand}]" if expand else "") + (f" B {layout}" if len(layouts) > 1 else "")
-            w = LayerWeights(d.a, pool_layout_b(d.b, row.pool_rank) if layout == "pool" else d.b, d.scaling,
-                             d.ranks, d.offsets)
+            b = {"pool": pool_layout_b(d.b, d.spec), "plain": d.b}.get(layout)
+            if b is None:  # rank-blocked whatever the pool's default
+                b = blocked_b(d.b, row.pool_rank) if row.pool_rank > 16 else d.b
+            w = LayerWeights(d.a, b, d.scaling, d.ranks, d.offsets)
             be = cb.CupyBackend(d.spec, early_reads=True, **({"expand": expand} if expand else {}))
             d.y.copy_(d.y0)
             try:
