@@ -16,7 +16,7 @@ class TargetWeights:
     ``ranks[L, n]`` (int32, 0 where the adapter adds nothing) and ``scaling[L, n]`` (float32).
     Slice ``j`` owns rows ``out_offsets[j]:out_offsets[j+1]`` of ``b``. A pool's image of it
     (``AdapterStore.build_image``) is padded to the pool's ``max_rank`` and in the pool's layout:
-    ``b`` rank-blocked, ``[L, ceil(R / 16), out, 16]``, above 16 ranks (``LoraSpec.b_shape``).
+    ``b`` rank-blocked, ``[L, ceil(R / 16), out, 16]``, where ``LoraSpec.b_blocked``.
     """
 
     a: np.ndarray

@@ -18,7 +18,7 @@ from .spec import LoraSpec, LoraTarget
 # -- the slot weights -----------------------------------------------------------------------
 class SlotWeights:
     """One target's slot arrays on the device: ``a[L, S, n, R, in]``, ``b[L, S, out, R]`` (rank-blocked
-    above 16 ranks: :meth:`LoraSpec.b_shape`),
+    where :attr:`LoraSpec.b_blocked`),
     ``ranks``/``scaling[L, S, n]``; and a host mirror of the ranks. A layer's A may be kept in
     an array of its own instead (:meth:`bind`: the rows a base weight was extended by)."""
 

@@ -362,11 +362,17 @@ def blocked_b(b, max_rank: int):
     if max_rank <= B_RANK_BLOCK or r > max_rank:
         raise ValueError(f"a rank-blocked B is for a max_rank above {B_RANK_BLOCK} holding the rank "
                          f"{r}, not {max_rank}")
-    nb = -(-max_rank // B_RANK_BLOCK)
-    if type(b).__module__.startswith("torch"):
-        wide = b.new_zeros((*lead, out, nb * B_RANK_BLOCK))
-    else:
-        wide = np.zeros((*lead, out, nb * B_RANK_BLOCK), b.dtype)
-    wide[..., :r] = b
-    blocked = wide.reshape(*lead, out, nb, B_RANK_BLOCK).swapaxes(-2, -3)
-    return blocked.contiguous() if hasattr(blocked, "contiguous") else np.ascontiguousarray(blocked)
+    shape = (*lead, -(-max_rank // B_RANK_BLOCK), out, B_RANK_BLOCK)
+    dst = b.new_zeros(shape) if type(b).__module__.startswith("torch") else np.zeros(shape, b.dtype)
+    put_blocked(dst, b)
+    return dst
+
+
+def put_blocked(dst, b) -> None:
+    """Write ``b[..., out, r]`` into the leading ranks of a rank-blocked ``dst[..., RB, out, 16]``
+    (``r <= 16 * RB``): rank ``k`` of column ``c`` at ``dst[..., k // 16, c, k % 16]``; the rest of
+    ``dst`` is left as it is."""
+    r = b.shape[-1]
+    for i in range(-(-r // B_RANK_BLOCK)):
+        k0 = i * B_RANK_BLOCK
+        dst[..., i, :, :min(B_RANK_BLOCK, r - k0)] = b[..., k0:k0 + B_RANK_BLOCK]

@@ -32,7 +32,7 @@ from .dtypes import numpy_dtype
 from .errors import (AdapterFileError, CapacityError, DigestMismatchError, LoraError, RankTooLargeError,
                      ShapeMismatchError, TargetMismatchError)
 from .peft import read_peft_adapter
-from .spec import B_RANK_BLOCK, LoraSpec
+from .spec import LoraSpec, put_blocked
 
 #: Where a host copy stands, as the agreement across ranks encodes it (the max wins).
 READY, READING, FAILED = 0, 1, 2
@@ -308,8 +308,8 @@ class LoraAdapterStore:
         return w
 
     def build_image(self, w: AdapterWeights) -> AdapterWeights:
-        """``w`` padded to the pool's maximum rank and in its layout (B rank-blocked above 16 ranks:
-        :meth:`LoraSpec.b_shape`), in host memory copies can start from: one
+        """``w`` padded to the pool's maximum rank and in its layout (B rank-blocked where
+        :attr:`LoraSpec.b_blocked`), in host memory copies can start from: one
         zeroed block whose aligned views are the targets' arrays, so an image is one host
         allocation, not four per target (on CUDA each is a pinned-pool block and two gc-tracked
         objects, alive from the read until the image is dropped)."""
@@ -347,10 +347,8 @@ class LoraAdapterStore:
         for k, (tname, tw, r, _) in enumerate(layout):
             img = targets[tname] = TargetWeights(*arrays[4 * k:4 * k + 4])
             img.a[:, :, :r] = tw.a
-            if self.spec.b_blocked:  # [L, ceil(R / 16), out, 16]: block i holds ranks 16 i .. 16 i + 15
-                for i in range(-(-r // B_RANK_BLOCK)):
-                    k0 = i * B_RANK_BLOCK
-                    img.b[:, i, :, :min(B_RANK_BLOCK, r - k0)] = tw.b[:, :, k0:k0 + B_RANK_BLOCK]
+            if self.spec.b_blocked:  # [L, ceil(R / 16), out, 16], written in place
+                put_blocked(img.b, tw.b)
             else:
                 img.b[:, :, :r] = tw.b
             img.ranks[...] = tw.ranks

@@ -12,8 +12,8 @@ import numpy as np
 class LayerWeights:
     """One target's slot weights at one stack layer: views resolved once, read every step.
 
-    ``a[S, n, R, in]``, ``b[S, out, R]`` or rank-blocked ``b[S, ceil(R / 16), out, 16]`` (for
-    ``R`` above 16: what a pool stores, :meth:`LoraSpec.b_shape`; :func:`b_columns` reads either),
+    ``a[S, n, R, in]``, ``b[S, out, R]`` or rank-blocked ``b[S, ceil(R / 16), out, 16]`` (``R`` above
+    16; what a pool stores where :attr:`LoraSpec.b_blocked`; :func:`b_columns` reads either),
     ``scaling[S, n]`` (float32), ``ranks[S, n]`` (int32); slice ``j`` writes columns
     ``out_offsets[j]:out_offsets[j+1]`` of y. Slot 0 is all zero.
     """

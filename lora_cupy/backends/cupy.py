@@ -855,7 +855,7 @@ def b_strides(name: str, b, d: DeviceArg) -> tuple[int, int, int]:
     if d.contiguous:
         return RB * out * W, W, out * W
     strides = element_strides(b, d)
-    blk = int(strides[1]) if RB > 1 else out * W
+    blk = int(strides[1])  # (rank-blocked only above 16 ranks: RB >= 2)
     if strides[3] == 1 and strides[2] == W and blk >= out * W and (S == 1 or strides[0] >= RB * blk):
         return (int(strides[0]) if S > 1 else RB * blk), W, blk
     raise ValueError(f"{name} must be C-contiguous, or one slice's columns of a C-contiguous rank-blocked "

@@ -146,6 +146,16 @@ ROW_AT = {"one-row": (5, 3)}
 DTYPE_CODE = {"bfloat16": 0, "float16": 1, "float32": 2}
 B_BLOCKED = [False]  # --b-blocked: B of cases above 16 ranks rank-blocked, as a pool holds it
 
+
+def b_arg(b: np.ndarray, R: int) -> tuple[np.ndarray, int, int, int]:
+    """A case's ``b [S, out, R]`` as the kernels get it: (array, b_slot, b_ld, b_blk); rank-blocked,
+    ``[S, ceil(R / 16), out, 16]``, where --b-blocked and R is above 16 (lora_mma.cu's Args::b_at)."""
+    S, out, _ = b.shape
+    if B_BLOCKED[0] and R > 16:
+        bb = blocked_b(np.ascontiguousarray(b), R)
+        return bb, bb.shape[1] * out * 16, 16, out * 16
+    return np.ascontiguousarray(b), out * R, R, 16
+
 #: lora_expand_glu's cases: a gate_up target of two slices of ``inter`` columns each (inter a
 #: multiple of 8, R of 4: what the backend's glu_fits allows). ``h``: "g" writes h in place over g,
 #: "own" into a buffer of its own with rows 8 elements wider (ld_h != ld); ``fused``: g and u are
@@ -271,15 +281,11 @@ def run(lib, case, plan: cb.LaunchPlan, *, misalign: bool, aligned: str = "auto"
     w, dtype = case.w, case.spec.dtype
     S, n, R, in_f = w.a.shape
     T = case.token_order.shape[0]
-    b, offsets, y0, b_slot = w.b, w.out_offsets, case.y0, 0
-    b_ld, b_blk = R, 16
-    if B_BLOCKED[0] and R > 16:  # B rank-blocked, [S, ceil(R / 16), out, 16], as a pool above 16 ranks holds it
-        b = blocked_b(np.asarray(w.b), R)
-        b_ld, b_blk, b_slot = 16, b.shape[2] * 16, b.shape[1] * b.shape[2] * 16
+    offsets, y0 = w.out_offsets, case.y0
+    b, b_slot, b_ld, b_blk = b_arg(w.b, R)
     if member is not None:
         o0, o1 = w.out_offsets[member], w.out_offsets[member + 1]
         b, offsets, y0 = b[..., o0:o1, :], member_offsets(w.out_offsets, member), case.y0[:, o0:o1]
-        b_slot = b_slot or w.b.shape[1] * R
     out = y0.shape[1]
     x, y = case.x, np.array(y0, copy=True, order="C")  # never the case's own y0
     if misalign:
@@ -378,11 +384,7 @@ def run_expand_v(lib, case, compact: bool = False) -> tuple[list[np.ndarray], np
     ldy = (ctypes.c_longlong * 3)(*[y.strides[0] // y.itemsize for y in ys], *[0] * pad)
     out = (ctypes.c_int * 3)(*[offs[j + 1] - offs[j] for j in range(n)], *[0] * pad)
     boff = (ctypes.c_int * 3)(*offs[:n], *[0] * pad)
-    b = np.ascontiguousarray(w.b)
-    b_ld, b_blk, b_slot = R, 16, b.shape[1] * R
-    if B_BLOCKED[0] and R > 16:  # rank-blocked, as in run()
-        b = blocked_b(b, R)
-        b_ld, b_blk, b_slot = 16, b.shape[2] * 16, b.shape[1] * b.shape[2] * 16
+    b, b_slot, b_ld, b_blk = b_arg(w.b, R)
     scaling = np.ascontiguousarray(w.scaling, np.float32)  # held while the call reads them
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     grid = cb.expand_v_grid(len(case.token_order), S, max(out[:n]), n)
@@ -474,11 +476,7 @@ def run_glu(lib, case, spec: dict, sms: int) -> dict:
     ks = next(k for k in GLU_KS if 16 * k >= rw)
     offs = np.asarray(w.out_offsets, np.int32)
     assert list(offs) == [0, inter, 2 * inter]
-    b = np.ascontiguousarray(w.b)
-    b_slot, b_ld, b_blk = 2 * inter * R, 0, 0  # (0 0: [S, out, R])
-    if B_BLOCKED[0] and R > 16:  # rank-blocked, as in run()
-        b = blocked_b(b, R)
-        b_ld, b_blk, b_slot = 16, 2 * inter * 16, b.shape[1] * 2 * inter * 16
+    b, b_slot, b_ld, b_blk = b_arg(w.b, R)
     scaling = np.ascontiguousarray(w.scaling, np.float32)
     ranks = np.ascontiguousarray(w.ranks, np.int32)
     dims = np.asarray([S, n, R, in_f, 2 * inter, positions, positions, rw, 1, 0, col_blocks, cpb, 0, 0, 0,
