@@ -101,9 +101,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for tag, tree in order.items():
             got = run_rows(tag, tree, rows_args)
-            print(f"round {rnd + 1}, {tag}: {len(got)} lines", flush=True)
+            print(f"round {rnd + 1}, {tag}: {len(got)} lines", *got, sep="\n", flush=True)  # kept if cut short
             lines += got
-    print("\n".join(lines))
     print("\nwarm (flushed) us, each round:\n" + table(lines, list(order)))
 
 
