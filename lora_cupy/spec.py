@@ -34,7 +34,9 @@ B_RANK_BLOCK = 16
 #: pool of 128 running rank-16 adapters 1.1-2.1 us faster rank-blocked, a pool of 64 running rank-64
 #: adapters 0.3-2.9 us slower.
 B_BLOCKED_ABOVE = 64
-B_LAYOUTS = ("auto", "blocked", "plain")
+#: Each ``LoraSpec.b_layout``: B is stored rank-blocked above this many ranks (never: None).
+_BLOCKED_ABOVE = {"auto": B_BLOCKED_ABOVE, "blocked": B_RANK_BLOCK, "plain": None}
+B_LAYOUTS = tuple(_BLOCKED_ABOVE)
 
 #: PEFT module names a Llama-style model exposes, and the fused targets that hold them.
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -233,7 +235,7 @@ class LoraSpec:
     def b_blocked(self) -> bool:
         """Whether B is stored rank-blocked (:meth:`b_shape`): never at 16 ranks or fewer (the two
         layouts are one there), else as ``b_layout`` says."""
-        above = {"auto": B_BLOCKED_ABOVE, "blocked": B_RANK_BLOCK}.get(self.b_layout)
+        above = _BLOCKED_ABOVE[self.b_layout]
         return above is not None and self.max_rank > above
 
     def b_shape(self, target: LoraTarget) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ each core / poolrank row with B ``[S, out, R]`` and rank-blocked in turn (the ba
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     from lora_cupy.backends import cupy as cb
     from lora_cupy.backends.base import LayerWeights
     from lora_cupy.bench.kernels import Timer, build, oracle_error, rows, run_layer
-    from lora_cupy.spec import blocked_b, pool_layout_b
+    from lora_cupy.spec import pool_layout_b
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", default="tree")
@@ -59,10 +60,9 @@ def main() -> None:
         layouts = ("plain", "blocked") if args.b_layout == "both" else (args.b_layout,)
         for layout, expand in [(lo, e) for lo in layouts for e in ((None, args.expand) if args.expand else (None,))]:
             label = row.label + (f" [{expand}]" if expand else "") + (f" B {layout}" if len(layouts) > 1 else "")
-            b = {"pool": pool_layout_b(d.b, d.spec), "plain": d.b}.get(layout)
-            if b is None:  # rank-blocked whatever the pool's default
-                b = blocked_b(d.b, row.pool_rank) if row.pool_rank > 16 else d.b
-            w = LayerWeights(d.a, b, d.scaling, d.ranks, d.offsets)
+            # B as the row's pool stores it, or as a pool of the same max_rank with b_layout "plain" / "blocked"
+            spec = d.spec if layout == "pool" else replace(d.spec, b_layout=layout)
+            w = LayerWeights(d.a, pool_layout_b(d.b, spec), d.scaling, d.ranks, d.offsets)
             be = cb.CupyBackend(d.spec, early_reads=True, **({"expand": expand} if expand else {}))
             d.y.copy_(d.y0)
             try:
