@@ -108,9 +108,18 @@ CHUNK_NARROW_BM = 16
 #: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_WIDE_FROM``
 #: positions (``chunk_bm``): a wide A and B are read once for 64 rows.
 CHUNK_WIDE_BM = 64
+#: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_TALL_FROM``
+#: positions (``chunk_bm``): A and B read once for 128 rows, by blocks of 8 warps (``chunk_threads``).
+CHUNK_TALL_BM = 128
 #: ``(rank width, positions a chunk)`` of each lora_chunk instantiation.
 CHUNK_SHAPES = tuple((rw, bm) for rw in CHUNK_RW
-                     for bm in ((CHUNK_NARROW_BM, CHUNK_BM) + ((CHUNK_WIDE_BM,) if rw > 16 else ())))
+                     for bm in ((CHUNK_NARROW_BM, CHUNK_BM) + ((CHUNK_WIDE_BM, CHUNK_TALL_BM) if rw > 16 else ())))
+
+
+def chunk_threads(bm: int) -> int:
+    """Threads a block of lora_chunk in chunks of ``bm`` positions (``Chunk::NTHREADS``): 4 warps, 8
+    in chunks of ``CHUNK_TALL_BM`` (a warp an m-tile of 16 rows, as in chunks of 64)."""
+    return 256 if bm == CHUNK_TALL_BM else 128
 
 
 def chunk_name(ctype: str, rw: int, bm: int, *, aligned: bool, sliced: bool) -> str:

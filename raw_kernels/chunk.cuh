@@ -16,19 +16,21 @@
 //   y[t, c]      += round(scaling[s, j] * v[p, j, :r_j]) @ B[s, c, :r_j].T    (c in [c_lo_j, c_hi_j))
 // Work: the step's chunks (each slot's positions cut into pieces of at most BM from its start, as
 // lora_fused's chunks; BM is the instantiation's: 16 up to the plan's CHUNK_NARROW_TO positions,
-// where a chunk holds a few, 32, or 64 at rank widths above 16 from the plan's CHUNK_WIDE_FROM
-// positions, so a wide A and B are read once for 64 rows) times P parts,
+// where a chunk holds a few, 32, or at rank widths above 16 64 from the plan's CHUNK_WIDE_FROM
+// positions and 128 from its CHUNK_TALL_FROM, so a wide A and B are read once for 64 or 128 rows)
+// times P parts,
 // P = chunk_parts: as many as fill the grid (one wave of blocks) for the chunks the step has, at
 // most `splits`. Part q of chunk c takes an equal share of `in` (stages of KC) and of the column
 // blocks with columns (BN columns, counted from column 0; each in one slice):
 //   1. shrink: passes (slice, rank block of RB ranks) over its share of `in`, every slice with
 //      columns and a rank, all in one ring of cp.async stages of x rows and A rows (rows up to the
-//      block's ranks rounded up to 16, zero past them), 4 warps: warp w holds m-tile w % MT and
-//      k-steps w / MT, w / MT + WK, ... of each stage (MT = BM / 16 m-tiles, WK = 4 / MT warps on
-//      each); at a pass's last stage its sums (ranks below the slice's only: 0 * inf stays out of
-//      v) are added into v with 8-byte red.add (where WK > 1 the WK warps of an m-tile first sum
-//      theirs in shared memory past the stages and one of them adds: a quarter of the reductions
-//      at chunks of 16, half at 32); then the part counts itself into the chunk's ready count.
+//      block's ranks rounded up to 16, zero past them), WARPS warps (4; 8 in chunks of 128): warp
+//      w holds m-tile w % MT and k-steps w / MT, w / MT + WK, ... of each stage (MT = BM / 16
+//      m-tiles, WK = WARPS / MT warps on each); at a pass's last stage its sums (ranks below the
+//      slice's only: 0 * inf stays out of v) are added into v with 8-byte red.add (where WK > 1
+//      the WK warps of an m-tile first sum theirs in shared memory past the stages and one of them
+//      adds: a quarter of the reductions at chunks of 16, half at 32); then the part counts itself
+//      into the chunk's ready count.
 //   2. expand: steps (column block, rank block; rank blocks past the block's slice's rank are
 //      empty). The first STAGES - 1 steps' y tiles (whole 16-byte pieces of BM rows, at a column
 //      block's first step, in a ring of their own) and B tiles (BN columns x the rank block's
@@ -41,8 +43,9 @@
 //      and writes them back.
 //   3. the last part of the chunk to finish reading v zeroes it (each slice's ranks rounded up to
 //      16) and resets the chunk's counts; the last block to finish resets the ticket.
-// Grid (1-D, 128 threads): one wave of blocks (the plan's, a function of the capture bucket and
-// the slot count only: graph-safe; as many as its shared memory leaves resident). Where the grid
+// Grid (1-D, 128 threads; 256 in chunks of 128, 2 blocks a multiprocessor): one wave of blocks
+// (the plan's, a function of the capture bucket and the slot count only: graph-safe; as many as
+// its shared memory leaves resident). Where the grid
 // holds the step's items (chunk, part), block b takes item b (chunk-major) and no other, and the
 // blocks past the items leave after counting the chunks, with no done count.
 // Where it does not (a step of more chunks than one wave takes), block b takes item b first, then
@@ -71,11 +74,14 @@ template <typename T, int RW, int BM_>
 struct Chunk {
   static_assert(sizeof(T) == 2, "lora_chunk serves 16-bit types");
   static_assert(RW == 16 || RW == 64 || RW == 128, "lora_chunk is built for rank widths 16, 64 and 128");
-  static_assert(BM_ == 16 || BM_ == 32 || (BM_ == 64 && RW > 16),
-                "chunks of 16 or 32 positions, or 64 at rank widths above 16");
+  static_assert(BM_ == 16 || BM_ == 32 || ((BM_ == 64 || BM_ == 128) && RW > 16),
+                "chunks of 16 or 32 positions, or 64 or 128 at rank widths above 16");
   static constexpr int STAGES = 3, CH = 8;           // 16-byte pieces of 8
   static constexpr int BM = BM_;                     // positions a chunk (A and B read once a chunk)
-  static constexpr int MT = BM / 16, WK = 4 / MT;    // m-tiles; warps sharing one
+  // warps a block: 4, or 8 in chunks of 128 (a warp an m-tile, each warp's registers as in chunks of 64)
+  static constexpr int WARPS = BM == 128 ? 8 : 4, NTHREADS = 32 * WARPS;
+  static constexpr int BLOCKS_PER_SM = BM == 128 ? 2 : 4;  // the launch bounds: what the stages leave
+  static constexpr int MT = BM / 16, WK = WARPS / MT;  // m-tiles; warps sharing one
   static constexpr int KC = RW <= 16 ? 128 : 64;     // features a shrink stage
   static constexpr int BN = RW <= 16 ? 128 : 64;     // columns an expand stage
   static constexpr int RB = RW <= 16 ? 16 : 64;      // ranks of an A or B tile: a rank block
@@ -97,9 +103,11 @@ struct Chunk {
 // have); a step cut into taller chunks uses the first of them.
 constexpr int CHUNK_UNIT_BM = 16;
 
-// A block's chunk's token rows (either height).
+// A block's chunk's token rows (64 entries up to chunks of 64: the static shared memory of every
+// height up to 64 is one size).
+template <int BM>
 struct ChunkRows {
-  int tok[64];
+  int tok[BM > 64 ? BM : 64];
 };
 
 // One block's chunk: slot, first position and rows (from locate_chunk); each slice's rank,
@@ -136,7 +144,7 @@ __device__ __forceinline__ int chunk_slice(const ChunkWork& cw, int n, int cb) {
 // (one per rank block of each slice with columns and a rank) and the column blocks. Every thread
 // calls.
 template <typename T, int RW, int BM, bool SLICED>
-__device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr, ChunkScan& cs, ChunkWork& cw,
+__device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows<BM>& tr, ChunkScan& cs, ChunkWork& cw,
                             int c) {
   constexpr int BN = Chunk<T, RW, BM>::BN, RB = Chunk<T, RW, BM>::RB;
   locate_chunk<BM>(cs, s_indptr, g.num_slots, g.positions, c);
@@ -219,13 +227,13 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows& tr
 // run through the passes (slice, rank block) in one ring: pass p's share of `in`, then p + 1's, a
 // pass's sums added into v as its last stage is done.
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
-__device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
+__device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
-  constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8;
-  constexpr int XPR = KC / CH, XPT = BM * XPR / THREADS, XROWS = THREADS / XPR;  // x pieces
-  constexpr int APT = C::RB * XPR / THREADS;                                      // A pieces
+  constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8, NTH = C::NTHREADS;
+  constexpr int XPR = KC / CH, XPT = BM * XPR / NTH, XROWS = NTH / XPR;  // x pieces
+  constexpr int APT = C::RB * XPR / NTH;                                  // A pieces
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int in = g.in_features, nk = (in + KC - 1) / KC, per = (nk + parts - 1) / parts;
   const int k0 = q * per, nkp = max(min(k0 + per, nk) - k0, 0), total = nkp * cw.passes, m = cw.m;
@@ -266,11 +274,11 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
           }
         }
       } else {
-        for (int e = tid; e < BM * KC; e += THREADS) {
+        for (int e = tid; e < BM * KC; e += NTH) {
           const int row = e / KC, k = e % KC;
           sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
         }
-        for (int e = tid; e < r16 * KC; e += THREADS) {
+        for (int e = tid; e < r16 * KC; e += NTH) {
           const int row = e / KC, k = e % KC;
           sa[row * C::LDA + k] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
         }
@@ -374,14 +382,14 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 // Part q's expand of its column blocks, after all `parts` parts of chunk c have added into v;
 // then the chunk's v released (the last part to finish zeroes it and resets the chunk's counts).
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
-__device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr, const ChunkWork& cw, int c, int q,
+__device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
-  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, CH = C::CH, NT = C::NT, RB = C::RB;
+  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, CH = C::CH, NT = C::NT, RB = C::RB, NTH = C::NTHREADS;
   constexpr int KS = RW / 16, KPB = RB / 16;                                     // k-steps of v; of a rank block
-  constexpr int YPR = BN / CH, YPT = BM * YPR / THREADS, YROWS = THREADS / YPR;  // y pieces
-  constexpr int BPR = RB / CH, BPT = BN * BPR / THREADS, BROWS = THREADS / BPR;  // B pieces
+  constexpr int YPR = BN / CH, YPT = BM * YPR / NTH, YROWS = NTH / YPR;  // y pieces
+  constexpr int BPR = RB / CH, BPT = BN * BPR / NTH, BROWS = NTH / BPR;  // B pieces
   __shared__ int last_reader;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int out = g.out_features, n = g.n_slices, m = cw.m;
@@ -417,7 +425,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
           if (row < m && in) cp_async16(sy + row * C::LDY + yc, g.y + (size_t)tr.tok[row] * out + c0 + yc, 16);
         }
       } else {
-        for (int e = tid; e < BM * BN; e += THREADS) {
+        for (int e = tid; e < BM * BN; e += NTH) {
           const int row = e / BN, col = e % BN;
           if (row < m && c0 + col < out) sy[row * C::LDY + col] = g.y[(size_t)tr.tok[row] * out + c0 + col];
         }
@@ -433,7 +441,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
           }
         }
       } else {
-        for (int e = tid; e < BN * rr16; e += THREADS) {
+        for (int e = tid; e < BN * rr16; e += NTH) {
           const int row = e / rr16, k = e % rr16, col = c0 + row;
           const bool ok = col >= cw.lo[j] && col < cw.hi[j] && k < rr;
           sb[row * C::LDB + k] = ok ? bs[g.b_at(col, rb0 + k)] : from_float<T>(0.f);
@@ -542,7 +550,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
     __threadfence();
     for (int j = SLICED ? 0 : cw.j; j < (SLICED ? n : cw.j + 1); ++j) {
       const int r4 = ((cw.r[j] + 15) & ~15) / 4;
-      for (int e = tid; e < m * r4; e += THREADS) {
+      for (int e = tid; e < m * r4; e += NTH) {
         const int row = e / r4, c4 = (e % r4) * 4;
         __stcg(reinterpret_cast<float4*>(g.ws + ((size_t)(cw.p0 + row) * n + j) * g.rw + c4),
                make_float4(0.f, 0.f, 0.f, 0.f));
@@ -556,8 +564,9 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows& tr,
 }
 
 // The static shared memory of lora_chunk (ChunkRows, ChunkScan, ChunkWork and two ints) is at
-// most this: with the stages and the slot table it must leave 4 blocks a multiprocessor.
-constexpr int CHUNK_STATIC_SMEM = 768;
+// most this in chunks of up to 64 positions (with the stages and the slot table it must leave 4
+// blocks a multiprocessor), and CHUNK_TALL_STATIC_SMEM in chunks of 128 (2 blocks).
+constexpr int CHUNK_STATIC_SMEM = 768, CHUNK_TALL_STATIC_SMEM = 1024;
 
 // A block's items (chunk, part) of a step cut into chunks of BM_ positions, `parts` each, `items` in
 // all (what the step has for this grid): block b takes item b (part b % parts of chunk b / parts)
@@ -570,7 +579,7 @@ constexpr int CHUNK_STATIC_SMEM = 768;
 // first item's setup reads only the addressing, ranks, scalings and offsets, so it runs before
 // the wait for the grid before; x, A, B, y, v and the counts after.
 template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
-__device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
+__device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows<BM_>& tr, ChunkScan& cs,
                             ChunkWork& cw, int parts, int items, bool early) {
   __shared__ int ticket;
   const int grid = gridDim.x;
@@ -596,10 +605,10 @@ __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkR
 // the chunks are counted (a small step's items then meet no atomics but their done counts). The
 // last taker to finish resets the ticket and done counts.
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
-__device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows& tr, ChunkScan& cs,
+__device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows<BM>& tr, ChunkScan& cs,
                            ChunkWork& cw, bool early) {
   const int grid = gridDim.x;
-  count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+  count_chunks<BM, Chunk<T, RW, BM>::NTHREADS>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
   const int parts = chunk_parts(g, cs.chunks, grid), items = cs.chunks * parts;
   const int takers = min(grid, items);
   if ((int)blockIdx.x >= takers) {  // cs.chunks is the block's after count_chunks: uniform

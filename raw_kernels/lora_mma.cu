@@ -242,13 +242,14 @@ __device__ void read_tile(TileRows<BM>& tr, int* s_indptr, const int* __restrict
 }
 
 // The step's chunks: slot s's range of positions (s >= 1, clipped to `positions`) cut into
-// pieces of at most BM from its start, in slot order. Stages slot_indptr; one warp counts each
-// lane's run of slots and scans the counts; cs.chunks is their number (every thread, on return).
-template <int BM>
+// pieces of at most BM from its start, in slot order. Stages slot_indptr (NT: the block's
+// threads); one warp counts each lane's run of slots and scans the counts; cs.chunks is their
+// number (every thread, on return).
+template <int BM, int NT = THREADS>
 __device__ void count_chunks(ChunkScan& cs, int* s_indptr, const int* __restrict__ slot_indptr, int num_slots,
                              int positions) {
   const int tid = threadIdx.x;
-  for (int i = tid; i <= num_slots; i += THREADS) s_indptr[i] = slot_indptr[i];
+  for (int i = tid; i <= num_slots; i += NT) s_indptr[i] = slot_indptr[i];
   __syncthreads();
   if (tid < 32) {
     const int per = (num_slots - 1 + 31) / 32, s0 = 1 + tid * per, s1 = min(s0 + per, num_slots);
@@ -1045,12 +1046,15 @@ __global__ void __launch_bounds__(128, 4) lora_expand_glu(LORA_PARAMS, const T* 
 
 // lora_chunk (chunk.cuh): a large step's whole delta in one launch, shrink and expand of each
 // chunk of BM positions of one slot in the same blocks; 16-bit types, rank widths 16, 64 and 128,
-// chunks of 16 (decode buckets), 32 or (rank widths 64 and 128) 64; SLICED for a fused target
-// served whole. Registers capped for the 4 blocks per multiprocessor its shared memory allows.
+// chunks of 16 (decode buckets), 32 or (rank widths 64 and 128) 64 or 128; SLICED for a fused
+// target served whole. Blocks of 128 threads (256 in chunks of 128), registers capped for the
+// blocks per multiprocessor its shared memory allows (4; 2 in chunks of 128).
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
-__global__ void __launch_bounds__(128, 4) lora_chunk(LORA_PARAMS) {
+__global__ void __launch_bounds__(lora::Chunk<T, RW, BM>::NTHREADS, lora::Chunk<T, RW, BM>::BLOCKS_PER_SM)
+    lora_chunk(LORA_PARAMS) {
   extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::ChunkRows tr;  // static shared memory: lora::CHUNK_STATIC_SMEM at most
+  // static shared memory: lora::CHUNK_STATIC_SMEM at most (CHUNK_TALL_STATIC_SMEM in chunks of 128)
+  __shared__ lora::ChunkRows<BM> tr;
   __shared__ lora::ChunkScan cs;
   __shared__ lora::ChunkWork cw;
   LORA_ARGS;

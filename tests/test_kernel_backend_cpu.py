@@ -90,11 +90,16 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
             for rw, bm in kernels.CHUNK_SHAPES:
                 g, c = cb.chunk_geometry(rw), f"lora::Chunk<{ct}, {rw}, {bm}>"
                 lines.append(f"static_assert({c}::SMEM + {c}::SUMS == {cb.chunk_smem(dtype, rw, bm)} && {c}::KC == {g[1]} && "
-                             f"{c}::BN == {g[2]} && {c}::RB == {g[3]} && {c}::BM == {bm}, \"chunk {dtype} {rw} {bm}\");")
+                             f"{c}::BN == {g[2]} && {c}::RB == {g[3]} && {c}::BM == {bm} && "
+                             f"{c}::NTHREADS == {kernels.chunk_threads(bm)} && {c}::BLOCKS_PER_SM == "
+                             f"{cb.CHUNK_TALL_BLOCKS_PER_SM if bm == kernels.CHUNK_TALL_BM else cb.CHUNK_BLOCKS_PER_SM}, "
+                             f"\"chunk {dtype} {rw} {bm}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
-    lines.append(f"static_assert(lora::CHUNK_STATIC_SMEM == {cb.CHUNK_STATIC_SMEM} && sizeof(lora::ChunkRows) + "
-                 f"sizeof(lora::ChunkScan) + sizeof(lora::ChunkWork) + 2 * sizeof(int) <= {cb.CHUNK_STATIC_SMEM}, "
-                 f"\"chunk static\");")
+    lines.append(f"static_assert(lora::CHUNK_STATIC_SMEM == {cb.CHUNK_STATIC_SMEM} && "
+                 f"lora::CHUNK_TALL_STATIC_SMEM == {cb.CHUNK_TALL_STATIC_SMEM}, \"chunk static\");")
+    for bm in sorted({bm for _, bm in kernels.CHUNK_SHAPES}):
+        lines.append(f"static_assert(sizeof(lora::ChunkRows<{bm}>) + sizeof(lora::ChunkScan) + sizeof(lora::ChunkWork) "
+                     f"+ 2 * sizeof(int) <= {cb.chunk_static_smem(bm)}, \"chunk static {bm}\");")
     lines.append(f"static_assert(lora::Shrink<float, 16>::RB == {cb.RANK_BLOCK}, \"rank block\");")
     kernels.compile_source("\n".join(lines) + "\n", "smem_check.cu", "sm_90")
 
@@ -107,13 +112,15 @@ def test_shared_memory_fits_a_block_with_the_slot_table(dtype):
         assert cb.fused_smem(dtype, bm, bn) >= max(cb.shrink_smem(dtype, bm), cb.expand_smem(dtype, bm, bn))
     assert cb.ring_smem(dtype) + extra <= 227 * 1024
     if dtype in kernels.CHUNK_DTYPES:
-        # what __launch_bounds__(128, CHUNK_BLOCKS_PER_SM) is built for fits beside the slot table of
-        # a pool of 256 slots and the static shared memory; a pool of 4096 slots gets fewer blocks,
-        # and its grid is one wave of those
+        # what __launch_bounds__(128, CHUNK_BLOCKS_PER_SM) (in chunks of 128: (256,
+        # CHUNK_TALL_BLOCKS_PER_SM)) is built for fits beside the slot table of a pool of 256 slots
+        # and the static shared memory; a pool of 4096 slots gets fewer blocks, and its grid is one
+        # wave of those
         for rw, bm in kernels.CHUNK_SHAPES:
-            assert cb.chunk_blocks_per_sm(dtype, rw, bm, 256) == cb.CHUNK_BLOCKS_PER_SM
-            per = cb.chunk_smem(dtype, rw, bm) + 4 * 4097 + cb.CHUNK_STATIC_SMEM + cb.BLOCK_RESERVED_SMEM
-            assert cb.chunk_blocks_per_sm(dtype, rw, bm, 4096) == min(cb.CHUNK_BLOCKS_PER_SM, cb.SM_SMEM // per)
+            most = cb.CHUNK_TALL_BLOCKS_PER_SM if bm == kernels.CHUNK_TALL_BM else cb.CHUNK_BLOCKS_PER_SM
+            assert cb.chunk_blocks_per_sm(dtype, rw, bm, 256) == most
+            per = cb.chunk_smem(dtype, rw, bm) + 4 * 4097 + cb.chunk_static_smem(bm) + cb.BLOCK_RESERVED_SMEM
+            assert cb.chunk_blocks_per_sm(dtype, rw, bm, 4096) == min(most, cb.SM_SMEM // per)
         for rw in kernels.CHUNK_RW:
             p = cb.plan_launch(4096, 4096, 4096, 1, rw, dtype, num_slots=4096, expand="chunk")
             assert p.blocks == cb.chunk_blocks_per_sm(dtype, rw, p.bm, 4096) * cb.DEFAULT_SMS
@@ -185,8 +192,8 @@ def test_few_tokens_split_the_shrink_and_many_columns_share_a_block():
 def test_a_rank16_adapter_runs_the_same_plan_in_a_rank128_pool():
     """The pair: only the rank blocks differ, the extra ones stop at once past a rank-16 adapter.
     lora_chunk: the same chunks (16 up to CHUNK_NARROW_TO positions, 32 above) below CHUNK_WIDE_FROM
-    positions and the same grid there (its loops bounded by each adapter's own rank), chunks of 64
-    from there at rank 128."""
+    positions and the same grid there (its loops bounded by each adapter's own rank), taller chunks
+    (``chunk_bm``) from there at rank 128."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         c16 = cb.plan_launch(b, 4096, 4096, 1, 16, "bfloat16", num_slots=33)
         c128 = cb.plan_launch(b, 4096, 4096, 1, 128, "bfloat16", num_slots=33)
@@ -337,14 +344,17 @@ def test_each_shipped_kernel_is_a_default_somewhere():
 
 @pytest.mark.parametrize("R", [8, 16, 48, 64, 128])
 def test_chunk_height_by_bucket(R):
-    """lora_chunk's chunks: 16 positions up to CHUNK_NARROW_TO positions, 64 at rank widths above
-    16 from CHUNK_WIDE_FROM positions, else 32 (each height an instantiation of its own); the
-    counters are sized for chunks of 16 either way, and the grid is one wave of what the shared
-    memory of that height leaves resident."""
+    """lora_chunk's chunks: 16 positions up to CHUNK_NARROW_TO positions; at rank widths above 16,
+    128 from CHUNK_TALL_FROM positions and 64 from CHUNK_WIDE_FROM; else 32 (each height an
+    instantiation of its own, chunks of 128 in blocks of 256 threads); the counters are sized for
+    chunks of 16 either way, and the grid is one wave of what the shared memory of that height
+    leaves resident."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         p = cb.plan_launch(b, 4096, 4096, 1, R, "bfloat16", num_slots=33, fused=False, expand="chunk")
-        wide = cb.rank_width(R) > 16 and b >= 1024
-        assert p.bm == (16 if b <= 64 else 64 if wide else 32) == cb.chunk_bm(b, R)
+        wide = cb.rank_width(R) > 16 and b >= cb.CHUNK_WIDE_FROM
+        tall = wide and b >= cb.CHUNK_TALL_FROM
+        assert p.bm == (16 if b <= 64 else 128 if tall else 64 if wide else 32) == cb.chunk_bm(b, R)
+        assert kernels.chunk_threads(p.bm) == (256 if tall else 128)
         assert (cb.chunk_geometry(R)[0], p.bm) in kernels.CHUNK_SHAPES
         assert p.tiles == cb.fused_units(b, 16, 33)  # counters for chunks of 16: never fewer than taller
         assert p.blocks <= cb.chunk_blocks_per_sm("bfloat16", R, p.bm, 33) * cb.DEFAULT_SMS  # one wave

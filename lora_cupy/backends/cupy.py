@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_WIDE_BM, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
+from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_TALL_BM, CHUNK_WIDE_BM, chunk_threads, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        ONE_CLUSTER, ONE_RW, PAIR_M, PAIR_RT, STREAM_BN, chunk_name, expand_v_name,
                        glu_name, load_module, mma_family, mma_kernels, mma_name, one_name, pair_name)
@@ -134,35 +134,50 @@ def chunk_smem(dtype: str, max_rank: int, bm: int, stages: int = 3) -> int:
     _, kc, bn, rb = chunk_geometry(max_rank)
     size = _ITEMSIZE[dtype]
     mt = bm // 16
-    wk = 4 // mt
+    wk = chunk_threads(bm) // 32 // mt
     extra = mt * (wk - 1) * (rb // 8) * 4 * 32 * 4 if wk > 1 else 0
     return stages * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size) + extra
 
 
 def chunk_bm(bucket: int, max_rank: int) -> int:
     """Positions a chunk of lora_chunk: ``CHUNK_NARROW_BM`` up to ``CHUNK_NARROW_TO`` positions
-    (a decode step's chunks hold a few positions: one m-tile), ``CHUNK_WIDE_BM`` at rank widths
-    above 16 from ``CHUNK_WIDE_FROM`` positions (a wide A and B read once for 64 rows), else
-    ``CHUNK_BM``."""
+    (a decode step's chunks hold a few positions: one m-tile); at rank widths above 16
+    ``CHUNK_TALL_BM`` from ``CHUNK_TALL_FROM`` positions and ``CHUNK_WIDE_BM`` from
+    ``CHUNK_WIDE_FROM`` (a wide A and B read once for 128 or 64 rows); else ``CHUNK_BM``."""
     if bucket <= CHUNK_NARROW_TO:
         return CHUNK_NARROW_BM
-    return CHUNK_WIDE_BM if rank_width(max_rank) > 16 and bucket >= CHUNK_WIDE_FROM else CHUNK_BM
+    if rank_width(max_rank) > 16:
+        if bucket >= CHUNK_TALL_FROM:
+            return CHUNK_TALL_BM
+        if bucket >= CHUNK_WIDE_FROM:
+            return CHUNK_WIDE_BM
+    return CHUNK_BM
 
 
 #: Shared memory of one H100 / H200 multiprocessor, and what each resident block costs beside its own.
 SM_SMEM = 228 * 1024
 BLOCK_RESERVED_SMEM = 1024
-#: lora_chunk's static shared memory at most (chunk.cuh, CHUNK_STATIC_SMEM).
+#: lora_chunk's static shared memory at most (chunk.cuh, CHUNK_STATIC_SMEM), and in chunks of
+#: ``CHUNK_TALL_BM`` (CHUNK_TALL_STATIC_SMEM: 128 token rows).
 CHUNK_STATIC_SMEM = 768
+CHUNK_TALL_STATIC_SMEM = 1024
+
+
+def chunk_static_smem(bm: int) -> int:
+    """lora_chunk's static shared memory at most, in chunks of ``bm`` positions."""
+    return CHUNK_TALL_STATIC_SMEM if bm == CHUNK_TALL_BM else CHUNK_STATIC_SMEM
 
 
 def chunk_blocks_per_sm(dtype: str, max_rank: int, bm: int, num_slots: int) -> int:
-    """Blocks of lora_chunk one multiprocessor holds (at most ``CHUNK_BLOCKS_PER_SM``, what its
-    registers allow): its stages, the slot table, its static shared memory and the reserve. Its
-    grid is one wave of these: a part waits for the other parts of its chunk, so a block left for
-    a second wave holds up the blocks waiting on it."""
-    per_block = chunk_smem(dtype, max_rank, bm) + 4 * (num_slots + 1) + CHUNK_STATIC_SMEM + BLOCK_RESERVED_SMEM
-    return max(1, min(CHUNK_BLOCKS_PER_SM, SM_SMEM // per_block))
+    """Blocks of lora_chunk one multiprocessor holds (at most what its launch bounds give its
+    registers: ``CHUNK_BLOCKS_PER_SM``, ``CHUNK_TALL_BLOCKS_PER_SM`` in chunks of ``CHUNK_TALL_BM``):
+    its stages, the slot table, its static shared memory and the reserve. Its grid is one wave of
+    these: a part waits for the other parts of its chunk, so a block left for a second wave holds
+    up the blocks waiting on it."""
+    per_block = (chunk_smem(dtype, max_rank, bm) + 4 * (num_slots + 1) + chunk_static_smem(bm)
+                 + BLOCK_RESERVED_SMEM)
+    most = CHUNK_TALL_BLOCKS_PER_SM if bm == CHUNK_TALL_BM else CHUNK_BLOCKS_PER_SM
+    return max(1, min(most, SM_SMEM // per_block))
 
 
 def glu_smem(dtype: str) -> int:
@@ -296,9 +311,10 @@ STREAM_EXPAND_BUCKETS = frozenset({256})
 RING_EXPAND_FROM = 1024
 
 
-#: Blocks per multiprocessor ``lora_chunk`` is built for (``__launch_bounds__(128, 4)``), and the
-#: most parts one chunk is cut into.
+#: Blocks per multiprocessor ``lora_chunk`` is built for (``__launch_bounds__(128, 4)``; in chunks
+#: of ``CHUNK_TALL_BM`` ``(256, 2)``: ``Chunk::BLOCKS_PER_SM``), and the most parts one chunk is cut into.
 CHUNK_BLOCKS_PER_SM = 4
+CHUNK_TALL_BLOCKS_PER_SM = 2
 CHUNK_MAX_PARTS = 32
 #: At the decode buckets (chunks of ``CHUNK_NARROW_BM``) and rank width 16 a chunk is cut into as many
 #: parts as it has column blocks, at most this many (and at most what fills the grid), where that is
@@ -348,6 +364,12 @@ CHUNK_SLICE_ALIGN = 128
 #: the wide shapes there (51.6 / 43.7); at 512 positions they lost with 32 adapters (33.6 against
 #: 30.1) and at 128-256 on most rows.
 CHUNK_WIDE_FROM = 1024
+#: From this many positions lora_chunk cuts a step into chunks of ``CHUNK_TALL_BM`` at rank widths
+#: above 16 (``chunk_bm``): blocks of 8 warps, 2 a multiprocessor, each reading a slot's A and B
+#: once for 128 rows where chunks of 64 read them twice (at T=4096 and rank 64 those rereads from
+#: L2 cost about 8 us of the 11.6 over the rank-16 row: raw_kernels/NOTES.md, "what A's and B's
+#: reads cost").
+CHUNK_TALL_FROM = 2048
 #: Up to this many positions lora_chunk cuts a step into chunks of ``CHUNK_NARROW_BM`` (``chunk_bm``):
 #: a decode step's chunk of one slot holds a few positions (2 each with 32 adapters at 64), and a
 #: chunk of 32 computed and staged a second m-tile of nothing.
@@ -1509,8 +1531,8 @@ class CupyBackend:
                 i32(plan.col_blocks), i32(plan.cpb), i32(call.flags | self.early_reads), b_slot, b_ld, b_blk)
         flags_at = len(args) - 4  # (then b_slot, b_ld, b_blk)
         extra = 4 * (S + 1)  # slot_indptr, after the stages
-        mma = lambda name, key, blocks, smem, extra=extra: KernelCall(  # noqa: E731
-            name, self._kernel_fn(dtype, (*key, False)), (blocks, 1, 1), (THREADS, 1, 1), smem + extra, args, 0, 1,
+        mma = lambda name, key, blocks, smem, extra=extra, threads=THREADS: KernelCall(  # noqa: E731
+            name, self._kernel_fn(dtype, (*key, False)), (blocks, 1, 1), (threads, 1, 1), smem + extra, args, 0, 1,
             flags_at, None if self.aligned is False else self._kernel_fn(dtype, (*key, True)), pdl=True)
         if plan.fused:
             return [mma("fused", ("fused", plan.bm, plan.chunks), plan.shrink_blocks + plan.expand_blocks,
@@ -1540,7 +1562,8 @@ class CupyBackend:
             return [mma("one", ("one", rw), plan.blocks, 0, extra=0)]
         if plan.expand == "chunk":  # shrink and expand in one launch
             rw = chunk_geometry(Rw)[0]
-            return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, Rw, plan.bm))]
+            return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, Rw, plan.bm),
+                        threads=chunk_threads(plan.bm))]
         out_calls = []
         if "shrink" in parts:
             out_calls.append(mma("shrink", ("shrink", plan.bm), plan.shrink_blocks, shrink_smem(dtype, plan.bm)))

@@ -5,7 +5,7 @@ An experiment kept outside the wheel, run against the checkout on ``PYTHONPATH``
 multiprocessor when a step fills its bucket, at most ``CHUNK_MAX_PARTS`` parts. ``--plans`` sets
 each pair (``BxP``: blocks a multiprocessor, most parts) in turn; every row is also timed with the
 unfused pair (``lora_shrink``, then the bucket's expand) and the default. Rows: core shapes
-(4096 -> 4096) at T 128 / 256 / 512 / 1024 / 4096, rank 16 / 64, 1 / 8 / 32 adapters, plus the wide
+(4096 -> 4096) at T 128 / 256 / 512 / 1024 / 2048 / 4096, rank 16 / 64, 1 / 8 / 32 adapters, plus the wide
 shapes of a Llama-8B layer at T 1024 and pools of rank 64 and 128 running rank-16 adapters; each checked
 against the float64 oracle, timed with the bench's timer (difference of graphs of 20 calls, 256 MB
 write flush). ``--decode``: the rank-64 rows of 1, 16 and 64 positions instead (lora_chunk by
@@ -20,9 +20,11 @@ import argparse
 import json
 import sys
 
-ROWS = [("core", T, 4096, (4096,), r, s, r) for T in (128, 256, 512, 1024, 4096) for r in (16, 64) for s in (1, 8, 32)]
+ROWS = [("core", T, 4096, (4096,), r, s, r) for T in (128, 256, 512, 1024, 2048, 4096) for r in (16, 64)
+        for s in (1, 8, 32)]
 ROWS += [("shapes", 1024, i, (o,), r, 8, r) for i, o in ((4096, 14336), (14336, 4096)) for r in (16, 64)]
 ROWS += [("poolrank", T, 4096, (4096,), 16, 8, pool) for T in (1024, 4096) for pool in (64, 128)]
+ROWS += [("shapes", 4096, i, (o,), 64, 8, 64) for i, o in ((4096, 14336), (14336, 4096))]
 DECODE_ROWS = [("core", 1, 4096, (4096,), 64, 1, 64), ("shapes", 1, 14336, (4096,), 64, 1, 64),
                ("shapes", 1, 4096, (14336,), 64, 1, 64)]
 DECODE_ROWS += [("core", T, 4096, (4096,), 64, s, 64) for T in (16, 64) for s in (1, 8)]
@@ -33,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", default="4x32", help="comma-separated BxP: blocks a multiprocessor x most parts")
     ap.add_argument("--match", default="", help="only rows whose label holds this text")
     ap.add_argument("--heights", action="store_true",
-                    help="also lora_chunk with chunks of 32 and of 64 positions (rank widths above 16) at every bucket")
+                    help="also lora_chunk with chunks of 32, 64 and 128 positions (rank widths above 16) at every bucket")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--decode", action="store_true", help="the rank-64 decode rows instead")
     args = ap.parse_args(argv)
@@ -78,14 +80,15 @@ def main(argv=None) -> int:
                 cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = saved
                 cb.plan_launch.cache_clear()
         if args.heights and cb.rank_width(pool) > 16:
-            saved_from = cb.CHUNK_WIDE_FROM
-            for name, wide_from in (("bm32", 1 << 30), ("bm64", 1)):
-                cb.CHUNK_WIDE_FROM = wide_from
+            saved_from = (cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM)
+            never = 1 << 30
+            for name, froms in (("bm32", (never, never)), ("bm64", (1, never)), ("bm128", (1, 1))):
+                cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = froms
                 cb.plan_launch.cache_clear()
                 try:
                     time_it(name, fused=False, expand="chunk")
                 finally:
-                    cb.CHUNK_WIDE_FROM = saved_from
+                    cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = saved_from
                     cb.plan_launch.cache_clear()
         bad = [n for n, c in cells.items() if not c["err"] < cb.TOLERANCE[row.dtype]]
         line = f"{row.label:40s} " + " ".join(f"{n} {c['us']:6.1f}/p{c['splits']}" for n, c in cells.items())

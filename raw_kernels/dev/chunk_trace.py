@@ -41,7 +41,7 @@ __device__ __forceinline__ unsigned long long chunk_now() {
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
 __global__ void __launch_bounds__(128, 4) lora_chunk_trace(LORA_PARAMS, unsigned long long* stamps) {
   extern __shared__ __align__(16) char dsmem[];
-  __shared__ lora::ChunkRows tr;
+  __shared__ lora::ChunkRows<BM> tr;
   __shared__ lora::ChunkScan cs;
   __shared__ lora::ChunkWork cw;
   __shared__ int ticket;

@@ -75,7 +75,7 @@ from test_chunk_gpu import DECODE_CASES  # noqa: E402
 from test_pair_gpu import CASES as PAIR_CASES, CASES64 as PAIR_CASES64  # noqa: E402
 
 #: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp,
-#: two whose lora_chunk steps take chunks of 64, two of several slices lora_chunk serves whole, and
+#: two whose lora_chunk steps take chunks of 64 and two of 128, two of several slices lora_chunk serves whole, and
 #: three of decode buckets (chunks of 16) at each rank width, two of them of several slices, and
 #: the GPU tests' cases of lora_chunk at the decode buckets.
 CASES = {**GPU_CASES,
@@ -85,6 +85,11 @@ CASES = {**GPU_CASES,
          "tall-r64": dict(T=700, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
                           num_slots=9, active=4),
          "tall-r128": dict(T=600, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
+         # ... and chunks of 128 (blocks of 256 threads) from CHUNK_TALL_FROM: full and partial
+         "taller-r64": dict(T=1500, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
+                            num_slots=9, active=4),
+         "taller-r128": dict(T=1100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128),
+                             mix="zipf", num_slots=9, active=6),
          # lora_chunk over several slices (boundaries on its column blocks: 128 at rank width 16, 64 above)
          "qkv128": dict(T=150, in_f=136, slices=(256, 128, 128), max_rank=16, ranks=(0, 5, 16), mix="zipf",
                         num_slots=9, active=6),

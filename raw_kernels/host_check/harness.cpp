@@ -142,12 +142,12 @@ template <typename T, bool AL> static void ring_block(int u) {
 // for a grid of `blocks`.
 static int g_chunk_phase = 0, g_chunk_grid = 0;
 template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_block(int u) {
-  static lora::ChunkRows tr;
+  static lora::ChunkRows<BM> tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
   int* s_ip = reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS);
-  lora::count_chunks<BM>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
+  lora::count_chunks<BM, lora::Chunk<T, RW, BM>::NTHREADS>(cs, s_ip, g.slot_indptr, g.num_slots, g.positions);
   const int parts = lora::chunk_parts(g, cs.chunks, g_chunk_grid), c = u / parts, q = u % parts;
   if (c >= cs.chunks) return;
   lora::chunk_setup<T, RW, BM, SL>(g, s_ip, tr, cs, cw, c);
@@ -160,12 +160,13 @@ static int g_step_chunks = 0;
 template <typename T, int RW, int BM> static void chunk_count_block(int) {
   static lora::ChunkScan cs;
   auto g = args<T>();
-  lora::count_chunks<BM>(cs, reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS), g.slot_indptr,
-                         g.num_slots, g.positions);
+  lora::count_chunks<BM, lora::Chunk<T, RW, BM>::NTHREADS>(
+      cs, reinterpret_cast<int*>(dsm.data() + lora::Chunk<T, RW, BM>::SMEM + lora::Chunk<T, RW, BM>::SUMS), g.slot_indptr,
+      g.num_slots, g.positions);
   if (threadIdx.x == 0) g_step_chunks = cs.chunks;
 }
 template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_task_block(int) {
-  static lora::ChunkRows tr;
+  static lora::ChunkRows<BM> tr;
   static lora::ChunkScan cs;
   static lora::ChunkWork cw;
   auto g = args<T>();
@@ -174,6 +175,10 @@ template <typename T, int RW, int BM, bool AL, bool SL> static void chunk_task_b
                                       true);  // early: the order the backend's calls take (the wait is a no-op here)
 }
 template <typename T, int RW, int BM, bool AL, bool SL> static int run_chunk_rw(int blocks) {
+  emu::nthreads = lora::Chunk<T, RW, BM>::NTHREADS;  // 256 in chunks of 128
+  struct Restore {
+    ~Restore() { emu::nthreads = 128; }
+  } restore;
   emu::run_block(chunk_count_block<T, RW, BM>, 0);
   if (lora::chunk_parts(args<T>(), g_step_chunks, blocks) == 1) {  // the kernel's blocks, in order
     emu::grid_dim = EmuIdx{unsigned(blocks), 1u, 1u};
@@ -202,11 +207,13 @@ template <typename T, bool AL, bool SL> static int run_chunk_sl(int bm, int bloc
     if (L.rw <= 64)
       return bm == 16   ? run_chunk_rw<T, 64, 16, AL, SL>(blocks)
              : bm == 32 ? run_chunk_rw<T, 64, 32, AL, SL>(blocks)
-                        : run_chunk_rw<T, 64, 64, AL, SL>(blocks);
+             : bm == 64 ? run_chunk_rw<T, 64, 64, AL, SL>(blocks)
+                        : run_chunk_rw<T, 64, 128, AL, SL>(blocks);
     if (L.rw <= 128)
       return bm == 16   ? run_chunk_rw<T, 128, 16, AL, SL>(blocks)
              : bm == 32 ? run_chunk_rw<T, 128, 32, AL, SL>(blocks)
-                        : run_chunk_rw<T, 128, 64, AL, SL>(blocks);
+             : bm == 64 ? run_chunk_rw<T, 128, 64, AL, SL>(blocks)
+                        : run_chunk_rw<T, 128, 128, AL, SL>(blocks);
     return 2;
   }
 }

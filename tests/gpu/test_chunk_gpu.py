@@ -100,7 +100,8 @@ SLICED = {
 }
 
 
-@pytest.mark.parametrize("T,mix", [(3, "distinct"), (64, "zipf"), (1000, "skewed"), (1000, "identical")])
+@pytest.mark.parametrize("T,mix", [(3, "distinct"), (64, "zipf"), (1000, "skewed"), (1000, "identical"),
+                                   (2500, "zipf")])
 @pytest.mark.parametrize("name", list(SLICED))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunk_serves_a_fused_target_whole(make_case, check, dtype, name, T, mix):
@@ -132,15 +133,19 @@ def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
 
 @pytest.mark.parametrize("R", [64, 128])
 @pytest.mark.parametrize("T,mix,active", [(1000, "identical", 40), (1000, "skewed", 8), (1000, "distinct", 40),
-                                          (2000, "zipf", 40), (700, "zipf", 12)])
-def test_chunk_wide_ranks_take_chunks_of_64_from_chunk_wide_from(make_case, check, R, T, mix, active):
+                                          (700, "zipf", 12), (2000, "zipf", 40), (2048, "identical", 3),
+                                          (3000, "skewed", 8), (4000, "distinct", 64)])
+def test_chunk_wide_ranks_take_taller_chunks_from_chunk_wide_from(make_case, check, R, T, mix, active):
     """At rank widths above 16 a step of a bucket of CHUNK_WIDE_FROM positions or more is cut into
-    chunks of 64 (A and B read once for 64 rows): full, or many short runs each in a chunk of its own
-    (the one-slice cases of 100 and 300 positions run chunks of 32, those of 3 and 61 chunks of 16)."""
+    chunks of 64, and from CHUNK_TALL_FROM into chunks of 128 in blocks of 8 warps (A and B read
+    once for 64 or 128 rows): full, or many short runs each in a chunk of its own (the one-slice
+    cases of 100 and 300 positions run chunks of 32, those of 3 and 61 chunks of 16)."""
     case = make_case(T=T, in_f=200, slices=(264,), max_rank=R, ranks=(1, 17, 64, R), dtype="bfloat16", mix=mix,
                      num_slots=65, active=active)
     be = backend_for(case.spec, **CHUNK)
-    assert case.spec.bucket_for(T) >= cb.CHUNK_WIDE_FROM and be.plan(T, dev_weights(case.w), "bfloat16").bm == 64
+    bucket = case.spec.bucket_for(T)
+    assert bucket >= cb.CHUNK_WIDE_FROM
+    assert be.plan(T, dev_weights(case.w), "bfloat16").bm == (128 if bucket >= cb.CHUNK_TALL_FROM else 64)
     check(case, run_cupy(be, case), "bfloat16")
 
 
@@ -152,6 +157,16 @@ def test_chunk_graph_replays_new_addressing(make_case, check, R):
         dict(T=1000, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="uniform",
              num_slots=17, active=6),
         ((1000, "identical"), (900, "zipf"), (300, "skewed"), (1, "identical"), (1000, "distinct")))
+
+
+def test_chunk_graph_replays_new_addressing_in_chunks_of_128(make_case, check):
+    """The bucket of 4096 positions at rank 64: chunks of 128 (blocks of 256 threads), whatever the
+    replayed step holds."""
+    graph_replays_new_addressing(
+        make_case, check, CHUNK,
+        dict(T=4000, in_f=136, slices=(264,), max_rank=64, ranks=(1, 8, 64), dtype="bfloat16", mix="uniform",
+             num_slots=17, active=6),
+        ((4096, "identical"), (3000, "zipf"), (2100, "skewed"), (1, "identical"), (4000, "distinct")))
 
 
 @pytest.mark.parametrize("R", [16, 64])
