@@ -33,7 +33,7 @@ DECODE_ROWS += [("core", T, 4096, (4096,), 64, s, 64) for T in (16, 64) for s in
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plans", default="4x32", help="comma-separated BxP: blocks a multiprocessor x most parts")
-    ap.add_argument("--match", default="", help="only rows whose label holds this text")
+    ap.add_argument("--match", default="", help="only rows whose label holds one of these texts (comma-separated)")
     ap.add_argument("--heights", action="store_true",
                     help="also lora_chunk with chunks of 32, 64 and 128 positions (rank widths above 16) at every bucket")
     ap.add_argument("--json", metavar="FILE")
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     results = []
     for group, T, in_f, slices, r, s, pool in (DECODE_ROWS if args.decode else ROWS):
         row = Row(group, T, in_f, slices, (r,) * s, pool)
-        if args.match and args.match not in row.label:
+        if args.match and not any(m in row.label for m in args.match.split(",")):
             continue
         d = build(row, 0)
         w = LayerWeights(d.a, d.b, d.scaling, d.ranks, d.offsets)
