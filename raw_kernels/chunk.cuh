@@ -30,7 +30,8 @@
 //      slice's only: 0 * inf stays out of v) are added into v with 8-byte red.add (where WK > 1
 //      the WK warps of an m-tile first sum theirs in shared memory past the stages and one of them
 //      adds: a quarter of the reductions at chunks of 16, half at 32); then the part counts itself
-//      into the chunk's ready count.
+//      into the chunk's ready count. A warp whose m-tile lies past the chunk's rows (a slot's last,
+//      short chunk) runs no MMA, here or in the expand.
 //   2. expand: steps (column block, rank block; rank blocks past the block's slice's rank are
 //      empty). The first STAGES - 1 steps' y tiles (whole 16-byte pieces of BM rows, at a column
 //      block's first step, in a ring of their own) and B tiles (BN columns x the rank block's
@@ -323,6 +324,7 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
     const T* sa = a_tile(f % STAGES);
 #pragma unroll
     for (int kk = kq; kk < C::KSTEPS; kk += C::WK) {
+      if (mt * 16 >= m) break;  // an m-tile past the chunk's rows: nothing to sum
       Frags<M, false, T> fa;
       fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
 #pragma unroll
@@ -493,7 +495,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
     const T* sb = b_tile(f % STAGES) + (half * (BN / C::WK) + gq) * C::LDB + 4 * tq;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {  // the rank block's k-steps (a warp-uniform test, unrolled)
-      if (ks / KPB == rb && ks < kss) {
+      if (ks / KPB == rb && ks < kss && mt * 16 < m) {  // not an m-tile past the chunk's rows
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           Frags<M, false, T> fb;

@@ -358,18 +358,18 @@ CHUNK_SLICES_FROM = 64
 #: The most ``slice_alignment`` counts: BN of every rank width of lora_chunk divides it.
 CHUNK_SLICE_ALIGN = 128
 #: From this many positions lora_chunk cuts a step into chunks of ``CHUNK_WIDE_BM`` at rank widths
-#: above 16 (``chunk_bm``). On an H200 (results/kernels-h200.md, the run of b34b9e4, the heights side
-#: by side) chunks of 64 took 59.7 / 60.4 / 63.7 us at 4096 positions of rank 64 with 1 / 8 / 32
-#: adapters (32: 71.9 / 71.4 / 72.7), 27.3 / 29.3 / 36.7 at 1024 (29.0 / 29.8 / 34.8) and 46.6 / 40.8 on
-#: the wide shapes there (51.6 / 43.7); at 512 positions they lost with 32 adapters (33.6 against
-#: 30.1) and at 128-256 on most rows.
-CHUNK_WIDE_FROM = 1024
-#: From this many positions lora_chunk cuts a step into chunks of ``CHUNK_TALL_BM`` at rank widths
-#: above 16 (``chunk_bm``): blocks of 8 warps, 2 a multiprocessor, each reading a slot's A and B
-#: once for 128 rows where chunks of 64 read them twice (at T=4096 and rank 64 those rereads from
-#: L2 cost about 8 us of the 11.6 over the rank-16 row: raw_kernels/NOTES.md, "what A's and B's
-#: reads cost").
-CHUNK_TALL_FROM = 2048
+#: above 16 (``chunk_bm``), and from ``CHUNK_TALL_FROM`` into chunks of ``CHUNK_TALL_BM`` (blocks of 8
+#: warps, 2 a multiprocessor, each reading its slot's A and B once for 128 rows: at 4096 positions of
+#: rank 64 the rereads of chunks of 64 cost about 8 us, raw_kernels/NOTES.md "what A's and B's reads
+#: cost"). On an H200 (2026-12-06, `dev/chunk_sweep.py --heights`, the kernels of 0f3b0de) with 1 / 8 /
+#: 32 adapters at rank 64, chunks of 32 / 64 / 128 took: at 1024 positions 25.4 / 27.3 / 25.6, 26.4 /
+#: 28.8 / 27.4 and 30.9 / 34.8 / 44.7 us (a chunk of 64's part there runs 2 stages of `in`, one of 32
+#: 4); at 2048 38.1 / 36.6 / 34.9, 38.0 / 38.0 / 36.9 and 41.6 / 41.8 / 47.4 (64 positions a slot:
+#: chunks of 128 half empty); at 4096 64.0 / 56.5 / 53.1, 61.8 / 57.1 / 54.7 and 65.2 / 60.6 / 57.9,
+#: and on the wide shapes with 8 (4096 -> 14336, 14336 -> 4096) 137.0 / 119.0 / 114.8 and
+#: 111.7 / 94.3 / 87.2. (At b34b9e4 chunks of 64 had won at 1024: 27.3 against 29.0 with one adapter.)
+CHUNK_WIDE_FROM = 2048
+CHUNK_TALL_FROM = 4096
 #: Up to this many positions lora_chunk cuts a step into chunks of ``CHUNK_NARROW_BM`` (``chunk_bm``):
 #: a decode step's chunk of one slot holds a few positions (2 each with 32 adapters at 64), and a
 #: chunk of 32 computed and staged a second m-tile of nothing.

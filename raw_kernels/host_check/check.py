@@ -81,14 +81,14 @@ from test_pair_gpu import CASES as PAIR_CASES, CASES64 as PAIR_CASES64  # noqa: 
 CASES = {**GPU_CASES,
          "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                       mix="zipf", num_slots=17, active=12),
-         # lora_chunk at rank widths 64 and 128: steps whose chunks of 64 are mostly full (chunk_wide)
-         "tall-r64": dict(T=700, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
+         # lora_chunk at rank widths 64 and 128: steps whose chunks of 64 (from CHUNK_WIDE_FROM) are mostly full
+         "tall-r64": dict(T=1500, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
                           num_slots=9, active=4),
-         "tall-r128": dict(T=600, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
+         "tall-r128": dict(T=1100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
          # ... and chunks of 128 (blocks of 256 threads) from CHUNK_TALL_FROM: full and partial
-         "taller-r64": dict(T=1500, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
+         "taller-r64": dict(T=3000, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
                             num_slots=9, active=4),
-         "taller-r128": dict(T=1100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128),
+         "taller-r128": dict(T=2100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128),
                              mix="zipf", num_slots=9, active=6),
          # lora_chunk over several slices (boundaries on its column blocks: 128 at rank width 16, 64 above)
          "qkv128": dict(T=150, in_f=136, slices=(256, 128, 128), max_rank=16, ranks=(0, 5, 16), mix="zipf",

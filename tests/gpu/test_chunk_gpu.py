@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from lora_cupy.backends import cupy as cb
+from lora_cupy.spec import DEFAULT_CAPTURE_BUCKETS
 
 from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
                           host, run_cupy, run_members, run_prepared)
@@ -131,27 +132,38 @@ def test_chunk_an_inf_in_x_stays_in_its_row(make_case, check, inf_in_x):
     check(case, y, "bfloat16")
 
 
+#: steps at rank widths above 16 (T, mix, active adapters) whose buckets take every height from 32
+WIDE_STEPS = [(1000, "identical", 40), (1000, "skewed", 8), (700, "zipf", 12), (2000, "zipf", 40),
+              (2048, "identical", 3), (1500, "distinct", 40), (3000, "skewed", 8), (4000, "distinct", 64),
+              (4096, "zipf", 40)]
+
+
 @pytest.mark.parametrize("R", [64, 128])
-@pytest.mark.parametrize("T,mix,active", [(1000, "identical", 40), (1000, "skewed", 8), (1000, "distinct", 40),
-                                          (700, "zipf", 12), (2000, "zipf", 40), (2048, "identical", 3),
-                                          (3000, "skewed", 8), (4000, "distinct", 64)])
-def test_chunk_wide_ranks_take_taller_chunks_from_chunk_wide_from(make_case, check, R, T, mix, active):
-    """At rank widths above 16 a step of a bucket of CHUNK_WIDE_FROM positions or more is cut into
-    chunks of 64, and from CHUNK_TALL_FROM into chunks of 128 in blocks of 8 warps (A and B read
-    once for 64 or 128 rows): full, or many short runs each in a chunk of its own (the one-slice
-    cases of 100 and 300 positions run chunks of 32, those of 3 and 61 chunks of 16)."""
+@pytest.mark.parametrize("T,mix,active", WIDE_STEPS)
+def test_chunk_wide_ranks_take_the_height_of_their_bucket(make_case, check, R, T, mix, active):
+    """At rank widths above 16 a step is cut into chunks of 32 below CHUNK_WIDE_FROM positions, of
+    64 from there, and of 128 (blocks of 8 warps) from CHUNK_TALL_FROM (A and B read once for 64 or
+    128 rows): full, or many short runs each in a chunk of its own, whose m-tiles past its rows run
+    no MMA (the one-slice cases of 100 and 300 positions run chunks of 32, those of 3 and 61 chunks
+    of 16)."""
     case = make_case(T=T, in_f=200, slices=(264,), max_rank=R, ranks=(1, 17, 64, R), dtype="bfloat16", mix=mix,
                      num_slots=65, active=active)
     be = backend_for(case.spec, **CHUNK)
     bucket = case.spec.bucket_for(T)
-    assert bucket >= cb.CHUNK_WIDE_FROM
-    assert be.plan(T, dev_weights(case.w), "bfloat16").bm == (128 if bucket >= cb.CHUNK_TALL_FROM else 64)
+    want = 128 if bucket >= cb.CHUNK_TALL_FROM else 64 if bucket >= cb.CHUNK_WIDE_FROM else 32
+    assert be.plan(T, dev_weights(case.w), "bfloat16").bm == want
     check(case, run_cupy(be, case), "bfloat16")
+
+
+def test_wide_steps_reach_every_height():
+    """WIDE_STEPS keeps covering chunks of 32, 64 and 128 wherever the thresholds move."""
+    bucket = lambda T: next(b for b in DEFAULT_CAPTURE_BUCKETS if b >= T)  # noqa: E731
+    assert {cb.chunk_bm(bucket(T), 64) for T, _, _ in WIDE_STEPS} == {32, 64, 128}
 
 
 @pytest.mark.parametrize("R", [16, 64])
 def test_chunk_graph_replays_new_addressing(make_case, check, R):
-    """The bucket of 1024 positions: chunks of 64 at rank 64, whatever the replayed step holds."""
+    """The bucket of 1024 positions (chunks of 32), whatever the replayed step holds."""
     graph_replays_new_addressing(
         make_case, check, CHUNK,
         dict(T=1000, in_f=264, slices=(392,), max_rank=R, ranks=(1, 8, R), dtype="bfloat16", mix="uniform",
@@ -164,7 +176,7 @@ def test_chunk_graph_replays_new_addressing_in_chunks_of_128(make_case, check):
     replayed step holds."""
     graph_replays_new_addressing(
         make_case, check, CHUNK,
-        dict(T=4000, in_f=136, slices=(264,), max_rank=64, ranks=(1, 8, 64), dtype="bfloat16", mix="uniform",
+        dict(T=4096, in_f=136, slices=(264,), max_rank=64, ranks=(1, 8, 64), dtype="bfloat16", mix="uniform",
              num_slots=17, active=6),
         ((4096, "identical"), (3000, "zipf"), (2100, "skewed"), (1, "identical"), (4000, "distinct")))
 
