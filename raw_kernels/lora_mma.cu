@@ -25,14 +25,15 @@
 //     last expand block of a unit zeroes the unit's v again (its slices with columns: an expand of
 //     one slice after a shrink of every slice leaves the others' v to theirs), so every launch (and
 //     graph replay) starts from a zero v and zero counters.
-// The kernels, one per role, 128 threads a block, a 1-D grid sized by the capture bucket only:
+// The kernels, one per role, 128 threads a block (lora_chunk in chunks of 128: 256), a 1-D grid sized
+// by the capture bucket only:
 //   lora_chunk<..., RW, BM, ALIGNED, SLICED> (chunk.cuh: shrink and expand of each chunk of one slot
 //     in the same blocks, no second kernel waiting on the first): by default every call of a 16-bit
 //     one-slice target (or one member of a fused target served alone) from 2 positions on, and of
 //     a fused target whose slices start on its column blocks from 64 at rank width 16 (backends/cupy.py,
 //     default_chunk, chunk_fits; SLICED for the second, the slice loops compiled out of the first);
-//     chunks of 64 positions at rank widths above 16 from 1024 (chunk_bm). The kernels below serve
-//     every other call.
+//     at rank widths above 16 chunks of 64 positions from 2048 and of 128 from 4096 (chunk_bm). The
+//     kernels below serve every other call.
 //   lora_shrink  (one shrink task a block): every unfused launch but lora_chunk's.
 //   lora_expand  (one expand task a block): unfused launches of fewer than 1024 positions but those of
 //     expand_stream's buckets (of the default capture buckets: 128 and 512).
