@@ -75,13 +75,13 @@ from test_chunk_gpu import DECODE_CASES  # noqa: E402
 from test_pair_gpu import CASES as PAIR_CASES, CASES64 as PAIR_CASES64  # noqa: E402
 
 #: The cases of the GPU kernel tests, plus one with long column groups and many runs per warp,
-#: two whose lora_chunk steps take chunks of 64 and two of 128, two of several slices lora_chunk serves whole, and
-#: three of decode buckets (chunks of 16) at each rank width, two of them of several slices, and
-#: the GPU tests' cases of lora_chunk at the decode buckets.
+#: two whose lora_chunk steps take chunks of 64 and two of 128, two of several slices lora_chunk
+#: serves whole, and three of decode buckets (chunks of 16) at each rank width, two of them of
+#: several slices, and the GPU tests' cases of lora_chunk at the decode buckets.
 CASES = {**GPU_CASES,
          "long": dict(T=300, in_f=96, slices=(520, 13, 467), max_rank=128, ranks=(0, 5, 16, 48, 64, 80, 128),
                       mix="zipf", num_slots=17, active=12),
-         # lora_chunk at rank widths 64 and 128: steps whose chunks of 64 (from CHUNK_WIDE_FROM) are mostly full
+         # lora_chunk at rank widths 64 and 128: steps whose chunks of 64 (CHUNK_WIDE_FROM) are mostly full
          "tall-r64": dict(T=1500, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
                           num_slots=9, active=4),
          "tall-r128": dict(T=1100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
