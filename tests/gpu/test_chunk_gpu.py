@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from lora_cupy.backends import cupy as cb
-from lora_cupy.spec import DEFAULT_CAPTURE_BUCKETS
 
 from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
                           host, run_cupy, run_members, run_prepared)
@@ -155,10 +154,10 @@ def test_chunk_wide_ranks_take_the_height_of_their_bucket(make_case, check, R, T
     check(case, run_cupy(be, case), "bfloat16")
 
 
-def test_wide_steps_reach_every_height():
+def test_wide_steps_reach_every_height(make_case):
     """WIDE_STEPS keeps covering chunks of 32, 64 and 128 wherever the thresholds move."""
-    bucket = lambda T: next(b for b in DEFAULT_CAPTURE_BUCKETS if b >= T)  # noqa: E731
-    assert {cb.chunk_bm(bucket(T), 64) for T, _, _ in WIDE_STEPS} == {32, 64, 128}
+    spec = make_case(T=1, in_f=200, slices=(264,), max_rank=64, ranks=(64,), dtype="bfloat16", mix="identical").spec
+    assert {cb.chunk_bm(spec.bucket_for(T), 64) for T, _, _ in WIDE_STEPS} == {32, 64, 128}
 
 
 @pytest.mark.parametrize("R", [16, 64])
