@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", default="4x32", help="comma-separated BxP: blocks a multiprocessor x most parts")
     ap.add_argument("--match", default="", help="only rows whose label holds one of these texts (comma-separated)")
     ap.add_argument("--heights", action="store_true",
-                    help="also lora_chunk with chunks of 32, 64 and 128 positions (rank widths above 16) at every bucket")
+                    help="also lora_chunk with chunks of 16, 32, 64 and 128 positions (rank widths above 16) at every bucket")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--decode", action="store_true", help="the rank-64 decode rows instead")
     args = ap.parse_args(argv)
@@ -80,15 +80,16 @@ def main(argv=None) -> int:
                 cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = saved
                 cb.plan_launch.cache_clear()
         if args.heights and cb.rank_width(pool) > 16:
-            saved_from = (cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM)
+            saved_from = (cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM)
             never = 1 << 30
-            for name, froms in (("bm32", (never, never)), ("bm64", (1, never)), ("bm128", (1, 1))):
-                cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = froms
+            for name, froms in (("bm16", (never, never, never)), ("bm32", (0, never, never)),
+                                ("bm64", (0, 1, never)), ("bm128", (0, 1, 1))):
+                cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = froms
                 cb.plan_launch.cache_clear()
                 try:
                     time_it(name, fused=False, expand="chunk")
                 finally:
-                    cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = saved_from
+                    cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = saved_from
                     cb.plan_launch.cache_clear()
         bad = [n for n, c in cells.items() if not c["err"] < cb.TOLERANCE[row.dtype]]
         line = f"{row.label:40s} " + " ".join(f"{n} {c['us']:6.1f}/p{c['splits']}" for n, c in cells.items())
