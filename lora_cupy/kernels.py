@@ -111,6 +111,9 @@ CHUNK_WIDE_BM = 64
 #: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_TALL_FROM``
 #: positions (``chunk_bm``): A and B read once for 128 rows, by blocks of 8 warps (``chunk_threads``).
 CHUNK_TALL_BM = 128
+#: Parts of a chunk that share its shrink's `in` with the ranks split between them (``Chunk::RSPLIT``): one
+#: slice at rank width 64 in chunks of ``CHUNK_BM``, where a chunk's parts are a multiple of it.
+CHUNK_RSPLIT = 2
 #: ``(rank width, positions a chunk)`` of each lora_chunk instantiation.
 CHUNK_SHAPES = tuple((rw, bm) for rw in CHUNK_RW
                      for bm in ((CHUNK_NARROW_BM, CHUNK_BM) + ((CHUNK_WIDE_BM, CHUNK_TALL_BM) if rw > 16 else ())))

@@ -32,6 +32,9 @@
 //      adds: a quarter of the reductions at chunks of 16, half at 32); then the part counts itself
 //      into the chunk's ready count. A warp whose m-tile lies past the chunk's rows (a slot's last,
 //      short chunk) runs no MMA, here or in the expand.
+//      One slice at rank width 64 in chunks of 32 whose parts are even (chunk_shrink_rs): part q sums
+//      half the ranks (half q % 2) over share q / 2 of `in` cut in parts / 2, so each element of v
+//      takes half the adds (RSPLIT).
 //   2. expand: steps (column block, rank block; rank blocks past the block's slice's rank are
 //      empty). The first STAGES - 1 steps' y tiles (whole 16-byte pieces of BM rows, at a column
 //      block's first step, in a ring of their own) and B tiles (BN columns x the rank block's
@@ -98,6 +101,10 @@ struct Chunk {
   // the ticket launch's sums of the warps sharing an m-tile (chunk_shrink), past the stages: the
   // WK - 1 warps but the first of each m-tile, RB / 8 n-tiles of 4 floats a lane each
   static constexpr int SUMS = WK > 1 ? MT * (WK - 1) * (RB / 8) * 4 * 32 * 4 : 0;
+  // the shrink's rank split (one slice at rank width 64 in chunks of 32; chunk_shrink_rs): where a
+  // chunk's parts are a multiple of RSPLIT, part q sums ranks (q % RSPLIT) * RBS + [0, RBS) of v over
+  // RSPLIT times the share of `in` it would take, so each element of v takes 1 / RSPLIT of the adds
+  static constexpr int RSPLIT = RW == 64 && BM_ == 32 ? 2 : 1, RBS = RB / RSPLIT;
 };
 
 // Every kernel's ready and reader counts are sized for chunks of 16 positions (the most a step can
@@ -224,6 +231,135 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows<BM>
   __syncthreads();
 }
 
+// Part q of `parts` (a multiple of RSPLIT) of a one-slice chunk: ranks (q % RSPLIT) * RBS + [0, RBS)
+// of v over stage share q / RSPLIT of `in` (the ring and stages of chunk_shrink, RBS rows of A a
+// stage), then the part's count, as chunk_shrink. A part whose ranks all lie past the slot's rank
+// copies and adds nothing. On an H100 0.4-0.9 us faster than chunk_shrink at 256 and 1024 positions
+// (NOTES.md, "lora_chunk's ring and heights at rank 64"; a quarter of the ranks a part: slower).
+template <typename T, int RW, int BM_, bool ALIGNED>
+__device__ void chunk_shrink_rs(const Args<T>& g, char* dsmem, const ChunkRows<BM_>& tr, const ChunkWork& cw, int c,
+                                int q, int parts) {
+  using C = Chunk<T, RW, BM_>;
+  using M = typename Op<T>::type;
+  constexpr int BM = C::BM, KCS = C::KC, STAGES = C::STAGES, CH = C::CH, NTH = C::NTHREADS, RS = C::RSPLIT;
+  constexpr int RBS = C::RBS, NTS = RBS / 8, KSTEPS = KCS / 16;
+  constexpr int XPR = KCS / CH, XPT = BM * XPR / NTH, XROWS = NTH / XPR;  // x pieces
+  constexpr int APT = (RBS * XPR + NTH - 1) / NTH;                        // A pieces
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int in = g.in_features, nk = (in + KCS - 1) / KCS, kparts = parts / RS, rq = q % RS;
+  const int per = (nk + kparts - 1) / kparts, k0 = (q / RS) * per, nkp = max(min(k0 + per, nk) - k0, 0);
+  const int m = cw.m, j = cw.j, rlo = rq * RBS;
+  const int rr = min(min(cw.r[j], C::RB) - rlo, RBS);        // this part's ranks below the slot's
+  const int r16 = rr > 0 ? min((rr + 15) & ~15, RBS) : 0;    // rows of A copied (zero past rr)
+  const int total = rr > 0 ? nkp : 0, nts = r16 / 8;
+  const bool vec = ALIGNED || (g.flags & 1);
+  const T* A = g.A + (((size_t)cw.slot * g.n_slices + j) * g.max_rank + rlo) * (size_t)in;
+  auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
+  auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
+  const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
+  auto load = [&](int f, int st) {
+    if (f < total) {
+      T* sx = x_tile(st);
+      T* sa = a_tile(st);
+      const int f0 = (k0 + f) * KCS;
+      if (vec) {
+        const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
+#pragma unroll
+        for (int i = 0; i < XPT; ++i) {
+          const int row = pr0 + i * XROWS;
+          const bool ok = row < m && bytes > 0;
+          cp_async16(sx + row * C::LDX + pc, ok ? g.x + (size_t)tr.tok[row] * in + f0 + pc : g.x, ok ? bytes : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < APT; ++i) {
+          const int row = pr0 + i * XROWS;
+          if (row < r16) {
+            const bool ok = row < rr && bytes > 0;
+            cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
+          }
+        }
+      } else {
+        for (int e = tid; e < BM * KCS; e += NTH) {
+          const int row = e / KCS, k = e % KCS;
+          sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
+        }
+        for (int e = tid; e < r16 * KCS; e += NTH) {
+          const int row = e / KCS, k = e % KCS;
+          sa[row * C::LDA + k] = row < rr && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+
+  const int mt = warp % C::MT, kq = warp / C::MT;
+  float acc[NTS][4];
+#pragma unroll
+  for (int nt = 0; nt < NTS; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) load(st, st);
+  for (int f = 0; f < total; ++f) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage f has landed for every thread; stage f - 1 is free
+    load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
+    const T* sx = x_tile(f % STAGES);
+    const T* sa = a_tile(f % STAGES);
+#pragma unroll
+    for (int kk = kq; kk < KSTEPS; kk += C::WK) {
+      if (mt * 16 >= m) break;  // an m-tile past the chunk's rows: nothing to sum
+      Frags<M, false, T> fa;
+      fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
+#pragma unroll
+      for (int nt = 0; nt < NTS; ++nt) {
+        if (nt < nts) {
+          Frags<M, false, T> fb;
+          fb.load_b(sa, C::LDA, nt * 8, kk * 16, gq, tq);
+          mma_frags<M, false, false>(acc[nt], fa, fb);
+        }
+      }
+    }
+  }
+  if (total > 0) {
+    // the warps of an m-tile meet in shared memory past the stages; warp kq = 0 adds into v
+    float* sum = reinterpret_cast<float*>(dsmem + C::SMEM) + mt * (C::WK - 1) * NTS * 4 * 32 + lane;
+    if constexpr (C::WK > 1) {
+      if (kq > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sum[((kq - 1) * NTS * 4 + nt * 4 + i) * 32] = acc[nt][i];
+      }
+      __syncthreads();
+    }
+    if (kq == 0) {
+      for (int k = 0; k < C::WK - 1; ++k)
+#pragma unroll
+        for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[nt][i] += sum[(k * NTS * 4 + nt * 4 + i) * 32];
+      float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rlo;
+      const size_t stride = (size_t)g.n_slices * g.rw;
+#pragma unroll
+      for (int nt = 0; nt < NTS; ++nt) {
+        const int col = nt * 8 + 2 * tq;
+        if (nt < nts && col < rr) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = mt * 16 + gq + 8 * h;
+            if (row < m) red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < rr ? acc[nt][2 * h + 1] : 0.f);
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every thread's adds issued; one fence after it (as chunk_shrink above 16 ranks)
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(g.counters + 2 + c, 1);
+  }
+}
+
 // Part q of `parts`: its shrink into v, then its count into the chunk's ready count. Its stages
 // run through the passes (slice, rank block) in one ring: pass p's share of `in`, then p + 1's, a
 // pass's sums added into v as its last stage is done.
@@ -232,6 +368,12 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
                              int parts) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
+  if constexpr (C::RSPLIT > 1 && !SLICED) {
+    if (parts % C::RSPLIT == 0) {
+      chunk_shrink_rs<T, RW, BM_, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
+      return;
+    }
+  }
   constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8, NTH = C::NTHREADS;
   constexpr int XPR = KC / CH, XPT = BM * XPR / NTH, XROWS = NTH / XPR;  // x pieces
   constexpr int APT = C::RB * XPR / NTH;                                  // A pieces

@@ -94,6 +94,8 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
                              f"{c}::NTHREADS == {kernels.chunk_threads(bm)} && {c}::BLOCKS_PER_SM == "
                              f"{cb.CHUNK_TALL_BLOCKS_PER_SM if bm == kernels.CHUNK_TALL_BM else cb.CHUNK_BLOCKS_PER_SM}, "
                              f"\"chunk {dtype} {rw} {bm}\");")
+                split = kernels.CHUNK_RSPLIT if (rw, bm) == (64, kernels.CHUNK_BM) else 1
+                lines.append(f"static_assert({c}::RSPLIT == {split}, \"chunk rank split {dtype} {rw} {bm}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
     lines.append(f"static_assert(lora::CHUNK_STATIC_SMEM == {cb.CHUNK_STATIC_SMEM} && "
                  f"lora::CHUNK_TALL_STATIC_SMEM == {cb.CHUNK_TALL_STATIC_SMEM}, \"chunk static\");")

@@ -85,6 +85,12 @@ CASES = {**GPU_CASES,
          "tall-r64": dict(T=1500, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
                           num_slots=9, active=4),
          "tall-r128": dict(T=1100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
+         # lora_chunk's rank split (one slice at rank width 64, chunks of 32, parts a multiple of 4):
+         # ranks past a part's window, inside it and short of a tile; `in` with a short last stage
+         "split-r64": dict(T=300, in_f=1000, slices=(200,), max_rank=64, ranks=(0, 5, 17, 33, 64), mix="skewed",
+                           num_slots=9, active=5),
+         "split-r64-odd": dict(T=130, in_f=1001, slices=(72,), max_rank=50, ranks=(3, 20, 50), mix="zipf",
+                               num_slots=9, active=3),
          # ... and chunks of 128 (blocks of 256 threads) from CHUNK_TALL_FROM: full and partial
          "taller-r64": dict(T=3000, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
                             num_slots=9, active=4),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lora_cupy import kernels
 from lora_cupy.backends import cupy as cb
 
 from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
@@ -45,6 +46,45 @@ def test_chunk_matches_oracle(make_case, check, name, dtype):
     check(case, run_cupy(be, case), dtype)
     case2 = make_case(dtype=dtype, **CASES[name])  # the same backend again: its counters reset
     check(case2, run_cupy(be, case2), dtype)
+
+
+#: one-slice steps at rank width 64 in chunks of 32 whose chunks are cut into an even number of parts,
+#: so the shrink splits the ranks between pairs of parts (chunk.cuh's chunk_shrink_rs): ranks past a
+#: part's half (0, 5, 17), inside it and short of a tile; `in` of 1000 and 1001 (the second unaligned,
+#: element-wise), a pool of rank 50. "T300-zipf-r64" above (5 stages of `in`) keeps the unsplit shrink.
+SPLIT_CASES = {
+    "split-r64": dict(T=300, in_f=1000, slices=(200,), max_rank=64, ranks=(0, 5, 17, 33, 64), mix="skewed",
+                      num_slots=9, active=5),
+    "split-r50-odd": dict(T=130, in_f=1001, slices=(72,), max_rank=50, ranks=(3, 20, 50), mix="zipf", num_slots=9,
+                          active=3),
+}
+
+
+def chunk_parts(plan, slot_indptr) -> int:
+    """The parts chunk.cuh's chunk_parts cuts each chunk of a step into: as many as fill the plan's
+    grid for the step's chunks of ``plan.bm``, at most ``plan.splits``."""
+    chunks = sum(-(-int(n) // plan.bm) for n in np.diff(np.asarray(slot_indptr)))
+    return max(1, min(plan.splits, plan.blocks // max(chunks, 1)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_chunk_rank_split(make_case, check, name, dtype):
+    case = make_case(dtype=dtype, **SPLIT_CASES[name])
+    be = backend_for(case.spec, **CHUNK)
+    plan = be.plan(case.token_order.shape[0], dev_weights(case.w), dtype)
+    assert (plan.expand, plan.bm, plan.sliced) == ("chunk", kernels.CHUNK_BM, False)
+    assert chunk_parts(plan, case.slot_indptr) % kernels.CHUNK_RSPLIT == 0
+    check(case, run_cupy(be, case), dtype)
+    case2 = make_case(dtype=dtype, **SPLIT_CASES[name])  # the same backend again: v and the counts were reset
+    check(case2, run_cupy(be, case2), dtype)
+
+
+def test_the_unsplit_case_keeps_the_unsplit_shrink(make_case):
+    """The rank split is taken only where a chunk's parts are even: T300-zipf-r64's are not."""
+    case = make_case(dtype="bfloat16", **CASES["T300-zipf-r64"])
+    plan = backend_for(case.spec, **CHUNK).plan(case.token_order.shape[0], dev_weights(case.w), "bfloat16")
+    assert plan.bm == kernels.CHUNK_BM and chunk_parts(plan, case.slot_indptr) % kernels.CHUNK_RSPLIT != 0
 
 
 @pytest.mark.parametrize("R,in_f,out", [(64, 4104, 1000), (128, 3080, 4104)])
