@@ -231,6 +231,45 @@ __device__ void chunk_setup(const Args<T>& g, const int* s_indptr, ChunkRows<BM>
   __syncthreads();
 }
 
+// One stage of a shrink's ring: x's rows of the chunk's tokens ([0, m); zero past them) and A's rows
+// [0, r16) (a rank block, or a part's window of one; zero past r), features f0 + [0, KC) (zero past
+// `in`), into sx and sa: 16-byte copies where `vec`, element by element otherwise. Every thread of
+// the block calls; the caller commits.
+template <typename C, int AROWS, typename T, typename Rows>
+__device__ __forceinline__ void chunk_copy_stage(const Args<T>& g, const Rows& tr, T* sx, T* sa, const T* A, int f0,
+                                                 int m, int r, int r16, bool vec) {
+  constexpr int BM = C::BM, KC = C::KC, CH = C::CH, NTH = C::NTHREADS;
+  constexpr int XPR = KC / CH, XPT = BM * XPR / NTH, XROWS = NTH / XPR;  // x pieces
+  constexpr int APT = (AROWS * XPR + NTH - 1) / NTH;                      // A pieces
+  const int tid = threadIdx.x, in = g.in_features, pc = (tid % XPR) * CH, pr0 = tid / XPR;
+  if (vec) {
+    const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
+#pragma unroll
+    for (int i = 0; i < XPT; ++i) {  // token rows from shared memory: no registers held across stages
+      const int row = pr0 + i * XROWS;
+      const bool ok = row < m && bytes > 0;
+      cp_async16(sx + row * C::LDX + pc, ok ? g.x + (size_t)tr.tok[row] * in + f0 + pc : g.x, ok ? bytes : 0);
+    }
+#pragma unroll
+    for (int i = 0; i < APT; ++i) {
+      const int row = pr0 + i * XROWS;
+      if (row < r16) {
+        const bool ok = row < r && bytes > 0;
+        cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
+      }
+    }
+  } else {
+    for (int e = tid; e < BM * KC; e += NTH) {
+      const int row = e / KC, k = e % KC;
+      sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
+    }
+    for (int e = tid; e < r16 * KC; e += NTH) {
+      const int row = e / KC, k = e % KC;
+      sa[row * C::LDA + k] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
+    }
+  }
+}
+
 // Part q of `parts` (a multiple of RSPLIT) of a one-slice chunk: ranks (q % RSPLIT) * RBS + [0, RBS)
 // of v over stage share q / RSPLIT of `in` (the ring and stages of chunk_shrink, RBS rows of A a
 // stage), then the part's count, as chunk_shrink. A part whose ranks all lie past the slot's rank
@@ -241,10 +280,8 @@ __device__ void chunk_shrink_rs(const Args<T>& g, char* dsmem, const ChunkRows<B
                                 int q, int parts) {
   using C = Chunk<T, RW, BM_>;
   using M = typename Op<T>::type;
-  constexpr int BM = C::BM, KCS = C::KC, STAGES = C::STAGES, CH = C::CH, NTH = C::NTHREADS, RS = C::RSPLIT;
+  constexpr int KCS = C::KC, STAGES = C::STAGES, RS = C::RSPLIT;
   constexpr int RBS = C::RBS, NTS = RBS / 8, KSTEPS = KCS / 16;
-  constexpr int XPR = KCS / CH, XPT = BM * XPR / NTH, XROWS = NTH / XPR;  // x pieces
-  constexpr int APT = (RBS * XPR + NTH - 1) / NTH;                        // A pieces
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int in = g.in_features, nk = (in + KCS - 1) / KCS, kparts = parts / RS, rq = q % RS;
   const int per = (nk + kparts - 1) / kparts, k0 = (q / RS) * per, nkp = max(min(k0 + per, nk) - k0, 0);
@@ -256,39 +293,8 @@ __device__ void chunk_shrink_rs(const Args<T>& g, char* dsmem, const ChunkRows<B
   const T* A = g.A + (((size_t)cw.slot * g.n_slices + j) * g.max_rank + rlo) * (size_t)in;
   auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
   auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
-  const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
   auto load = [&](int f, int st) {
-    if (f < total) {
-      T* sx = x_tile(st);
-      T* sa = a_tile(st);
-      const int f0 = (k0 + f) * KCS;
-      if (vec) {
-        const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
-#pragma unroll
-        for (int i = 0; i < XPT; ++i) {
-          const int row = pr0 + i * XROWS;
-          const bool ok = row < m && bytes > 0;
-          cp_async16(sx + row * C::LDX + pc, ok ? g.x + (size_t)tr.tok[row] * in + f0 + pc : g.x, ok ? bytes : 0);
-        }
-#pragma unroll
-        for (int i = 0; i < APT; ++i) {
-          const int row = pr0 + i * XROWS;
-          if (row < r16) {
-            const bool ok = row < rr && bytes > 0;
-            cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
-          }
-        }
-      } else {
-        for (int e = tid; e < BM * KCS; e += NTH) {
-          const int row = e / KCS, k = e % KCS;
-          sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
-        }
-        for (int e = tid; e < r16 * KCS; e += NTH) {
-          const int row = e / KCS, k = e % KCS;
-          sa[row * C::LDA + k] = row < rr && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
-        }
-      }
-    }
+    if (f < total) chunk_copy_stage<C, RBS>(g, tr, x_tile(st), a_tile(st), A, (k0 + f) * KCS, m, rr, r16, vec);
     cp_async_commit();
   };
 
@@ -374,9 +380,7 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
       return;
     }
   }
-  constexpr int BM = C::BM, KC = C::KC, STAGES = C::STAGES, CH = C::CH, NTS = C::RB / 8, NTH = C::NTHREADS;
-  constexpr int XPR = KC / CH, XPT = BM * XPR / NTH, XROWS = NTH / XPR;  // x pieces
-  constexpr int APT = C::RB * XPR / NTH;                                  // A pieces
+  constexpr int KC = C::KC, STAGES = C::STAGES, NTS = C::RB / 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int in = g.in_features, nk = (in + KC - 1) / KC, per = (nk + parts - 1) / parts;
   const int k0 = q * per, nkp = max(min(k0 + per, nk) - k0, 0), total = nkp * cw.passes, m = cw.m;
@@ -388,7 +392,6 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   constexpr bool BLOCK_SUM = C::WK > 1;
   auto x_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE); };
   auto a_tile = [&](int st) { return reinterpret_cast<T*>(dsmem + st * C::STAGE + C::X_BYTES); };
-  const int pc = (tid % XPR) * CH, pr0 = tid / XPR;
   // stage f: pass f / nkp (its rank block's ranks r below the slice's rank, rows up to r16 copied),
   // stage k0 + f % nkp of `in`
   auto load = [&](int f, int st) {
@@ -397,35 +400,8 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
       const int rb0 = SLICED ? cw.pass_rb[p] : p * C::RB;
       const int r = min(cw.r[j] - rb0, C::RB), r16 = (r + 15) & ~15;
       const T* A = g.A + (((size_t)cw.slot * g.n_slices + j) * g.max_rank + rb0) * (size_t)in;
-      T* sx = x_tile(st);
-      T* sa = a_tile(st);
-      const int f0 = (k0 + (ONE_PASS ? f : f % nkp)) * KC;
-      if (vec) {
-        const int bytes = min(max(in - (f0 + pc), 0), CH) * 2;
-#pragma unroll
-        for (int i = 0; i < XPT; ++i) {  // token rows from shared memory: no registers held across stages
-          const int row = pr0 + i * XROWS;
-          const bool ok = row < m && bytes > 0;
-          cp_async16(sx + row * C::LDX + pc, ok ? g.x + (size_t)tr.tok[row] * in + f0 + pc : g.x, ok ? bytes : 0);
-        }
-#pragma unroll
-        for (int i = 0; i < APT; ++i) {
-          const int row = pr0 + i * XROWS;
-          if (row < r16) {
-            const bool ok = row < r && bytes > 0;
-            cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
-          }
-        }
-      } else {
-        for (int e = tid; e < BM * KC; e += NTH) {
-          const int row = e / KC, k = e % KC;
-          sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
-        }
-        for (int e = tid; e < r16 * KC; e += NTH) {
-          const int row = e / KC, k = e % KC;
-          sa[row * C::LDA + k] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
-        }
-      }
+      chunk_copy_stage<C, C::RB>(g, tr, x_tile(st), a_tile(st), A, (k0 + (ONE_PASS ? f : f % nkp)) * KC, m, r, r16,
+                                 vec);
     }
     cp_async_commit();
   };
