@@ -97,10 +97,13 @@ def test_code_sizes_count_every_kernel_of_a_family():
             twin = f"{kind}<{', '.join(params[:at] + ['false'] + params[at + 1:])}>"
             bound = 1.2 if (kind, params[1]) == ("lora_pair_expand", "16") else 1.0
             assert n < bound * mma[twin], (name, n, mma[twin])
-        # lora_chunk for one slice: the slice loops and lookups compiled out
+        # lora_chunk for one slice: the slice loops and lookups compiled out; at rank width 64 in chunks
+        # of CHUNK_BM it also carries the rank split's shrink (chunk_shrink_rs), so it is held to 1.25x
+        # its sliced twin (8808 against 7352 and 4304 against 4112 instructions when this was written)
         if kind == "lora_chunk" and params[4] == "false":
             sliced = f"{kind}<{', '.join(params[:4] + ['true'])}>"
-            assert n < mma[sliced], (name, n, mma[sliced])
+            split = (int(params[1]), int(params[2])) == (64, kernels.CHUNK_BM)
+            assert n < (1.25 if split else 1.0) * mma[sliced], (name, n, mma[sliced])
     assert mma["lora_fused<__nv_bfloat16, 16, 64, false, true>"] < 0.8 * mma["lora_fused<__nv_bfloat16, 16, 64, false, false>"]
 
 
