@@ -87,7 +87,7 @@ CASES = {**GPU_CASES,
          "tall-r128": dict(T=1100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
          # lora_chunk's rank split (one slice at rank width 64, chunks of 32, an even number of parts):
          # ranks past a part's window, inside it and short of a tile; `in` with a short last stage
-         "split-r64": dict(T=300, in_f=1000, slices=(200,), max_rank=64, ranks=(0, 5, 17, 33, 64), mix="skewed",
+         "split-r64": dict(T=300, in_f=1000, slices=(200,), max_rank=64, ranks=(0, 17, 40, 64), mix="skewed",
                            num_slots=9, active=5),
          "split-r64-odd": dict(T=130, in_f=1001, slices=(72,), max_rank=50, ranks=(3, 20, 50), mix="zipf",
                                num_slots=9, active=3),
