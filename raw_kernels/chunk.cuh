@@ -270,6 +270,74 @@ __device__ __forceinline__ void chunk_copy_stage(const Args<T>& g, const Rows& t
   }
 }
 
+// A shrink stage's MMAs into a warp's sums: m-tile mt (none past the chunk's m rows), k-steps kq,
+// kq + WK, ... of the stage, n-tiles below nts of its A rows.
+template <typename C, int NTS, typename T>
+__device__ __forceinline__ void chunk_stage_mmas(float (&acc)[NTS][4], const T* sx, const T* sa, int mt, int kq, int m,
+                                                 int nts, int gq, int tq) {
+  using M = typename Op<T>::type;
+#pragma unroll
+  for (int kk = kq; kk < C::KSTEPS; kk += C::WK) {
+    if (mt * 16 >= m) break;  // an m-tile past the chunk's rows: nothing to sum
+    Frags<M, false, T> fa;
+    fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt) {
+      if (nt < nts) {
+        Frags<M, false, T> fb;
+        fb.load_b(sa, C::LDA, nt * 8, kk * 16, gq, tq);
+        mma_frags<M, false, false>(acc[nt], fa, fb);
+      }
+    }
+  }
+}
+
+// The WK warps of m-tile mt meet: warps kq > 0 leave their sums in shared memory past the stages
+// (C::SUMS bytes) and start again at zero; after one barrier warp kq = 0 adds them to its own.
+// Every thread calls.
+template <typename C, int NTS>
+__device__ __forceinline__ void chunk_block_sum(float (&acc)[NTS][4], char* dsmem, int mt, int kq, int lane) {
+  float* sum = reinterpret_cast<float*>(dsmem + C::SMEM) + mt * (C::WK - 1) * NTS * 4 * 32 + lane;
+  if (kq > 0) {
+#pragma unroll
+    for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sum[((kq - 1) * NTS * 4 + nt * 4 + i) * 32] = acc[nt][i];
+        acc[nt][i] = 0.f;
+      }
+  }
+  __syncthreads();
+  if (kq == 0) {
+    for (int k = 0; k < C::WK - 1; ++k)
+#pragma unroll
+      for (int nt = 0; nt < NTS; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] += sum[(k * NTS * 4 + nt * 4 + i) * 32];
+  }
+}
+
+// A warp's sums of ranks [0, r) (n-tiles below nts; ranks below r only: 0 * inf stays out of v) of
+// its m-tile's rows below m, added into vb (rows `stride` apart) with 8-byte reductions; then the
+// sums start again at zero.
+template <int NTS>
+__device__ __forceinline__ void chunk_add_into_v(float (&acc)[NTS][4], float* vb, size_t stride, int mt, int m, int r,
+                                                 int nts, int gq, int tq) {
+#pragma unroll
+  for (int nt = 0; nt < NTS; ++nt) {
+    const int col = nt * 8 + 2 * tq;
+    if (nt < nts && col < r) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = mt * 16 + gq + 8 * h;
+        if (row >= m) continue;
+        red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
+      }
+    }
+    acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  }
+}
+
 // Part q of `parts` (a multiple of RSPLIT) of a one-slice chunk: ranks (q % RSPLIT) * RBS + [0, RBS)
 // of v over stage share q / RSPLIT of `in` (the ring and stages of chunk_shrink, RBS rows of A a
 // stage), then the part's count, as chunk_shrink. A part whose ranks all lie past the slot's rank
@@ -279,9 +347,8 @@ template <typename T, int RW, int BM_, bool ALIGNED>
 __device__ void chunk_shrink_rs(const Args<T>& g, char* dsmem, const ChunkRows<BM_>& tr, const ChunkWork& cw, int c,
                                 int q, int parts) {
   using C = Chunk<T, RW, BM_>;
-  using M = typename Op<T>::type;
   constexpr int KCS = C::KC, STAGES = C::STAGES, RS = C::RSPLIT;
-  constexpr int RBS = C::RBS, NTS = RBS / 8, KSTEPS = KCS / 16;
+  constexpr int RBS = C::RBS, NTS = RBS / 8;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int in = g.in_features, nk = (in + KCS - 1) / KCS, kparts = parts / RS, rq = q % RS;
   const int per = (nk + kparts - 1) / kparts, k0 = (q / RS) * per, nkp = max(min(k0 + per, nk) - k0, 0);
@@ -308,55 +375,14 @@ __device__ void chunk_shrink_rs(const Args<T>& g, char* dsmem, const ChunkRows<B
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // stage f has landed for every thread; stage f - 1 is free
     load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
-    const T* sx = x_tile(f % STAGES);
-    const T* sa = a_tile(f % STAGES);
-#pragma unroll
-    for (int kk = kq; kk < KSTEPS; kk += C::WK) {
-      if (mt * 16 >= m) break;  // an m-tile past the chunk's rows: nothing to sum
-      Frags<M, false, T> fa;
-      fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
-#pragma unroll
-      for (int nt = 0; nt < NTS; ++nt) {
-        if (nt < nts) {
-          Frags<M, false, T> fb;
-          fb.load_b(sa, C::LDA, nt * 8, kk * 16, gq, tq);
-          mma_frags<M, false, false>(acc[nt], fa, fb);
-        }
-      }
-    }
+    chunk_stage_mmas<C>(acc, x_tile(f % STAGES), a_tile(f % STAGES), mt, kq, m, nts, gq, tq);
   }
   if (total > 0) {
     // the warps of an m-tile meet in shared memory past the stages; warp kq = 0 adds into v
-    float* sum = reinterpret_cast<float*>(dsmem + C::SMEM) + mt * (C::WK - 1) * NTS * 4 * 32 + lane;
-    if constexpr (C::WK > 1) {
-      if (kq > 0) {
-#pragma unroll
-        for (int nt = 0; nt < NTS; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) sum[((kq - 1) * NTS * 4 + nt * 4 + i) * 32] = acc[nt][i];
-      }
-      __syncthreads();
-    }
-    if (kq == 0) {
-      for (int k = 0; k < C::WK - 1; ++k)
-#pragma unroll
-        for (int nt = 0; nt < NTS; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[nt][i] += sum[(k * NTS * 4 + nt * 4 + i) * 32];
-      float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rlo;
-      const size_t stride = (size_t)g.n_slices * g.rw;
-#pragma unroll
-      for (int nt = 0; nt < NTS; ++nt) {
-        const int col = nt * 8 + 2 * tq;
-        if (nt < nts && col < rr) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = mt * 16 + gq + 8 * h;
-            if (row < m) red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < rr ? acc[nt][2 * h + 1] : 0.f);
-          }
-        }
-      }
-    }
+    if constexpr (C::WK > 1) chunk_block_sum<C>(acc, dsmem, mt, kq, lane);
+    if (kq == 0)
+      chunk_add_into_v(acc, g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rlo, (size_t)g.n_slices * g.rw, mt, m, rr,
+                       nts, gq, tq);
   }
   cp_async_wait<0>();
   __syncthreads();  // every thread's adds issued; one fence after it (as chunk_shrink above 16 ranks)
@@ -373,7 +399,6 @@ template <typename T, int RW, int BM_, bool ALIGNED, bool SLICED>
 __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>& tr, const ChunkWork& cw, int c, int q,
                              int parts) {
   using C = Chunk<T, RW, BM_>;
-  using M = typename Op<T>::type;
   if constexpr (C::RSPLIT > 1 && !SLICED) {
     if (parts % C::RSPLIT == 0) {
       chunk_shrink_rs<T, RW, BM_, ALIGNED>(g, dsmem, tr, cw, c, q, parts);
@@ -411,23 +436,9 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   float acc[NTS][4];  // ranks rb0 + [0, RB) of this warp's m-tile, for the pass under way
 #pragma unroll
   for (int nt = 0; nt < NTS; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  // this warp's partial sums of slice j's ranks rb0 + [0, r) into v (rows of its m-tile inside the
-  // chunk; ranks below r only: 0 * inf stays out of v), then the sums start again
+  // this warp's partial sums of slice j's ranks rb0 + [0, r) into v, then the sums start again
   auto add_into_v = [&](int j, int rb0, int r, int nts) {
-    float* vb = g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0;
-#pragma unroll
-    for (int nt = 0; nt < NTS; ++nt) {
-      const int col = nt * 8 + 2 * tq;
-      if (nt < nts && col < r) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = mt * 16 + gq + 8 * h;
-          if (row >= m) continue;
-          red_add2(vb + row * stride + col, acc[nt][2 * h], col + 1 < r ? acc[nt][2 * h + 1] : 0.f);
-        }
-      }
-      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    }
+    chunk_add_into_v(acc, g.ws + ((size_t)cw.p0 * g.n_slices + j) * g.rw + rb0, stride, mt, m, r, nts, gq, tq);
   };
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) load(st, st);
@@ -438,47 +449,15 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
     const int p = ONE_PASS ? 0 : f / nkp, j = SLICED ? cw.pass_j[p] : cw.j;
     const int rb0 = SLICED ? cw.pass_rb[p] : p * C::RB;
     const int r = min(cw.r[j] - rb0, C::RB), nts = ((r + 15) & ~15) / 8;
-    const T* sx = x_tile(f % STAGES);
-    const T* sa = a_tile(f % STAGES);
-#pragma unroll
-    for (int kk = kq; kk < C::KSTEPS; kk += C::WK) {
-      if (mt * 16 >= m) break;  // an m-tile past the chunk's rows: nothing to sum
-      Frags<M, false, T> fa;
-      fa.load_a(sx, C::LDX, mt * 16, kk * 16, gq, tq, 1.f);
-#pragma unroll
-      for (int nt = 0; nt < NTS; ++nt) {
-        if (nt < nts) {
-          Frags<M, false, T> fb;
-          fb.load_b(sa, C::LDA, nt * 8, kk * 16, gq, tq);
-          mma_frags<M, false, false>(acc[nt], fa, fb);
-        }
-      }
-    }
+    chunk_stage_mmas<C>(acc, x_tile(f % STAGES), a_tile(f % STAGES), mt, kq, m, nts, gq, tq);
     if ((ONE_PASS ? f : f % nkp) != nkp - 1) continue;
     // the pass's last stage (the same f in every warp)
     if constexpr (BLOCK_SUM) {
       // warps kq > 0 of an m-tile leave their sums in shared memory; after one barrier warp kq = 0
       // adds them to its own and into v. The next pass's sums are written after the next
       // iteration's barrier, which warp kq = 0 reaches only once it has read these.
-      float* sum = reinterpret_cast<float*>(dsmem + C::SMEM) + mt * (C::WK - 1) * NTS * 4 * 32 + lane;
-      if (kq > 0) {
-#pragma unroll
-        for (int nt = 0; nt < NTS; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            sum[((kq - 1) * NTS * 4 + nt * 4 + i) * 32] = acc[nt][i];
-            acc[nt][i] = 0.f;
-          }
-      }
-      __syncthreads();
-      if (kq == 0) {
-        for (int k = 0; k < C::WK - 1; ++k)
-#pragma unroll
-          for (int nt = 0; nt < NTS; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[nt][i] += sum[(k * NTS * 4 + nt * 4 + i) * 32];
-        add_into_v(j, rb0, r, nts);
-      }
+      chunk_block_sum<C>(acc, dsmem, mt, kq, lane);
+      if (kq == 0) add_into_v(j, rb0, r, nts);
     } else {
       add_into_v(j, rb0, r, nts);
     }
