@@ -209,7 +209,8 @@ def _lead_history(tp, pool, reader, rng: random.Random, steps: int) -> dict:
             msgs.append(msg)
 
         for _ in range(rng.randint(0, 3)):
-            adapter = None if rng.random() < 0.15 else rng.choice(sorted(served))
+            # every adapter unloaded (those a live request holds are not loaded back): a request of none
+            adapter = None if not served or rng.random() < 0.15 else rng.choice(sorted(served))
             conduct(("ingest", next_rid, adapter))
             live[next_rid] = adapter
             next_rid += 1
