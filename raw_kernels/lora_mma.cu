@@ -1070,7 +1070,8 @@ __global__ void __launch_bounds__(lora::Chunk<T, RW, BM>::NTHREADS, lora::Chunk<
 
 // lora_one (one.cuh): the delta of the capture bucket of one position in clusters of 8 blocks, the
 // partial sums of v met in distributed shared memory; every type, rank widths 16, 64 and 128. No
-// dynamic shared memory, no workspace, no counters. sm_90 only: below it the body traps (the plan
+// workspace, no counters; dynamic shared memory for A's share staged before the wait (one_stage_a,
+// one_stage_smem bytes; a launch given none reads it from L2). sm_90 only: below it the body traps (the plan
 // never launches it there) and the cluster attribute is left out so the source still builds.
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 #define LORA_ONE_CLUSTER __cluster_dims__(lora::ONE_CLUSTER, 1, 1)
@@ -1085,20 +1086,30 @@ __global__ void LORA_ONE_CLUSTER __launch_bounds__(128, 1) lora_one(LORA_PARAMS)
   // towards L2), overlapping the grid before this one
   const bool early = flags & lora::EARLY_READS;
   lora::enter_grid<true>(early);
+  extern __shared__ __align__(16) char one_dsmem[];  // one_stage_a's share of A (one_stage_smem bytes)
   __shared__ lora::OneStep st;
   __shared__ float part[lora::ONE_SLICES * RW], vs[lora::ONE_SLICES * RW];
+  __shared__ unsigned long long abar;    // one_stage_a's copies land (one_setup's barrier orders its init)
+  if constexpr (ALIGNED && sizeof(T) == 2)
+    if (early && threadIdx.x == 0) lora::mbar_init(&abar, blockDim.x);
   if (!lora::one_setup(g, st)) {  // the same in every block: a cluster leaves whole
     if (early && blockIdx.x == 0) lora::wait_prior_grid();  // no grid finishes before the one before it
     return;
   }
   lora::OneCol<T, RW, ALIGNED> pc;       // the thread's first columns, in flight through the shrink
   lora::one_prefetch<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
+  const T* sa = nullptr;                 // A's share in shared memory (ALIGNED 16-bit types, early)
   if (early) {
-    lora::one_prefetch_a<T>(g, st, lora::cluster_rank());
+    if constexpr (ALIGNED && sizeof(T) == 2) {
+      T* s = reinterpret_cast<T*>(one_dsmem);
+      if (lora::one_stage_a<T>(g, st, lora::cluster_rank(), s, &abar)) sa = s;
+    }
+    if (sa == nullptr) lora::one_prefetch_a<T>(g, st, lora::cluster_rank());
     lora::wait_prior_grid();
   }
   lora::one_prefetch_y<T, RW, ALIGNED>(g, st, blockIdx.x, gridDim.x, pc);
-  lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank());
+  if (sa != nullptr) lora::mbar_wait(&abar, 0);  // every row of the share has landed
+  lora::one_shrink<T, RW, ALIGNED>(g, st, part, lora::cluster_rank(), sa);
   lora::cluster_arrive();  // part written (release) ...
   lora::cluster_wait();    // ... and every block's seen (acquire)
   lora::one_sum<RW>(n_slices, st, vs, [&](int b, int e) { return lora::cluster_load(part, b, e); });

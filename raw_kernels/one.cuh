@@ -25,6 +25,11 @@
 // then writes its 1/grid share of the columns, a thread a column (its B row, r_j ranks, 16-byte
 // pieces). The plan sizes the grid by the columns (about ONE_COLS a block, at most
 // ONE_MAX_CLUSTERS clusters).
+// With EARLY_READS the ALIGNED 16-bit instantiation copies its block's share of A into shared memory
+// by the bulk copy engine (a copy a row, one mbarrier) before it waits for the grid before
+// (one_stage_a), so after the wait only x comes from global memory for the shrink; otherwise A's
+// share is sent towards L2 then (one_prefetch_a). (Staged by 16-byte cp.async instead, the block
+// asked L2 for twice the sectors and a call after a flush ran 1.5 us slower: NOTES.md.)
 // Shapes: any `in`, out, rank up to RW (16, 64 or 128: the pool's rank width), up to 8 slices,
 // every 16-bit and 32-bit type; ALIGNED (flags == 7) drops the element-wise loads of x, A and B.
 // sm_90 only (clusters); the plan never asks for it on an older device. The plan's default
@@ -223,6 +228,81 @@ __device__ __forceinline__ void one_prefetch_a(const Args<T>& g, const OneStep& 
   }
 }
 
+// Block b's share of A staged in shared memory before the wait for the grid before (EARLY_READS,
+// ALIGNED, 16-bit types): A does not depend on that grid, so after the wait the shrink reads only
+// x's share from global memory and A's rows from shared memory (without it, one_prefetch_a sends the
+// rows towards L2 and the shrink reads them from there after the wait). Row q of the slot's rows (the slices in
+// order, r < r_j: one_rowmap's order) at q * ld, its pieces from the share's first; ld, the share's
+// pieces rounded up to 128 bytes and 64 more, puts rows g and g + 1 of a 16-byte load's 8-lane phase
+// in distinct banks. The plan gives the launch one_stage_smem's bytes (every slice at the rank width).
+template <typename T>
+__device__ __forceinline__ int one_stage_ld(int per_b) {
+  return ((per_b * 16 + 127) / 128 * 128 + 64) / int(sizeof(T));
+}
+// The block's copies of its rows (one_stage_a) complete the phase of an mbarrier of blockDim.x
+// arrivals (mbar_init before one_setup's barrier; each thread arrives once, with its copies' bytes).
+// The host check supplies its own (host_cuda.h).
+#ifndef LORA_HOST_EMULATION
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// this thread's arrival, with the bytes its copies (issued after it) will bring
+__device__ __forceinline__ void mbar_arrive_tx(unsigned long long* bar, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+#endif
+}
+// `bytes` (a multiple of 16) from global src to shared dst (both 16-byte aligned) by the bulk copy
+// engine, counted against bar
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+#endif
+}
+// until bar's phase of this parity has completed
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tLORA_MBAR_WAIT%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra LORA_MBAR_WAIT%=;\n\t}" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+#endif
+}
+#endif
+
+// Issues the copies, a row a copy by the bulk copy engine (thread i the rows i, i + blockDim.x, ...),
+// every thread arriving on bar once; false, with nothing issued and no arrival, where the launch's
+// dynamic shared memory cannot hold the slot's rows (the same in every thread).
+template <typename T>
+__device__ bool one_stage_a(const Args<T>& g, const OneStep& st, int b, T* sa, unsigned long long* bar) {
+  constexpr int CH = 16 / sizeof(T);
+  const int in = g.in_features, n = g.n_slices, R = g.max_rank;
+  const int pieces = (in + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
+  const int p0 = b * per, np = max(min(pieces, p0 + per) - p0, 0), ld = one_stage_ld<T>(per);
+  int rows = 0;
+  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  if ((size_t)rows * ld * sizeof(T) > dynamic_smem_size()) return false;
+  const T* as = g.A + (size_t)st.slot * n * R * in + (size_t)p0 * CH;
+  const int mine = np > 0 && (int)threadIdx.x < rows ? (rows - 1 - (int)threadIdx.x) / (int)blockDim.x + 1 : 0;
+  mbar_arrive_tx(bar, unsigned(mine * np * 16));
+  int j = 0, first = 0;  // the slice of the row, and its first row
+  for (int i = 0, row = threadIdx.x; i < mine; ++i, row += blockDim.x) {
+    while (j < n && row - first >= st.rank[j]) first += st.rank[j++];
+    bulk_copy(sa + (size_t)row * ld, as + ((size_t)j * R + (row - first)) * in, unsigned(np * 16), bar);
+  }
+  return true;
+}
+
 // The 16 bytes of T at p, elements from `valid` on zeroed in their bits (0.0 in every type; a
 // weight past a rank or `in` may be NaN and is never multiplied). `vec`: p is 16-byte aligned.
 template <typename T, bool VEC>
@@ -270,12 +350,13 @@ __device__ __forceinline__ void one_rowmap(int n, const St& st, short* rowmap, i
 // out(q, sum) for every row q < rows: this warp's sum over its quads of x[t] . A row q. Warp w takes
 // the share's quads (4 pieces) w, w + 4, ..., QB of them a round, and the row tiles MG at a time. xr:
 // the position's row of x, in every column of the MMA's B; only column 0 of D is written (lanes t = 0).
-template <typename T, int RW, bool ALIGNED, int MG, int QB, typename Out>
+// STAGED: `as` is the block's share of A in shared memory (one_stage_a: row q at q * ld, from piece p0).
+template <typename T, int RW, bool ALIGNED, int MG, int QB, bool STAGED, typename Out>
 __device__ void one_mma_rows(const Args<T>& g, const T* xr, const T* as, const short* rowmap, int rows, int p0,
-                             int p1, Out out) {
+                             int p1, Out out, int ld) {
   constexpr int CH = 16 / sizeof(T);
   const int lane = threadIdx.x & 31, gq = lane >> 2, t = lane & 3, warp = threadIdx.x >> 5;
-  const int in = g.in_features, R = g.max_rank;
+  const int in = g.in_features, R = g.max_rank, kb = STAGED ? p0 * CH : 0;
   const bool vec = ALIGNED || (g.flags & 1);
   const int quads = (max(p1 - p0, 0) + 3) / 4, tiles = (rows + 15) / 16;
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
@@ -288,7 +369,7 @@ __device__ void one_mma_rows(const Args<T>& g, const T* xr, const T* as, const s
       for (int h = 0; h < 2; ++h) {
         const int q = (m0 + mi) * 16 + gq + 8 * h, pr = q < rows ? rowmap[q] : 0;
         on[mi][h] = q < rows;
-        ar[mi][h] = as + (size_t)((pr / RW) * R + pr % RW) * in;
+        ar[mi][h] = STAGED ? as + (size_t)(q < rows ? q : 0) * ld : as + (size_t)((pr / RW) * R + pr % RW) * in;
       }
     float d[MG][4] = {};
     for (int q0 = warp; q0 < quads; q0 += ONE_WARPS * QB) {
@@ -302,7 +383,7 @@ __device__ void one_mma_rows(const Args<T>& g, const T* xr, const T* as, const s
         for (int mi = 0; mi < MG; ++mi)
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            av[mi][h][i] = valid > 0 && on[mi][h] ? one_raw<T, ALIGNED>(ar[mi][h] + k, valid, vec) : zero;
+            av[mi][h][i] = valid > 0 && on[mi][h] ? one_raw<T, ALIGNED>(ar[mi][h] + (k - kb), valid, vec) : zero;
       }
 #pragma unroll
       for (int i = 0; i < QB; ++i) {  // ... then its MMAs (the quad the same in the whole warp)
@@ -329,25 +410,26 @@ __device__ void one_mma_rows(const Args<T>& g, const T* xr, const T* as, const s
 
 // part[j * RW + r] = x[t, K_b] . A[s, j, r, K_b] for every row (j, r < r_j) on tensor cores: the
 // rows' map, each warp's sums over its quads, then one thread a row adds the 4 warps' sums.
-template <typename T, int RW, bool ALIGNED>
-__device__ void one_mma_shrink(const Args<T>& g, const OneStep& st, float* part, int rows, int p0, int p1) {
+template <typename T, int RW, bool ALIGNED, bool STAGED = false>
+__device__ void one_mma_shrink(const Args<T>& g, const OneStep& st, float* part, int rows, int p0, int p1,
+                               const T* sa = nullptr, int ld = 0) {
   __shared__ short rowmap[ONE_SLICES * RW];
   __shared__ float wsum[ONE_WARPS * ONE_SLICES * RW];
   one_rowmap<RW>(g.n_slices, st, rowmap, rows);
   __syncthreads();
   const int tiles = (rows + 15) / 16, qw = ((max(p1 - p0, 0) + 3) / 4 + ONE_WARPS - 1) / ONE_WARPS;
   const T* xr = g.x + (size_t)st.row * g.in_features;
-  const T* as = g.A + (size_t)st.slot * g.n_slices * g.max_rank * g.in_features;
+  const T* as = STAGED ? sa : g.A + (size_t)st.slot * g.n_slices * g.max_rank * g.in_features;
   float* ws = wsum + (threadIdx.x >> 5) * ONE_SLICES * RW;
   auto out = [&](int q, float v) { ws[q] = v; };
   if (tiles == 1 && qw > 4)  // `in` = 14336: 14 quads a warp
-    one_mma_rows<T, RW, ALIGNED, 1, 16>(g, xr, as, rowmap, rows, p0, p1, out);
+    one_mma_rows<T, RW, ALIGNED, 1, 16, STAGED>(g, xr, as, rowmap, rows, p0, p1, out, ld);
   else if (tiles == 1)
-    one_mma_rows<T, RW, ALIGNED, 1, 4>(g, xr, as, rowmap, rows, p0, p1, out);
+    one_mma_rows<T, RW, ALIGNED, 1, 4, STAGED>(g, xr, as, rowmap, rows, p0, p1, out, ld);
   else if (tiles == 2)
-    one_mma_rows<T, RW, ALIGNED, 2, 4>(g, xr, as, rowmap, rows, p0, p1, out);
+    one_mma_rows<T, RW, ALIGNED, 2, 4, STAGED>(g, xr, as, rowmap, rows, p0, p1, out, ld);
   else
-    one_mma_rows<T, RW, ALIGNED, 4, 4>(g, xr, as, rowmap, rows, p0, p1, out);
+    one_mma_rows<T, RW, ALIGNED, 4, 4, STAGED>(g, xr, as, rowmap, rows, p0, p1, out, ld);
   __syncthreads();
   for (int q = threadIdx.x; q < rows; q += blockDim.x) {
     float s = 0.f;
@@ -425,8 +507,10 @@ __device__ void one_shrink_rows(const Args<T>& g, const OneStep& st, float* part
 // lane has: up to ONE_LOADS 16-byte loads a lane before the first FMA (4 rows x 8 pieces, 8 x 4, and
 // 2 pieces at 4, 8 or 12 rows); more take more rounds.
 constexpr int ONE_LOADS = 40;
+// sa: where not null, the share of A that one_stage_a copied into shared memory (every row landed:
+// each thread has waited on its mbarrier).
 template <typename T, int RW, bool ALIGNED>
-__device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int b) {
+__device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int b, const T* sa = nullptr) {
   constexpr int CH = 16 / sizeof(T);
   const int in = g.in_features, n = g.n_slices;
   const int pieces = (in + CH - 1) / CH, per_b = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
@@ -434,6 +518,12 @@ __device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int
   int rows = 0;
   for (int j = 0; j < n; ++j) rows += st.rank[j];
   if constexpr (sizeof(T) == 2) {
+    if constexpr (ALIGNED) {
+      if (sa != nullptr) {
+        one_mma_shrink<T, RW, ALIGNED, true>(g, st, part, rows, p0, p1, sa, one_stage_ld<T>(per_b));
+        return;
+      }
+    }
     one_mma_shrink<T, RW, ALIGNED>(g, st, part, rows, p0, p1);
   } else {
     const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;

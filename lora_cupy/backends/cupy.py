@@ -406,6 +406,23 @@ def one_pieces(in_features: int, dtype: str) -> int:
     return _ceil(_ceil(in_features, 16 // _ITEMSIZE[normalize_dtype(dtype)]), ONE_CLUSTER)
 
 
+#: The most bytes of dynamic shared memory a ``lora_one`` launch takes for A's share staged before the
+#: wait for the grid before (one.cuh, one_stage_a; 16-bit types); a larger share is read from L2 as
+#: before (the launch gets none, and the kernel sees it has none).
+ONE_STAGE_MAX = 96 * 1024
+
+
+def one_stage_smem(in_features: int, n_slices: int, rank_width: int, dtype: str) -> int:
+    """Dynamic shared memory of a ``lora_one`` launch: its block's share of A, every slice at
+    ``rank_width`` rows, each row its pieces rounded up to 128 bytes and 64 more (one.cuh,
+    one_stage_ld); 0 for fp32 (the shrink on CUDA cores) or past ``ONE_STAGE_MAX``."""
+    if _ITEMSIZE[normalize_dtype(dtype)] == 4:
+        return 0
+    ld = _ceil(one_pieces(in_features, dtype) * 16, 128) * 128 + 64
+    size = n_slices * rank_width * ld
+    return size if size <= ONE_STAGE_MAX else 0
+
+
 def one_share(in_features: int, n_slices: int, max_rank: int, dtype: str) -> int:
     """Bytes of A one ``lora_one`` block sums at most: its pieces of ``in``, every slice at the
     pool's rank width."""
@@ -1397,9 +1414,11 @@ class CupyBackend:
                     fn = mod.get_function(pair_name(ct, "expand", aligned=aligned, rw=rw))
                     fn.max_dynamic_shared_size_bytes = 8 * (MAX_SLOTS + 1)
                     self._fns[(dtype, "pair_expand", rw, aligned)] = fn
-        for rw in ONE_RW:  # static shared memory only
+        for rw in ONE_RW:  # dynamic shared memory: A's share staged (one_stage_smem)
             for aligned in (False, True):
-                self._fns[(dtype, "one", rw, aligned)] = mod.get_function(one_name(ct, rw, aligned=aligned))
+                fn = mod.get_function(one_name(ct, rw, aligned=aligned))
+                fn.max_dynamic_shared_size_bytes = ONE_STAGE_MAX
+                self._fns[(dtype, "one", rw, aligned)] = fn
         if dtype in GLU_DTYPES:
             for ks in GLU_KS:
                 fn = mod.get_function(glu_name(ct, ks))
@@ -1559,7 +1578,7 @@ class CupyBackend:
         Rw = call.rank  # what the kernels are built and sized for; R stays A's and B's stride
         if plan.expand == "one":  # clusters of ONE_CLUSTER blocks (the kernel's attribute)
             rw = built_width(ONE_RW, Rw)
-            return [mma("one", ("one", rw), plan.blocks, 0, extra=0)]
+            return [mma("one", ("one", rw), plan.blocks, one_stage_smem(in_f, n, rw, dtype), extra=0)]
         if plan.expand == "chunk":  # shrink and expand in one launch
             rw = chunk_geometry(Rw)[0]
             return [mma("chunk", ("chunk", rw, plan.bm, plan.sliced), plan.blocks, chunk_smem(dtype, Rw, plan.bm),

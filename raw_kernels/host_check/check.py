@@ -121,6 +121,8 @@ CASES = {**GPU_CASES,
          "one-long2": dict(T=1, in_f=4104, slices=(40, 24, 24), max_rank=16, ranks=(0, 13, 16), mix="distinct"),
          "one-long4": dict(T=1, in_f=8200, slices=(40, 24), max_rank=64, ranks=(3, 13, 64), mix="distinct"),
          "one-row": dict(T=1, in_f=264, slices=(136, 40), max_rank=16, ranks=(5, 16), mix="distinct"),
+         # lora_one at `in` = 24: 3 pieces, so five blocks of a cluster hold no share of A (none staged)
+         "one-tiny": dict(T=1, in_f=24, slices=(200,), max_rank=16, ranks=(3, 16), mix="distinct"),
          "many-slots": dict(T=61, in_f=264, slices=(136, 40), max_rank=32, ranks=(0, 1, 8, 16, 32), mix="distinct",
                             num_slots=513, active=61),
          # fp32: every 16-byte path allowed, out ending half-way into expand_stream's last 8-column

@@ -15,6 +15,8 @@ EmuIdx block_idx{0u, 0u, 0u};
 EmuIdx grid_dim{1u, 1u, 1u};
 long long mma_count = 0;
 AsyncQueue async_q[NTHREADS];
+std::vector<BulkCopy> bulk_pending;
+std::vector<std::pair<unsigned long long*, long long>> bulk_tx;
 bool cp_early = false;
 Stage stage[NTHREADS / 32];
 
@@ -225,14 +227,29 @@ template <typename T, bool AL> static int run_chunk(int bm, int blocks) {
 // part (the kernel's shared memory, NaN before each cluster so a read of a row no block wrote
 // shows), then each block its sum over the cluster's parts (distributed shared memory on the
 // device) and its share of the columns.
+// The ALIGNED 16-bit instantiations stage each block's share of A first (one_stage_a, the kernel's
+// path with EARLY_READS), into g_one_stage (its dynamic shared memory, NaN before each block).
 static std::vector<float> g_one_parts;
+static std::vector<uint16_t> g_one_stage;
 static int g_one_blocks = 0;
 template <typename T, int RW, bool AL> static void one_shrink_block(int b) {
   static lora::OneStep st;
+  static unsigned long long abar;
   auto g = args<T>();
+  if (AL && sizeof(T) == 2 && threadIdx.x == 0) lora::mbar_init(&abar, blockDim.x);
   if (!lora::one_setup(g, st)) return;
   const int k = b % lora::ONE_CLUSTER;
-  lora::one_shrink<T, RW, AL>(g, st, g_one_parts.data() + k * lora::ONE_SLICES * RW, k);
+  const T* sa = nullptr;
+  if constexpr (AL && sizeof(T) == 2) {
+    T* s = reinterpret_cast<T*>(g_one_stage.data());
+    const bool staged = lora::one_stage_a<T>(g, st, k, s, &abar);
+    __syncthreads();  // every arrival before any wait (the emulator cannot spin)
+    if (staged) {
+      lora::mbar_wait(&abar, 0);
+      sa = s;
+    }
+  }
+  lora::one_shrink<T, RW, AL>(g, st, g_one_parts.data() + k * lora::ONE_SLICES * RW, k, sa);
 }
 template <typename T, int RW, bool AL> static void one_expand_block(int b) {
   static lora::OneStep st;
@@ -253,7 +270,12 @@ template <typename T, int RW, bool AL> static int run_one_rw(int blocks) {
   g_one_blocks = blocks;
   for (int c = 0; c < blocks; c += lora::ONE_CLUSTER) {
     g_one_parts.assign(lora::ONE_CLUSTER * lora::ONE_SLICES * RW, NAN);
-    for (int b = c; b < c + lora::ONE_CLUSTER; ++b) emu::run_block(one_shrink_block<T, RW, AL>, b);
+    for (int b = c; b < c + lora::ONE_CLUSTER; ++b) {
+      const int pieces = (L.in_features * int(sizeof(T)) + 15) / 16;
+      const int ld = lora::one_stage_ld<T>((pieces + lora::ONE_CLUSTER - 1) / lora::ONE_CLUSTER);
+      g_one_stage.assign((size_t)lora::ONE_SLICES * RW * ld * sizeof(T) / 2, 0x7fc1);  // NaN in bf16 and fp16
+      emu::run_block(one_shrink_block<T, RW, AL>, b);
+    }
     for (int b = c; b < c + lora::ONE_CLUSTER; ++b) emu::run_block(one_expand_block<T, RW, AL>, b);
   }
   return 0;

@@ -227,6 +227,70 @@ inline unsigned dynamic_smem_size() { return 1u << 30; }
 inline int load_acquire(const int* p) { return *p; }
 }  // namespace lora
 
+// mbarriers and bulk copies (one.cuh's staged A): a copy lands only when a thread waits on its
+// barrier (its bytes poisoned until then, so a read before the wait fails the check). The barrier
+// word holds the arrivals still due in its first phase; a wait checks that every arrival came and
+// that the copies bring exactly the bytes the arrivals announced, else aborts (a GPU would hang, or
+// go on before a copy lands). One phase only (parity 0): the emulator runs no spin-wait, so the
+// harness puts a block barrier between the arrivals and the wait.
+namespace emu {
+struct BulkCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes;
+  unsigned long long* bar;
+};
+extern std::vector<BulkCopy> bulk_pending;
+extern std::vector<std::pair<unsigned long long*, long long>> bulk_tx;  // bytes announced, less landed
+inline long long& tx_of(unsigned long long* bar) {
+  for (auto& e : bulk_tx)
+    if (e.first == bar) return e.second;
+  bulk_tx.emplace_back(bar, 0);
+  return bulk_tx.back().second;
+}
+}  // namespace emu
+namespace lora {
+inline void mbar_init(unsigned long long* bar, unsigned count) {
+  *bar = count;
+  emu::tx_of(bar) = 0;
+}
+inline void mbar_arrive_tx(unsigned long long* bar, unsigned bytes) {
+  if (*bar == 0) {
+    fprintf(stderr, "mbarrier: an arrival past its count (thread %d)\n", emu::cur->tid);
+    abort();
+  }
+  --*bar;
+  emu::tx_of(bar) += bytes;
+}
+inline void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  emu::check_align(dst, 16);
+  emu::check_align(src, 16);
+  if (bytes == 0 || bytes % 16) {
+    fprintf(stderr, "bulk copy of %u bytes (not a positive multiple of 16)\n", bytes);
+    abort();
+  }
+  memset(dst, 0xff, bytes);  // NaN in every 16-bit type until it lands
+  emu::bulk_pending.push_back(emu::BulkCopy{dst, src, bytes, bar});
+}
+inline void mbar_wait(unsigned long long* bar, unsigned parity) {
+  auto& q = emu::bulk_pending;
+  for (size_t i = 0; i < q.size();) {
+    if (q[i].bar == bar) {
+      memcpy(q[i].dst, q[i].src, q[i].bytes);
+      emu::tx_of(bar) -= q[i].bytes;
+      q.erase(q.begin() + long(i));
+    } else {
+      ++i;
+    }
+  }
+  if (parity != 0 || *bar != 0 || emu::tx_of(bar) != 0) {
+    fprintf(stderr, "mbarrier wait (parity %u): %llu arrivals and %lld bytes still due (thread %d)\n", parity, *bar,
+            emu::tx_of(bar), emu::cur->tid);
+    abort();
+  }
+}
+}  // namespace lora
+
 // m16n8k16 with fp32 accumulation: lanes stage their fragments, then each computes its outputs
 // (the PTX fragment layout of mma.sync.m16n8k16.row.col).
 template <typename M> inline float emu_half(unsigned w, int hi);

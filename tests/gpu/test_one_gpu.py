@@ -65,6 +65,38 @@ def test_one_instantiations_through_a_prepared_layer(make_case, check, dtype, ro
     check(case, host(y, dtype), dtype)
 
 
+#: with early reads (the pool's backend) the ALIGNED 16-bit instantiation copies each block's share of
+#: A into shared memory by the bulk copy engine before it waits for the grid before (one.cuh,
+#: one_stage_a): q/k/v at rank 16 with a rank-0 slice, rank 64 at `in` = 1000 (125 pieces: the
+#: cluster's last share 13 of 16), the down projection's `in` (224 pieces a block), `in` = 24 (3
+#: pieces: five blocks of the cluster copy nothing and only arrive); "past-max" asks for more than
+#: ``ONE_STAGE_MAX``, so the launch gets no shared memory and the kernel reads A's share from global
+#: memory as without it
+STAGED = {
+    "qkv": dict(in_f=4096, slices=(136, 40, 24), max_rank=16, ranks=(0, 5, 16), active=8),
+    "r64": dict(in_f=1000, slices=(264,), max_rank=64, ranks=(1, 17, 64), active=8),
+    "down": dict(in_f=14336, slices=(520,), max_rank=16, ranks=(3, 16), active=8),
+    "tiny": dict(in_f=24, slices=(200,), max_rank=16, ranks=(3, 16), active=8),
+    "past-max": dict(in_f=4096, slices=(200, 56, 24), max_rank=64, ranks=(9, 40, 64), active=8),
+}
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("name", list(STAGED))
+def test_one_stages_its_share_of_a_with_early_reads(make_case, check, name, dtype):
+    for _ in range(2):  # fresh data each time, the same launch shape
+        case = make_case(T=1, dtype=dtype, mix="distinct", **STAGED[name])
+        be = backend_for(case.spec, early_reads=True, **ONE)
+        y, packed, _, _ = run_prepared(be, case, "aligned", 1)
+        (call,) = packed.calls
+        S, n, R, in_f = case.w.a.shape
+        assert call.name == "one" and packed.aligned
+        assert call.smem == cb.one_stage_smem(in_f, n, cb.built_width(cb.ONE_RW, R), dtype)
+        assert (call.smem == 0) == (name == "past-max")
+        check_clean(be)
+        check(case, host(y, dtype), dtype)
+
+
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 def test_one_serves_each_member_of_a_fused_target(make_case, check, dtype):
     """Each slice alone into an output of its width, B read as a view: the others have no columns."""
