@@ -58,7 +58,17 @@ __device__ __forceinline__ int nth_active_slot(const int* __restrict__ slot_indp
 }
 
 // ---- cp.async: 16-byte global -> shared copies; bytes past src_bytes (0..16) are zero-filled.
+// cp_async16 goes through L1 (.ca), for what no block of the running grid writes (x, A, B, and y
+// tiles read and written back by their one owner): a warp's copies are coalesced there, and the
+// blocks of a multiprocessor that read the same A and B rows share them. Bypassing L1 (.cg), a
+// lora_chunk call at T = 1024 asked L2 for 1.8x the sectors in 3.8x the requests and ran 1.3-11 us
+// slower (NOTES.md, "cp.async through L1"). cp_async16_cg bypasses L1, for data other blocks of the
+// grid write (lora_fused's v), which a line L1 kept could show stale.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async16_cg(void* smem, const void* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }

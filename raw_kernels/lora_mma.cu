@@ -804,7 +804,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
         for (int c = tid; c < BM * C::VCPR; c += THREADS) {
           const int row = c / C::VCPR, k = (c % C::VCPR) * 4;
           const bool ok = row >= lo && row < hi;
-          cp_async16(sv + row * C::LDV + k, ok ? v0 + (size_t)row * n * g.rw + k : g.ws, ok ? 16 : 0);
+          cp_async16_cg(sv + row * C::LDV + k, ok ? v0 + (size_t)row * n * g.rw + k : g.ws, ok ? 16 : 0);
         }
       }
     }

@@ -211,6 +211,7 @@ inline void cp_async16(void* smem, const void* gmem, int src_bytes) {
   if (emu::cp_early) emu::apply(c);
   else emu::async_q[emu::cur->tid].open.push_back(c);
 }
+inline void cp_async16_cg(void* smem, const void* gmem, int src_bytes) { cp_async16(smem, gmem, src_bytes); }
 inline void cp_async_commit() {
   auto& q = emu::async_q[emu::cur->tid];
   q.groups.push_back(std::move(q.open));
