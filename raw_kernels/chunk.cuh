@@ -107,6 +107,12 @@ struct Chunk {
   static constexpr int RSPLIT = RW == 64 && BM_ == 32 ? 2 : 1, RBS = RB / RSPLIT;
 };
 
+// The largest share of B a lora_chunk part reads through L1 (16-bit elements, its column blocks x the
+// pool's rank width): a larger share goes through L2 only (cp_async16_l2). At rank width 64 that
+// measured faster at 112 KB (4096->14336 at T = 1024) and 64 KB (chunks of 128 at T = 4096), slower
+// at 16-32 KB (4096 outputs at T = 64-1024; NOTES.md, "Wide B through L2 only").
+constexpr int CHUNK_B_L1_MAX = 48 * 1024;
+
 // Every kernel's ready and reader counts are sized for chunks of 16 positions (the most a step can
 // have); a step cut into taller chunks uses the first of them.
 constexpr int CHUNK_UNIT_BM = 16;
@@ -508,6 +514,9 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   const int yc = (tid % YPR) * CH, yr0 = tid / YPR;
   const int bk = (tid % BPR) * CH, br0 = tid / BPR;
   const T* bs = g.B + (size_t)cw.slot * g.b_slot;
+  // B through L2 only where the part's share of it (its column blocks at the pool's rank width)
+  // passes CHUNK_B_L1_MAX: measured faster there, slower through L2 only below it
+  const bool b_l2 = RW > 16 && (cb1 - cb0) * BN * RW * (int)sizeof(T) > CHUNK_B_L1_MAX;
   auto load = [&](int step, int st) {
     const int vis = ONE_RB ? step : step / nrb, rb0 = ONE_RB ? 0 : (step % nrb) * RB, c0 = (cb0 + vis) * BN;
     const int j = slice_of(cb0 + vis), r = cw.r[j];
@@ -536,7 +545,7 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
           for (int i = 0; i < BPT; ++i) {
             const int row = br0 + i * BROWS, col = c0 + row;
             const bool ok = col >= cw.lo[j] && col < cw.hi[j] && bytes > 0;
-            cp_async16(sb + row * C::LDB + bk, ok ? bs + g.b_at(col, rb0 + bk) : g.B, ok ? bytes : 0);
+            cp_async16_l2(sb + row * C::LDB + bk, ok ? bs + g.b_at(col, rb0 + bk) : g.B, ok ? bytes : 0, b_l2);
           }
         }
       } else {

@@ -63,7 +63,8 @@ __device__ __forceinline__ int nth_active_slot(const int* __restrict__ slot_indp
 // blocks of a multiprocessor that read the same A and B rows share them. Bypassing L1 (.cg), a
 // lora_chunk call at T = 1024 asked L2 for 1.8x the sectors in 3.8x the requests and ran 1.3-11 us
 // slower (NOTES.md, "cp.async through L1"). cp_async16_cg bypasses L1, for data other blocks of the
-// grid write (lora_fused's v), which a line L1 kept could show stale.
+// grid write (lora_fused's v), which a line L1 kept could show stale, and where it measured faster
+// (cp_async16_l2).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
@@ -71,6 +72,14 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
 __device__ __forceinline__ void cp_async16_cg(void* smem, const void* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+// cp_async16_l2: through L2 only where `l2_only` (a block-uniform choice made at run time), through L1
+// otherwise. Through L2 only where that measured faster or no slower: every copy of the unfused
+// kernels (lora_shrink, lora_expand, lora_expand_ring, lora_fused) at rank widths above 16, and
+// lora_chunk's B where a part's share of it passes CHUNK_B_L1_MAX (NOTES.md, "Wide B through L2 only").
+__device__ __forceinline__ void cp_async16_l2(void* smem, const void* gmem, int src_bytes, bool l2_only) {
+  if (l2_only) cp_async16_cg(smem, gmem, src_bytes);
+  else cp_async16(smem, gmem, src_bytes);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

@@ -477,14 +477,14 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
 #pragma unroll
           for (int i = 0; i < XPT; ++i) {
             const bool ok = kin && xp[i] != nullptr;
-            cp_async16(sx + (my_row + 16 * i) * C::LDK + my_col, ok ? xp[i] + k0 : g.x, ok ? 16 : 0);
+            cp_async16_l2(sx + (my_row + 16 * i) * C::LDK + my_col, ok ? xp[i] + k0 : g.x, ok ? 16 : 0, g.rw > 16);
           }
 #pragma unroll
           for (int i = 0; i < APT; ++i) {
             const int row = my_row + 16 * i;
             if (row < cached_r16) {
               const bool ok = kin && ap[i] != nullptr;
-              cp_async16(sa + row * C::LDK + my_col, ok ? ap[i] + k0 : g.A, ok ? 16 : 0);
+              cp_async16_l2(sa + row * C::LDK + my_col, ok ? ap[i] + k0 : g.A, ok ? 16 : 0, g.rw > 16);
             }
           }
         } else {
@@ -766,7 +766,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
             for (int c = tid; c < BM * YCPR; c += THREADS) {
               const int row = c / YCPR, col = (c % YCPR) * C::CH;
               if (tr.tok[row] >= 0 && c0 + col < c1)
-                cp_async16(sy + row * C::LDY + col, g.y + (size_t)tr.tok[row] * out + c0 + col, 16);
+                cp_async16_l2(sy + row * C::LDY + col, g.y + (size_t)tr.tok[row] * out + c0 + col, 16, g.rw > 16);
             }
           } else {
             for (int e = tid; e < BM * BN; e += THREADS) {
@@ -786,7 +786,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
             const int row = c / C::BCPR, k = (c % C::BCPR) * C::CH, col = c0 + row;
             const bool ok = col >= ca && col < cz;
             const int bytes = ok ? min(max(r - (k0 + k), 0), C::CH) * (int)sizeof(T) : 0;
-            cp_async16(sb + row * C::LDB + k, bytes ? bs + g.b_at(col, k0 + k) : g.B, bytes);
+            cp_async16_l2(sb + row * C::LDB + k, bytes ? bs + g.b_at(col, k0 + k) : g.B, bytes, g.rw > 16);
           }
         } else {
           for (int e = tid; e < BN * C::KC; e += THREADS) {
