@@ -50,7 +50,25 @@ struct OneStep {
   int rank[ONE_SLICES];                   // r_j: 0 past n and where a slice has no columns
   float scale[ONE_SLICES];
   int off[ONE_SLICES + 1];                // column offsets of the slices
+  // the slot's rows over every slice (one_rowmap's, one_stage_a's and one_shrink's q < rows)
+  __device__ __forceinline__ int rows(int n) const {
+    int q = 0;
+    for (int j = 0; j < n; ++j) q += rank[j];
+    return q;
+  }
 };
+
+// Block b's share of `in` in one_shrink: 16-byte pieces [p0, p1), `per` a block (the last ones' cut
+// at `in`, or empty).
+struct OneShare {
+  int p0, p1, per;
+};
+template <typename T>
+__device__ __forceinline__ OneShare one_share(const Args<T>& g, int b) {
+  constexpr int CH = 16 / sizeof(T);
+  const int pieces = (g.in_features + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
+  return {min(pieces, b * per), min(pieces, b * per + per), per};
+}
 
 // Distributed shared memory and the cluster barrier (sm_90). The host check supplies its own.
 #ifndef LORA_HOST_EMULATION
@@ -149,9 +167,7 @@ __device__ bool one_setup(const Args<T>& g, OneStep& st) {
     st.scale[tid] = scale;
   }
   __syncthreads();
-  int rows = 0;
-  for (int j = 0; j < n; ++j) rows += st.rank[j];
-  return rows > 0;
+  return st.rows(n) > 0;
 }
 
 // Each thread's first ONE_HELD columns of its block (c0 + tid, c0 + tid + blockDim.x), loaded
@@ -209,13 +225,11 @@ template <typename T>
 __device__ __forceinline__ void one_prefetch_a(const Args<T>& g, const OneStep& st, int b) {
   constexpr int CH = 16 / sizeof(T), LINE = 128 / sizeof(T);
   const int in = g.in_features, n = g.n_slices, R = g.max_rank;
-  const int pieces = (in + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
-  const int k0 = min(in, b * per * CH), k1 = min(in, (b * per + per) * CH);
+  const OneShare sh = one_share(g, b);
+  const int k0 = min(in, sh.p0 * CH), k1 = min(in, sh.p1 * CH);
   if (k1 <= k0) return;
-  const int lines = (k1 - 1) / LINE - k0 / LINE + 1;
+  const int lines = (k1 - 1) / LINE - k0 / LINE + 1, rows = st.rows(n);
   const T* as = g.A + (size_t)st.slot * n * R * in;
-  int rows = 0;
-  for (int j = 0; j < n; ++j) rows += st.rank[j];
   for (int i = threadIdx.x; i < rows * lines; i += blockDim.x) {
     int q = i / lines, j = 0;
     while (j < n && q >= st.rank[j]) q -= st.rank[j++];
@@ -287,12 +301,10 @@ template <typename T>
 __device__ bool one_stage_a(const Args<T>& g, const OneStep& st, int b, T* sa, unsigned long long* bar) {
   constexpr int CH = 16 / sizeof(T);
   const int in = g.in_features, n = g.n_slices, R = g.max_rank;
-  const int pieces = (in + CH - 1) / CH, per = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
-  const int p0 = b * per, np = max(min(pieces, p0 + per) - p0, 0), ld = one_stage_ld<T>(per);
-  int rows = 0;
-  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  const OneShare sh = one_share(g, b);
+  const int np = sh.p1 - sh.p0, ld = one_stage_ld<T>(sh.per), rows = st.rows(n);
   if ((size_t)rows * ld * sizeof(T) > dynamic_smem_size()) return false;
-  const T* as = g.A + (size_t)st.slot * n * R * in + (size_t)p0 * CH;
+  const T* as = g.A + (size_t)st.slot * n * R * in + (size_t)sh.p0 * CH;
   const int mine = np > 0 && (int)threadIdx.x < rows ? (rows - 1 - (int)threadIdx.x) / (int)blockDim.x + 1 : 0;
   mbar_arrive_tx(bar, unsigned(mine * np * 16));
   int j = 0, first = 0;  // the slice of the row, and its first row
@@ -513,10 +525,8 @@ template <typename T, int RW, bool ALIGNED>
 __device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int b, const T* sa = nullptr) {
   constexpr int CH = 16 / sizeof(T);
   const int in = g.in_features, n = g.n_slices;
-  const int pieces = (in + CH - 1) / CH, per_b = (pieces + ONE_CLUSTER - 1) / ONE_CLUSTER;
-  const int p0 = b * per_b, p1 = min(pieces, p0 + per_b);
-  int rows = 0;
-  for (int j = 0; j < n; ++j) rows += st.rank[j];
+  const OneShare sh = one_share(g, b);
+  const int p0 = sh.p0, p1 = sh.p1, per_b = sh.per, rows = st.rows(n);
   if constexpr (sizeof(T) == 2) {
     if constexpr (ALIGNED) {
       if (sa != nullptr) {
