@@ -97,6 +97,7 @@ def test_python_shared_memory_sizes_match_the_cuda_source():
                 split = kernels.CHUNK_RSPLIT if (rw, bm) == (64, kernels.CHUNK_BM) else 1
                 lines.append(f"static_assert({c}::RSPLIT == {split}, \"chunk rank split {dtype} {rw} {bm}\");")
     lines.append(f"static_assert(lora::MAX_SLICES == {cb.MAX_SLICES}, \"slices\");")
+    lines.append(f"static_assert(lora::CHUNK_B_L1_MAX == {kernels.CHUNK_B_L1_MAX}, \"chunk B through L1\");")
     lines.append(f"static_assert(lora::CHUNK_STATIC_SMEM == {cb.CHUNK_STATIC_SMEM} && "
                  f"lora::CHUNK_TALL_STATIC_SMEM == {cb.CHUNK_TALL_STATIC_SMEM}, \"chunk static\");")
     for bm in sorted({bm for _, bm in kernels.CHUNK_SHAPES}):

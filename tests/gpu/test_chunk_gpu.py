@@ -87,6 +87,49 @@ def test_the_unsplit_case_keeps_the_unsplit_shrink(make_case):
     assert plan.bm == kernels.CHUNK_BM and chunk_parts(plan, case.slot_indptr) % kernels.CHUNK_RSPLIT != 0
 
 
+def b_share_bytes(plan, slot_indptr, out: int, max_rank: int) -> int:
+    """Bytes of B one part of the step reads (chunk.cuh's chunk_expand: its column blocks of BN at the
+    pool's rank width), the figure lora_chunk compares with CHUNK_B_L1_MAX."""
+    rw, _, bn, _ = cb.chunk_geometry(max_rank)
+    per = -(-(-(-out // bn)) // chunk_parts(plan, slot_indptr))
+    return per * bn * rw * 2
+
+
+#: one-slice steps at rank width 64 whose parts read more of B than CHUNK_B_L1_MAX, so lora_chunk copies
+#: B through L2 only (cp_async16_l2): wide outputs in chunks of 32 (one of them unaligned, element-wise)
+#: and of 128; WIDE_B_BELOW stays under it, through L1.
+WIDE_B_CASES = {
+    "wideb-T1000": dict(T=1000, in_f=256, slices=(8200,), max_rank=64, ranks=(7, 40, 64), mix="uniform", num_slots=9,
+                        active=8),
+    "wideb-T600-odd": dict(T=600, in_f=130, slices=(16001,), max_rank=64, ranks=(0, 33, 64), mix="zipf",
+                           num_slots=9, active=6),
+    "wideb-T4096": dict(T=4096, in_f=264, slices=(4104,), max_rank=64, ranks=(16, 50, 64), mix="skewed",
+                        num_slots=5, active=4),
+}
+WIDE_B_BELOW = dict(T=1000, in_f=4096, slices=(1032,), max_rank=64, ranks=(7, 40, 64), mix="uniform", num_slots=9,
+                    active=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(WIDE_B_CASES))
+def test_chunk_wide_b_through_l2_only(make_case, check, name, dtype):
+    case = make_case(dtype=dtype, **WIDE_B_CASES[name])
+    be = backend_for(case.spec, **CHUNK)
+    plan = be.plan(case.token_order.shape[0], dev_weights(case.w), dtype)
+    assert plan.expand == "chunk" and not plan.sliced
+    assert b_share_bytes(plan, case.slot_indptr, case.spec.targets[0].out_features, 64) > kernels.CHUNK_B_L1_MAX
+    check(case, run_cupy(be, case), dtype)
+    case2 = make_case(dtype=dtype, **WIDE_B_CASES[name])
+    check(case2, run_cupy(be, case2), dtype)
+
+
+def test_wide_b_cases_straddle_the_threshold(make_case):
+    """WIDE_B_CASES stay above CHUNK_B_L1_MAX and WIDE_B_BELOW under it wherever the plan's parts move."""
+    case = make_case(dtype="bfloat16", **WIDE_B_BELOW)
+    plan = backend_for(case.spec, **CHUNK).plan(case.token_order.shape[0], dev_weights(case.w), "bfloat16")
+    assert 0 < b_share_bytes(plan, case.slot_indptr, case.spec.targets[0].out_features, 64) <= kernels.CHUNK_B_L1_MAX
+
+
 @pytest.mark.parametrize("R,in_f,out", [(64, 4104, 1000), (128, 3080, 4104)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_position_above_rank_16_runs_lora_chunk_by_default(make_case, check, dtype, R, in_f, out):
