@@ -523,10 +523,8 @@ constexpr int ONE_LOADS = 40;
 // each thread has waited on its mbarrier).
 template <typename T, int RW, bool ALIGNED>
 __device__ void one_shrink(const Args<T>& g, const OneStep& st, float* part, int b, const T* sa = nullptr) {
-  constexpr int CH = 16 / sizeof(T);
-  const int in = g.in_features, n = g.n_slices;
   const OneShare sh = one_share(g, b);
-  const int p0 = sh.p0, p1 = sh.p1, per_b = sh.per, rows = st.rows(n);
+  const int p0 = sh.p0, p1 = sh.p1, per_b = sh.per, rows = st.rows(g.n_slices);
   if constexpr (sizeof(T) == 2) {
     if constexpr (ALIGNED) {
       if (sa != nullptr) {
