@@ -114,8 +114,8 @@ CHUNK_TALL_BM = 128
 #: Parts of a chunk that share its shrink's `in` with the ranks split between them (``Chunk::RSPLIT``): one
 #: slice at rank width 64 in chunks of ``CHUNK_BM``, where a chunk's parts are a multiple of it.
 CHUNK_RSPLIT = 2
-#: The largest share of B (bytes: a part's column blocks x the pool's rank width) a lora_chunk part copies
-#: through L1 (``CHUNK_B_L1_MAX``, chunk.cuh); a larger share goes through L2 only.
+#: The largest share of B a lora_chunk part copies through L1 (``CHUNK_B_L1_MAX``, chunk.cuh; bytes: its
+#: column blocks x their columns x the rank width x 2); a larger share goes through L2 only.
 CHUNK_B_L1_MAX = 48 * 1024
 #: ``(rank width, positions a chunk)`` of each lora_chunk instantiation.
 CHUNK_SHAPES = tuple((rw, bm) for rw in CHUNK_RW
