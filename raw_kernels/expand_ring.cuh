@@ -105,7 +105,7 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
           if (c0 + ycol < c1) {
 #pragma unroll
             for (int k = 0; k < YPT; ++k)
-              if (yrow[k]) cp_async16_l2(sy + (yr0 + k * YROWS) * C::LDY + ycol, yrow[k] + c0, 16, g.rw > 16);
+              if (yrow[k]) cp_async16_l2(sy + (yr0 + k * YROWS) * C::LDY + ycol, yrow[k] + c0, 16, g.copies_l2_only());
           }
         } else {
           for (int e = tid; e < BM * BN; e += THREADS) {
@@ -126,7 +126,8 @@ __device__ void expand_ring_task(const Args<T>& g, char* dsmem, int* s_indptr, T
           for (int k = 0; k < BPT; ++k) {
             const int row = br0 + k * BROWS, col = c0 + row;
             const bool ok = col >= ca && col < cz && bytes > 0;
-            cp_async16_l2(sb + row * C::LDB + bk, ok ? bs + g.b_at(col, k0 + bk) : g.B, ok ? bytes : 0, g.rw > 16);
+            cp_async16_l2(sb + row * C::LDB + bk, ok ? bs + g.b_at(col, k0 + bk) : g.B, ok ? bytes : 0,
+                          g.copies_l2_only());
           }
         }
       } else {

@@ -115,6 +115,9 @@ struct Args {
   // rounded up to 16, < max_rank). Every slot's rank is clamped to it, so a slot above it reads no
   // A row or v entry past the width (its delta is then cut to the width: the host's promise broken).
   __device__ int rank_cap() const { return min(max_rank, rw); }
+  // The unfused kernels' stage copies (lora_shrink, lora_expand, lora_expand_ring, lora_fused) go
+  // through L2 only at rank widths above 16 (cp_async16_l2; NOTES.md, "Wide B through L2 only").
+  __device__ bool copies_l2_only() const { return rw > 16; }
   __device__ size_t b_at(int col, int k) const {
     return (size_t)col * b_ld + (size_t)(k >> 4) * b_blk + (k & 15);
   }
@@ -477,14 +480,15 @@ __device__ void shrink_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
 #pragma unroll
           for (int i = 0; i < XPT; ++i) {
             const bool ok = kin && xp[i] != nullptr;
-            cp_async16_l2(sx + (my_row + 16 * i) * C::LDK + my_col, ok ? xp[i] + k0 : g.x, ok ? 16 : 0, g.rw > 16);
+            cp_async16_l2(sx + (my_row + 16 * i) * C::LDK + my_col, ok ? xp[i] + k0 : g.x, ok ? 16 : 0,
+                          g.copies_l2_only());
           }
 #pragma unroll
           for (int i = 0; i < APT; ++i) {
             const int row = my_row + 16 * i;
             if (row < cached_r16) {
               const bool ok = kin && ap[i] != nullptr;
-              cp_async16_l2(sa + row * C::LDK + my_col, ok ? ap[i] + k0 : g.A, ok ? 16 : 0, g.rw > 16);
+              cp_async16_l2(sa + row * C::LDK + my_col, ok ? ap[i] + k0 : g.A, ok ? 16 : 0, g.copies_l2_only());
             }
           }
         } else {
@@ -766,7 +770,8 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
             for (int c = tid; c < BM * YCPR; c += THREADS) {
               const int row = c / YCPR, col = (c % YCPR) * C::CH;
               if (tr.tok[row] >= 0 && c0 + col < c1)
-                cp_async16_l2(sy + row * C::LDY + col, g.y + (size_t)tr.tok[row] * out + c0 + col, 16, g.rw > 16);
+                cp_async16_l2(sy + row * C::LDY + col, g.y + (size_t)tr.tok[row] * out + c0 + col, 16,
+                              g.copies_l2_only());
             }
           } else {
             for (int e = tid; e < BM * BN; e += THREADS) {
@@ -786,7 +791,7 @@ __device__ void expand_task(const Args<T>& g, char* dsmem, int* s_indptr, TileRo
             const int row = c / C::BCPR, k = (c % C::BCPR) * C::CH, col = c0 + row;
             const bool ok = col >= ca && col < cz;
             const int bytes = ok ? min(max(r - (k0 + k), 0), C::CH) * (int)sizeof(T) : 0;
-            cp_async16_l2(sb + row * C::LDB + k, bytes ? bs + g.b_at(col, k0 + k) : g.B, bytes, g.rw > 16);
+            cp_async16_l2(sb + row * C::LDB + k, bytes ? bs + g.b_at(col, k0 + k) : g.B, bytes, g.copies_l2_only());
           }
         } else {
           for (int e = tid; e < BN * C::KC; e += THREADS) {
