@@ -1,7 +1,7 @@
 """Where a lora_chunk call's parts spend their time, phase by phase (dev tool, not shipped).
 
-A bench core row (`--rows`, labels as the bench prints them) with its default plan, lora_chunk (not
-in clusters), launched as a traced copy (`lora_chunk_trace`, built here in a dev module of its own:
+A bench core row (`--rows`, labels as the bench prints them) with its default plan, lora_chunk at
+any height (chunks of 128 in blocks of 256 threads, as the shipped kernel), launched as a traced copy (`lora_chunk_trace`, built here in a dev module of its own:
 lora_mma.cu plus a copy of `chunk_task` / `chunk_items` with `%globaltimer` stamps written by each
 block's thread 0 into an extra argument). The call is captured in one CUDA graph and replayed;
 after each replay the stamps are read back. Printed per row, medians over the replays:
@@ -39,7 +39,8 @@ __device__ __forceinline__ unsigned long long chunk_now() {
   return t;
 }
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
-__global__ void __launch_bounds__(128, 4) lora_chunk_trace(LORA_PARAMS, unsigned long long* stamps) {
+__global__ void __launch_bounds__(lora::Chunk<T, RW, BM>::NTHREADS, lora::Chunk<T, RW, BM>::BLOCKS_PER_SM)
+    lora_chunk_trace(LORA_PARAMS, unsigned long long* stamps) {
   extern __shared__ __align__(16) char dsmem[];
   __shared__ lora::ChunkRows<BM> tr;
   __shared__ lora::ChunkScan cs;
@@ -54,7 +55,7 @@ __global__ void __launch_bounds__(128, 4) lora_chunk_trace(LORA_PARAMS, unsigned
   int* s_indptr = reinterpret_cast<int*>(dsmem + SMEM);
   // chunk_task
   const int grid = gridDim.x;
-  lora::count_chunks<BM>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
+  lora::count_chunks<BM, lora::Chunk<T, RW, BM>::NTHREADS>(cs, s_indptr, g.slot_indptr, g.num_slots, g.positions);
   ts[1] = chunk_now();
   const int parts = lora::chunk_parts(g, cs.chunks, grid), items = cs.chunks * parts;
   const int takers = min(grid, items);
