@@ -1,7 +1,7 @@
 """This tree against the same tree with kernel patches applied, in one GPU session (dev tool).
 
-Each patch (a unified diff against this tree, as `git diff` writes it; `raw_kernels/dev/*.patch`)
-gets a tree of its own: `lora_cupy/` and `raw_kernels/` copied under `--work` and the patch applied
+Each patch (a unified diff against this tree, as `git diff` writes it; `raw_kernels/dev/*.patch`;
+or `a.patch+b.patch`, b applied over a, the tree named for the last) gets a tree of its own: `lora_cupy/` and `raw_kernels/` copied under `--work` and the patch applied
 there (`git apply`, which needs no repository; `patch -p1` where git is missing). `layer_rows.py` then runs from each tree's root in
 turn, `--rounds` times (this tree first in each round), with the arguments after `--`; its lines are
 gathered into one table, a column a tree, each cell the warm and flushed figures of every round
@@ -32,18 +32,21 @@ ROOT = Path(__file__).resolve().parents[2]
 LINE = re.compile(r"^(\S+)\s+(.*?)\s+warm\s+([\d.]+)\s+flushed\s+([\d.]+)(.*)$")
 
 
-def make_tree(patch: Path, work: Path) -> Path:
-    """``work``/<patch stem>: this tree's package and kernels with ``patch`` applied."""
-    tree = work / patch.stem
+def make_tree(stack: str, work: Path) -> Path:
+    """``work``/<last patch's stem>: this tree's package and kernels with the patches of ``stack``
+    (``a.patch+b.patch``: each over the ones before it) applied in turn."""
+    patches = [Path(p) for p in stack.split("+")]
+    tree = work / patches[-1].stem
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
     for part in ("lora_cupy", "raw_kernels"):
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    cmd = ["git", "apply", str(patch.resolve())] if shutil.which("git") else ["patch", "-p1", "-i", str(patch.resolve())]
-    r = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
-    if r.returncode:
-        raise SystemExit(f"ab_trees: {patch} does not apply to this tree:\n{r.stderr}")
+    for patch in patches:
+        cmd = ["git", "apply", str(patch.resolve())] if shutil.which("git") else ["patch", "-p1", "-i", str(patch.resolve())]
+        r = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(f"ab_trees: {patch} does not apply to this tree:\n{r.stderr}")
     return tree
 
 
@@ -81,12 +84,12 @@ def main() -> None:
     rows_args = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("patches", nargs="+", type=Path)
+    ap.add_argument("patches", nargs="+", help="patches, or stacks of them: a.patch+b.patch")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lora-cupy-ab")
     ap.add_argument("--prebuild", type=Path, help="CPU: build each patched tree's bf16 family's CUBIN here, and stop")
     args = ap.parse_args(argv)
-    trees = {p.stem: make_tree(p, args.work) for p in args.patches}
+    trees = {Path(p.split("+")[-1]).stem: make_tree(p, args.work) for p in args.patches}
     if args.prebuild:
         out = args.prebuild.resolve()
         for tag, tree in trees.items():

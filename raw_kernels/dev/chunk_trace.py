@@ -1,9 +1,9 @@
 """Where a lora_chunk call's parts spend their time, phase by phase (dev tool, not shipped).
 
 A bench core row (`--rows`, labels as the bench prints them) with its default plan, lora_chunk at
-any height (chunks of 128 in blocks of 256 threads, as the shipped kernel), launched as a traced copy (`lora_chunk_trace`, built here in a dev module of its own:
-lora_mma.cu plus a copy of `chunk_task` / `chunk_items` with `%globaltimer` stamps written by each
-block's thread 0 into an extra argument). The call is captured in one CUDA graph and replayed;
+any height (chunks of 128 in blocks of 256 threads, as the shipped kernel), launched as a traced copy
+(`lora_chunk_trace`, built here in a dev module of its own: lora_mma.cu plus a copy of `chunk_task` /
+`chunk_items` with `%globaltimer` stamps written by each block's thread 0 into an extra argument). The call is captured in one CUDA graph and replayed;
 after each replay the stamps are read back. Printed per row, medians over the replays:
 
 - span: the first block's entry to the last block's exit;
