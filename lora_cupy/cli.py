@@ -12,18 +12,18 @@ def _check_kernels(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="lora-cupy check-kernels",
                                 description="Compile every raw_kernels/ source with NVRTC (no GPU needed).")
-    p.add_argument("--arch", action="append", help="e.g. sm_90 (default: %s)" % ", ".join(kernels.CHECK_ARCHS))
+    p.add_argument("--arch", action="append", help="e.g. sm_90a (default: %s)" % ", ".join(kernels.CHECK_ARCHS))
     p.add_argument("--sizes", action="store_true",
                    help="also print each kernel's SASS instruction count (from the CUBIN NVRTC builds)")
     p.add_argument("--prebuild", metavar="DIR",
-                   help=f"write every family's CUBIN for each --arch (default sm_90) into DIR, for {kernels.PREBUILT_ENV}=DIR "
+                   help=f"write every family's CUBIN for each --arch (default sm_90a, Hopper's) into DIR, for {kernels.PREBUILT_ENV}=DIR "
                         "on a GPU machine (no compile on first use)")
     p.add_argument("--jobs", type=int, default=0,
                    help="compile in this many processes at once (default: one per CPU; 1: one after another here)")
     args = p.parse_args(argv)
     if args.jobs < 0:
         p.error("--jobs must be 0 (one per CPU) or more")
-    archs = args.arch or (["sm_90"] if args.prebuild else list(kernels.CHECK_ARCHS))
+    archs = args.arch or (["sm_90a"] if args.prebuild else list(kernels.CHECK_ARCHS))
     if args.jobs != 1:
         kernels.compile_ahead([(f, a) for a in archs for f in sorted(kernels.FAMILIES)], jobs=args.jobs or None)
     try:

@@ -1,9 +1,11 @@
 """Finding, compiling and loading the CUDA C sources in ``raw_kernels/``.
 
 One loader: it reads a ``.cu`` file, prepends a variant's ``#define``s and returns a memoized
-``cupy.RawModule`` (CuPy caches the compiled module per device and on disk). The compile check
-runs the same NVRTC with the same options and include path, for a chosen architecture, and
-needs no GPU.
+module. On most devices that is a ``cupy.RawModule`` (CuPy caches the compiled module per device and
+on disk); on Hopper the kernels are built for the architecture-specific target ``sm_90a`` (its
+warpgroup MMAs), which CuPy's own compile cannot ask for, so NVRTC is called here and the CUBIN is
+cached on disk (:func:`cache_dir`) and loaded. The compile check runs the same NVRTC with the same
+options and include path, for a chosen architecture, and needs no GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ _PKG = Path(__file__).resolve().parent
 
 #: The options every kernel is compiled with, at run time and by the compile check.
 NVRTC_OPTIONS = ("-std=c++17",)
-#: The architectures the compile check builds for.
-CHECK_ARCHS = ("sm_90", "sm_80")
+#: The architectures the compile check builds for: Hopper's build (``device_arch``), the same
+#: sources without its architecture-specific instructions (what a later architecture compiles), Ampere.
+CHECK_ARCHS = ("sm_90a", "sm_90", "sm_80")
+#: Where :func:`cache_dir` keeps the CUBINs built here at run time (default: ``$XDG_CACHE_HOME/lora_cupy``,
+#: else ``~/.cache/lora_cupy``).
+CACHE_ENV = "LORA_CUPY_CACHE_DIR"
 
 
 class KernelCompileError(LoraError):
@@ -275,8 +281,18 @@ def run_options() -> tuple[str, ...]:
     return (*NVRTC_OPTIONS, f"-I{kernel_dir()}")
 
 
+def device_arch(compute_capability: str) -> str:
+    """The target the kernels are built for on a device of ``compute_capability`` (CuPy's ``"90"``):
+    ``sm_90a`` on Hopper, whose warpgroup MMAs (chunk.cuh's chunks of 128) exist only there, else
+    ``sm_<cc>``."""
+    cc = str(compute_capability)
+    if not cc.isdigit():
+        raise ValueError(f"compute capability {compute_capability!r} is not a number such as '90'")
+    return "sm_90a" if cc == "90" else f"sm_{cc}"
+
+
 def cuda_include_dirs() -> list[str]:
-    """Where ``cuda_fp16.h`` / ``cuda_bf16.h`` are found with no GPU: the CUDA wheels, or a toolkit."""
+    """Where ``cuda_fp16.h`` / ``cuda_bf16.h`` are found: the CUDA wheels, a toolkit, or CuPy's CUDA."""
     dirs = []
     for base in sys.path:
         for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include", "nvidia/cu12/include"):
@@ -286,6 +302,11 @@ def cuda_include_dirs() -> list[str]:
     for env in ("CUDA_PATH", "CUDA_HOME"):
         if os.environ.get(env):
             dirs.append(os.path.join(os.environ[env], "include"))
+    if "cupy" in sys.modules:  # on a GPU machine: the toolkit CuPy itself compiles with
+        try:
+            dirs.append(os.path.join(sys.modules["cupy"].cuda.get_cuda_path() or "", "include"))
+        except Exception:  # noqa: BLE001 - a CuPy without a CUDA path adds nothing
+            pass
     dirs.append("/usr/local/cuda/include")
     return [d for d in dict.fromkeys(dirs) if os.path.isfile(os.path.join(d, "cuda_fp16.h"))]
 
@@ -484,7 +505,7 @@ def prebuilt_stem(family: str, arch: str, source: str) -> str:
     return f"{family}.{arch}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def prebuild(out_dir, arch: str = "sm_90", families=None) -> list[Path]:
+def prebuild(out_dir, arch: str = "sm_90a", families=None) -> list[Path]:
     """Compile ``families`` (default: all) with NVRTC for ``arch`` into ``out_dir``: for each, the
     CUBIN and a JSON of its name expressions' lowered names. Returns the CUBINs written."""
     import json
@@ -504,7 +525,8 @@ def prebuild(out_dir, arch: str = "sm_90", families=None) -> list[Path]:
 
 
 class PrebuiltModule:
-    """A prebuilt CUBIN loaded as a ``cupy.RawModule``, its kernels asked for by name expression."""
+    """A CUBIN (built ahead, or here by :func:`cached_cubin`) loaded as a ``cupy.RawModule``, its
+    kernels asked for by name expression."""
 
     def __init__(self, cubin: Path, lowered: Mapping[str, str]):
         import cupy
@@ -527,7 +549,7 @@ def _prebuilt(family: str, source: str):
     where = os.environ.get(PREBUILT_ENV, "").strip()
     if not where:
         return None
-    arch = f"sm_{cupy.cuda.Device().compute_capability}"
+    arch = device_arch(cupy.cuda.Device().compute_capability)
     stem = Path(where) / prebuilt_stem(family, arch, source)
     cubin, names = Path(f"{stem}.cubin"), Path(f"{stem}.json")
     if not (cubin.is_file() and names.is_file()):
@@ -541,6 +563,39 @@ def _prebuilt(family: str, source: str):
         return None
 
 
+def cache_dir() -> Path:
+    """Where CUBINs compiled here at run time are kept between processes (``CACHE_ENV``)."""
+    where = os.environ.get(CACHE_ENV, "").strip()
+    if where:
+        return Path(where)
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lora_cupy"
+
+
+def cached_cubin(family: str, source: str, arch: str, where: Path | None = None) -> tuple[Path, dict[str, str]]:
+    """One family's CUBIN for ``arch`` and its lowered names, from ``where`` (default :func:`cache_dir`)
+    if an earlier process built the same source there, else compiled with NVRTC now and written
+    there (each file renamed into place whole, so a process that stops mid-write leaves no torn file)."""
+    import json
+
+    fam = FAMILIES[family]
+    out = Path(where) if where is not None else cache_dir()
+    stem = out / prebuilt_stem(family, arch, source)
+    cubin, names = Path(f"{stem}.cubin"), Path(f"{stem}.json")
+    if cubin.is_file() and names.is_file():
+        try:
+            return cubin, dict(json.loads(names.read_text()))
+        except (OSError, ValueError):
+            pass  # unreadable: built again below
+    blob, lowered = _nvrtc(source, fam.file, arch, fam.name_expressions, cubin=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for path, data in ((cubin, blob), (names, json.dumps(lowered, indent=0).encode())):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return cubin, lowered
+
+
 @functools.lru_cache(maxsize=None)
 def _load(family: str, defines: tuple[tuple[str, object], ...]):
     import cupy
@@ -551,6 +606,9 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
         mod = _prebuilt(family, source)
         if mod is not None:
             return mod
+    arch = device_arch(cupy.cuda.Device().compute_capability)
+    if arch.endswith("a"):  # an architecture-specific target: CuPy's RawModule asks NVRTC for sm_<cc>
+        return PrebuiltModule(*cached_cubin(family, source, arch))
     return cupy.RawModule(code=source, options=run_options(), name_expressions=fam.name_expressions)
 
 

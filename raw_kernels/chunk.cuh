@@ -70,9 +70,82 @@
 // table, each column block's slice lookup, v reloaded at a slice change). The other serves one
 // slice with columns (found by a ballot in the setup) with all of that compiled out, and at rank
 // widths 16 and 64 (a rank fits one rank block) with one pass and one rank block a column block.
+// WG (chunks of 128 at rank width 64, compiled for sm_90a: kernels.py builds for sm_90a on Hopper):
+// each warpgroup (4 of the 8 warps) takes 64 rows and runs warpgroup MMAs (wgmma.m64n64k16): the
+// shrink with x and A from shared memory, the expand with v from registers (its fragments in rank
+// order, as wgmma reads B) and B from shared memory; the stage tiles it reads are laid out as wgmma's
+// core matrices (Chunk::at), the 16-byte copies unchanged but for their addresses. The accumulators
+// keep mma.sync's layout, so the adds into v and the y tiles' epilogue are the same code. Compiled
+// for anything else (sm_90, sm_80, the host check), these chunks run on mma.sync.
 #pragma once
 
+// The tall chunks' MMAs as warpgroup MMAs (wgmma, an sm_90a instruction): built where the compile
+// targets sm_90a, else the same chunks run on mma.sync.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LORA_WGMMA 1
+#else
+#define LORA_WGMMA 0
+#endif
+
 namespace lora {
+
+#if LORA_WGMMA
+// A shared-memory operand of wgmma (no swizzle): 8 x 16-byte core matrices, `lbo` bytes apart along
+// k, `sbo` bytes apart along m / n.
+__device__ __forceinline__ unsigned long long wg_desc(const void* smem, unsigned lbo, unsigned sbo) {
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  return (unsigned long long)((a & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(sbo >> 4) << 32);
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// The accumulators pinned in place around the asynchronous MMAs.
+__device__ __forceinline__ void wg_pin(float (&d)[8][4]) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[n][i])::"memory");
+}
+#define LORA_WG_D(d)                                                                                             \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),       \
+      "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),   \
+      "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),   \
+      "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),   \
+      "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define LORA_WG_REGS                                                                                             \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "   \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+template <typename M> struct WgBf16 { static constexpr bool value = false; };
+template <> struct WgBf16<__nv_bfloat16> { static constexpr bool value = true; };
+// d (64 x 64 of the warpgroup, the layout of 8 mma.sync n-tiles a warp) += A (smem) * B (smem)^T, k 16
+template <typename M>
+__device__ __forceinline__ void wg_mma_ss(float (&d)[8][4], unsigned long long da, unsigned long long db) {
+  if constexpr (WgBf16<M>::value)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " LORA_WG_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : LORA_WG_D(d) : "l"(da), "l"(db), "r"(1));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " LORA_WG_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : LORA_WG_D(d) : "l"(da), "l"(db), "r"(1));
+}
+// d += A (registers: the mma.sync A fragment of the warp's 16 rows) * B (smem)^T, k 16
+template <typename M>
+__device__ __forceinline__ void wg_mma_rs(float (&d)[8][4], const unsigned (&a)[4], unsigned long long db) {
+  if constexpr (WgBf16<M>::value)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " LORA_WG_REGS
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : LORA_WG_D(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  else
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " LORA_WG_REGS
+                 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : LORA_WG_D(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#endif
 
 template <typename T, int RW, int BM_>
 struct Chunk {
@@ -105,6 +178,17 @@ struct Chunk {
   // chunk's parts are a multiple of RSPLIT, part q sums ranks (q % RSPLIT) * RBS + [0, RBS) of v over
   // RSPLIT times the share of `in` it would take, so each element of v takes 1 / RSPLIT of the adds
   static constexpr int RSPLIT = RW == 64 && BM_ == 32 ? 2 : 1, RBS = RB / RSPLIT;
+  // chunks of 128 at rank width 64 on warpgroup MMAs (sm_90a): each warpgroup of 4 warps takes 64 rows
+  // (its warps' m-tiles, as on mma.sync) and every tile an MMA reads from shared memory (x, A, B) is
+  // laid out as wgmma's core matrices (8 rows x 16 bytes), WG_LBO bytes apart along k (128 and 16 of
+  // padding, so the 8 pieces of a row that 8 neighbouring threads copy fall in distinct banks) and
+  // WG_SBO along rows: the padded rows' bytes
+  static constexpr bool WG = LORA_WGMMA && BM_ == 128 && RW == 64;
+  static constexpr int WG_LBO = 144, WG_SBO = 8 * WG_LBO;
+  // element (row, k) of a stage's tile: rows of ld elements, or (WG; k below 64) core matrices
+  static __device__ __forceinline__ int at(int row, int k, int ld) {
+    return WG ? (row >> 3) * (WG_SBO / 2) + (k >> 3) * (WG_LBO / 2) + (row & 7) * 8 + (k & 7) : row * ld + k;
+  }
 };
 
 // The largest share of B a lora_chunk part reads through L1 (16-bit elements, its column blocks x the
@@ -254,24 +338,24 @@ __device__ __forceinline__ void chunk_copy_stage(const Args<T>& g, const Rows& t
     for (int i = 0; i < XPT; ++i) {  // token rows from shared memory: no registers held across stages
       const int row = pr0 + i * XROWS;
       const bool ok = row < m && bytes > 0;
-      cp_async16(sx + row * C::LDX + pc, ok ? g.x + (size_t)tr.tok[row] * in + f0 + pc : g.x, ok ? bytes : 0);
+      cp_async16(sx + C::at(row, pc, C::LDX), ok ? g.x + (size_t)tr.tok[row] * in + f0 + pc : g.x, ok ? bytes : 0);
     }
 #pragma unroll
     for (int i = 0; i < APT; ++i) {
       const int row = pr0 + i * XROWS;
       if (row < r16) {
         const bool ok = row < r && bytes > 0;
-        cp_async16(sa + row * C::LDA + pc, ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
+        cp_async16(sa + C::at(row, pc, C::LDA), ok ? A + (size_t)row * in + f0 + pc : g.A, ok ? bytes : 0);
       }
     }
   } else {
     for (int e = tid; e < BM * KC; e += NTH) {
       const int row = e / KC, k = e % KC;
-      sx[row * C::LDX + k] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
+      sx[C::at(row, k, C::LDX)] = row < m && f0 + k < in ? g.x[(size_t)tr.tok[row] * in + f0 + k] : from_float<T>(0.f);
     }
     for (int e = tid; e < r16 * KC; e += NTH) {
       const int row = e / KC, k = e % KC;
-      sa[row * C::LDA + k] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
+      sa[C::at(row, k, C::LDA)] = row < r && f0 + k < in ? A[(size_t)row * in + f0 + k] : from_float<T>(0.f);
     }
   }
 }
@@ -296,6 +380,26 @@ __device__ __forceinline__ void chunk_stage_mmas(float (&acc)[NTS][4], const T* 
       }
     }
   }
+}
+
+// A shrink stage on warpgroup MMAs (Chunk::WG): warpgroup warp / 4 sums its 64 rows (none where they
+// all lie past the chunk's m rows) over the stage's KC features into acc, as 8 n-tiles of the warp's
+// m-tile (the mma.sync layout). Every thread calls.
+template <typename C, typename T>
+__device__ __forceinline__ void chunk_stage_wg(float (&acc)[8][4], const T* sx, const T* sa, int warp, int m) {
+#if LORA_WGMMA
+  using M = typename Op<T>::type;
+  const int w0 = (warp >> 2) * 64;
+  if (w0 >= m) return;  // the same in the warpgroup's 4 warps
+  wg_fence();
+#pragma unroll
+  for (int kk = 0; kk < C::KSTEPS; ++kk)
+    wg_mma_ss<M>(acc, wg_desc(sx + C::at(w0, 16 * kk, C::LDX), C::WG_LBO, C::WG_SBO),
+                  wg_desc(sa + C::at(0, 16 * kk, C::LDA), C::WG_LBO, C::WG_SBO));
+  wg_commit();
+  wg_wait0();
+  wg_pin(acc);
+#endif
 }
 
 // The WK warps of m-tile mt meet: warps kq > 0 leave their sums in shared memory past the stages
@@ -450,12 +554,18 @@ __device__ void chunk_shrink(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   for (int st = 0; st < STAGES - 1; ++st) load(st, st);
   for (int f = 0; f < total; ++f) {
     cp_async_wait<STAGES - 2>();
+#if LORA_WGMMA
+    if constexpr (C::WG) fence_proxy_async();  // the stage's copies seen by the MMAs' reads
+#endif
     __syncthreads();  // stage f has landed for every thread; stage f - 1 is free
     load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
     const int p = ONE_PASS ? 0 : f / nkp, j = SLICED ? cw.pass_j[p] : cw.j;
     const int rb0 = SLICED ? cw.pass_rb[p] : p * C::RB;
     const int r = min(cw.r[j] - rb0, C::RB), nts = ((r + 15) & ~15) / 8;
-    chunk_stage_mmas<C>(acc, x_tile(f % STAGES), a_tile(f % STAGES), mt, kq, m, nts, gq, tq);
+    if constexpr (C::WG)
+      chunk_stage_wg<C>(acc, x_tile(f % STAGES), a_tile(f % STAGES), warp, m);
+    else
+      chunk_stage_mmas<C>(acc, x_tile(f % STAGES), a_tile(f % STAGES), mt, kq, m, nts, gq, tq);
     if ((ONE_PASS ? f : f % nkp) != nkp - 1) continue;
     // the pass's last stage (the same f in every warp)
     if constexpr (BLOCK_SUM) {
@@ -545,14 +655,14 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
           for (int i = 0; i < BPT; ++i) {
             const int row = br0 + i * BROWS, col = c0 + row;
             const bool ok = col >= cw.lo[j] && col < cw.hi[j] && bytes > 0;
-            cp_async16_l2(sb + row * C::LDB + bk, ok ? bs + g.b_at(col, rb0 + bk) : g.B, ok ? bytes : 0, b_l2);
+            cp_async16_l2(sb + C::at(row, bk, C::LDB), ok ? bs + g.b_at(col, rb0 + bk) : g.B, ok ? bytes : 0, b_l2);
           }
         }
       } else {
         for (int e = tid; e < BN * rr16; e += NTH) {
           const int row = e / rr16, k = e % rr16, col = c0 + row;
           const bool ok = col >= cw.lo[j] && col < cw.hi[j] && k < rr;
-          sb[row * C::LDB + k] = ok ? bs[g.b_at(col, rb0 + k)] : from_float<T>(0.f);
+          sb[C::at(row, k, C::LDB)] = ok ? bs[g.b_at(col, rb0 + k)] : from_float<T>(0.f);
         }
       }
     }
@@ -574,6 +684,23 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   Frags<M, false, float> vreg[KS];
   auto load_v = [&](int j) {
     const int kss = ((cw.r[j] + 15) & ~15) / 16;
+    if constexpr (C::WG) {  // wgmma's B is read in rank order: the fragment's ranks 2 tq, 2 tq + 1, + 8, + 9
+      const float* base = g.ws + ((size_t)cw.p0 * n + j) * g.rw + 2 * tq;
+      const float2 z = make_float2(0.f, 0.f);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const bool ok0 = ks < kss && row0 < m, ok1 = ks < kss && row1 < m;
+        const float* p0 = base + (size_t)row0 * stride + ks * 16;
+        const float* p1 = base + (size_t)row1 * stride + ks * 16;
+        const float2 a0 = ok0 ? *reinterpret_cast<const float2*>(p0) : z, a2 = ok0 ? *reinterpret_cast<const float2*>(p0 + 8) : z;
+        const float2 a1 = ok1 ? *reinterpret_cast<const float2*>(p1) : z, a3 = ok1 ? *reinterpret_cast<const float2*>(p1 + 8) : z;
+        pack_scaled<M, false>(a0.x, a0.y, cw.sc[j], vreg[ks].a[0], vreg[ks].al[0]);
+        pack_scaled<M, false>(a1.x, a1.y, cw.sc[j], vreg[ks].a[1], vreg[ks].al[1]);
+        pack_scaled<M, false>(a2.x, a2.y, cw.sc[j], vreg[ks].a[2], vreg[ks].al[2]);
+        pack_scaled<M, false>(a3.x, a3.y, cw.sc[j], vreg[ks].a[3], vreg[ks].al[3]);
+      }
+      return;
+    }
     const float* base = g.ws + ((size_t)cw.p0 * n + j) * g.rw + 4 * tq;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
@@ -589,6 +716,9 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   for (int f = 0; f < steps; ++f) {
     cp_async_wait<STAGES - 2>();
+#if LORA_WGMMA
+    if constexpr (C::WG) fence_proxy_async();  // the step's B seen by the MMAs' reads
+#endif
     __syncthreads();  // step f has landed for every thread; stage f - 1 is free
     load(f + STAGES - 1, (f + STAGES - 1) % STAGES);
     const int vis = ONE_RB ? f : f / nrb, rb = ONE_RB ? 0 : f % nrb, j = slice_of(cb0 + vis), r = cw.r[j];
@@ -598,9 +728,22 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
       vj = j;
       load_v(j);
     }
+#if LORA_WGMMA
+    if constexpr (C::WG) {  // one rank block: the warpgroup's 64 rows x the column block, kss k-steps
+      if ((warp >> 2) * 64 < m) {
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks)
+          if (ks < kss) wg_mma_rs<M>(acc, vreg[ks].a, wg_desc(b_tile(f % STAGES) + C::at(0, 16 * ks, C::LDB), C::WG_LBO, C::WG_SBO));
+        wg_commit();
+        wg_wait0();
+        wg_pin(acc);
+      }
+    }
+#endif
     const T* sb = b_tile(f % STAGES) + (half * (BN / C::WK) + gq) * C::LDB + 4 * tq;
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {  // the rank block's k-steps (a warp-uniform test, unrolled)
+    for (int ks = 0; ks < KS && !C::WG; ++ks) {  // the rank block's k-steps (a warp-uniform test, unrolled)
       if (ks / KPB == rb && ks < kss && mt * 16 < m) {  // not an m-tile past the chunk's rows
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {

@@ -244,3 +244,64 @@ def test_a_cubin_is_written_whole(tmp_path):
     assert kernels._whole_elf(whole.raw[:-40]) == whole.raw[:-40]  # more: left alone
     written = kernels.prebuild(tmp_path, "sm_90", ["lora_delta"])[0].read_bytes()
     assert kernels._elf_end(written) == len(written)
+
+
+def test_device_arch_is_hopper_specific_target_only_on_hopper():
+    assert kernels.device_arch("90") == "sm_90a"
+    assert kernels.device_arch(90) == "sm_90a"
+    assert [kernels.device_arch(c) for c in ("80", "86", "89", "100", "120")] == \
+        ["sm_80", "sm_86", "sm_89", "sm_100", "sm_120"]
+    with pytest.raises(ValueError, match="compute capability"):
+        kernels.device_arch("9.0")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tall_chunks_run_on_warpgroup_mma_only_for_sm_90a(dtype):
+    """chunk.cuh's chunks of 128 at rank width 64 take wgmma where the target is sm_90a (what Hopper
+    runs, ``device_arch``), with the proxy fence their copies need; sm_90 builds the same sources on
+    mma.sync alone (what a later architecture runs)."""
+    family = kernels.mma_family(dtype)
+    hopper = kernels.compile_family(family, "sm_90a")
+    plain = kernels.compile_family(family, "sm_90")
+    hopper, plain = (p.decode() if isinstance(p, bytes) else p for p in (hopper, plain))
+    kind = "bf16" if dtype == "bfloat16" else "f16"
+    assert f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{kind}.{kind}" in hopper
+    assert "fence.proxy.async.shared::cta" in hopper
+    assert "wgmma" not in plain and "fence.proxy.async" not in plain
+    assert "mma.sync.aligned.m16n8k16" in plain
+
+
+def test_cached_cubin_compiles_once_then_reads_the_cache(tmp_path, monkeypatch):
+    """The run-time build for an architecture-specific target: compiled with NVRTC on the first ask,
+    written whole under the cache directory, read back by a later process (the second call here
+    compiles nothing), and compiled again for an edited source or another architecture."""
+    calls = []
+
+    def fake_nvrtc(source, name, arch, name_expressions, cubin):
+        calls.append((arch, source))
+        assert cubin
+        return b"\x7fELF" + arch.encode() + source.encode(), {e: f"_Z{i}" for i, e in enumerate(name_expressions)}
+
+    monkeypatch.setattr(kernels, "_nvrtc", fake_nvrtc)
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "c"))
+    src = kernels.read_source("lora_delta.cu")
+    path, lowered = kernels.cached_cubin("lora_delta", src, "sm_90a")
+    assert path.parent == tmp_path / "c" and path.name == kernels.prebuilt_stem("lora_delta", "sm_90a", src) + ".cubin"
+    assert path.read_bytes() == b"\x7fELFsm_90a" + src.encode()
+    assert set(lowered) == set(kernels.FAMILIES["lora_delta"].name_expressions)
+    assert not list(path.parent.glob("*.tmp"))
+    assert kernels.cached_cubin("lora_delta", src, "sm_90a") == (path, lowered)
+    assert len(calls) == 1
+    kernels.cached_cubin("lora_delta", src + "\n", "sm_90a")
+    kernels.cached_cubin("lora_delta", src, "sm_100a")
+    assert [a for a, _ in calls] == ["sm_90a", "sm_90a", "sm_100a"]
+    path.with_suffix(".json").write_text("{not json")  # a damaged cache entry is built again
+    assert kernels.cached_cubin("lora_delta", src, "sm_90a")[1] == lowered and len(calls) == 4
+
+
+def test_cache_dir_follows_its_variable_then_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "x"))
+    assert kernels.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv(kernels.CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernels.cache_dir() == tmp_path / "xdg" / "lora_cupy"

@@ -94,7 +94,7 @@ def main() -> None:
         out = args.prebuild.resolve()
         for tag, tree in trees.items():
             code = ("import lora_cupy.kernels as k; "
-                    f"print(k.prebuild({str(out)!r}, 'sm_90', [k.mma_family('bfloat16')]))")
+                    f"print(k.prebuild({str(out)!r}, 'sm_90a', [k.mma_family('bfloat16')]))")
             r = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                                capture_output=True, text=True)
             print(f"{tag}: {r.stdout.strip() or r.stderr[-2000:]}", flush=True)

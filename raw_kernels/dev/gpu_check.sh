@@ -18,7 +18,7 @@ git rev-parse --short HEAD 2>/dev/null || true
 # the kernel sources themselves (a copied tree's git metadata may name another commit): each family's
 # prebuilt-CUBIN stem, which hashes its source
 python -c "from lora_cupy.kernels import FAMILIES, read_source, prebuilt_stem as p
-print(' '.join(p(f, 'sm_90', read_source(k.file)) for f, k in FAMILIES.items()))" || true
+print(' '.join(p(f, 'sm_90a', read_source(k.file)) for f, k in FAMILIES.items()))" || true
 timeout "${TESTS_S:-330}" python -m pytest -m gpu tests/gpu -q --timeout=200 -p no:cacheprovider "$@" \
     > "$OUT/gpu-tests.log" 2>&1
 echo "pytest -m gpu: exit $?"

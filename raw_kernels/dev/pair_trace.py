@@ -348,7 +348,7 @@ def main() -> None:
     if args.prebuild:
         from lora_cupy import kernels
 
-        print(kernels.prebuild(args.prebuild, "sm_90", [kernels.mma_family("bfloat16")]))
+        print(kernels.prebuild(args.prebuild, "sm_90a", [kernels.mma_family("bfloat16")]))
         return
     runs = []
     for spec in filter(None, args.layer.split(",")):

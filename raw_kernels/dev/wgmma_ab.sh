@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# lora_chunk's chunks of 128 on warpgroup MMAs, in one GPU call from the root of a checkout on a Hopper
-# host: the T=4096 rows of each patched tree beside the shipped kernels (ab_trees.py, two rounds; it builds
-# the trees), then each tree's bf16 GPU cases in chunks of 128 (the tests copied into it). Build the patched
-# trees' CUBINs ahead on a CPU machine (chunk_wgmma.patch's kernels.py builds them for sm_90a), and point
+# lora_chunk's chunks of 128 on warpgroup MMAs (chunk.cuh's WG, sm_90a), in one GPU call from the root of a
+# checkout on a Hopper host: the T=4096 rows of each patched tree beside the shipped kernels (ab_trees.py, two
+# rounds; it builds the trees), then each tree's bf16 GPU cases in chunks of 128 (the tests copied into it).
+# Build the patched trees' CUBINs ahead on a CPU machine (for sm_90a, what Hopper runs), and point
 # LORA_CUPY_PREBUILT there:
 #
+#   lora-cupy check-kernels --prebuild out/pb                                          # CPU, the shipped tree
 #   python raw_kernels/dev/ab_trees.py --work /tmp/abw --prebuild out/pb $STACKS      # CPU, STACKS as below
 #   LORA_CUPY_PREBUILT=$PWD/out/pb OUT=/tmp/wg bash raw_kernels/dev/wgmma_ab.sh        # GPU
 set -u
@@ -13,9 +14,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to a directory for the logs}
 mkdir -p "$OUT"
 D=raw_kernels/dev
-WG=$D/chunk_wgmma.patch
-# each stack's later patches apply over its first (ab_trees.py's a.patch+b.patch)
-STACKS=${STACKS:-"$WG $WG+$D/chunk_wgmma_pad.patch $WG+$D/chunk_wgmma_pad.patch+$D/chunk_wgmma_defer.patch"}
+# patches over the shipped tree; a stack's later patches apply over its first (ab_trees.py's a.patch+b.patch)
+STACKS=${STACKS:-"$D/chunk_wgmma_defer.patch"}
 nvidia-smi --query-gpu=name --format=csv,noheader || true
 # shellcheck disable=SC2086
 timeout 200 python $D/ab_trees.py --work /tmp/abw --rounds 2 $STACKS -- --layer "" --core "T4096 4096->4096" \
