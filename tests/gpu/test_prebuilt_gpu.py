@@ -20,16 +20,47 @@ def fresh_modules():
     kernels._load.cache_clear()
 
 
+def _device_arch():
+    return kernels.device_arch(cp().cuda.Device().compute_capability)
+
+
+def _from(mod, where) -> bool:
+    """Whether ``mod`` is a CUBIN loaded from the directory ``where``."""
+    return isinstance(mod, kernels.PrebuiltModule) and mod.path.parent == where
+
+
 def test_a_prebuilt_family_loads_and_runs(tmp_path, monkeypatch, make_case, check, fresh_modules):
-    arch = f"sm_{cp().cuda.Device().compute_capability}"
-    kernels.prebuild(tmp_path, arch, ["lora_delta"])
+    kernels.prebuild(tmp_path, _device_arch(), ["lora_delta"])
     monkeypatch.setenv(kernels.PREBUILT_ENV, str(tmp_path))
-    assert isinstance(kernels.load_module("lora_delta"), kernels.PrebuiltModule)
+    assert _from(kernels.load_module("lora_delta"), tmp_path)
     case = make_case(T=37, in_f=77, slices=(61, 40), max_rank=13, ranks=(0, 1, 8, 13), dtype="float32", mix="zipf")
     check(case, run_cupy(backend_for(case.spec, kernel="simt"), case), "float32")
 
 
 def test_no_matching_prebuilt_file_compiles(tmp_path, monkeypatch, fresh_modules):
-    kernels.prebuild(tmp_path, "sm_80" if cp().cuda.Device().compute_capability != "80" else "sm_90", ["lora_delta"])
+    other = "sm_80" if _device_arch() != "sm_80" else "sm_90a"
+    kernels.prebuild(tmp_path, other, ["lora_delta"])
     monkeypatch.setenv(kernels.PREBUILT_ENV, str(tmp_path))  # a CUBIN for another architecture only
-    assert not isinstance(kernels.load_module("lora_delta"), kernels.PrebuiltModule)
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "cache"))
+    assert not _from(kernels.load_module("lora_delta"), tmp_path)
+
+
+def test_an_architecture_specific_build_is_cached_and_read_back(tmp_path, monkeypatch, make_case, check, fresh_modules):
+    """On Hopper (sm_90a, which CuPy's own compile cannot target) a family compiles through the
+    project's NVRTC into the cache directory, runs, and loads from there in a later process (here: the
+    memo cleared, NVRTC made to fail) with no second compile."""
+    if not _device_arch().endswith("a"):
+        pytest.skip(f"{_device_arch()} compiles through CuPy's RawModule")
+    monkeypatch.delenv(kernels.PREBUILT_ENV, raising=False)
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    mod = kernels.load_module("lora_delta")
+    assert _from(mod, tmp_path) and mod.path.name.startswith(f"lora_delta.{_device_arch()}.")
+    case = make_case(T=37, in_f=77, slices=(61, 40), max_rank=13, ranks=(0, 1, 8, 13), dtype="float32", mix="zipf")
+    check(case, run_cupy(backend_for(case.spec, kernel="simt"), case), "float32")
+    kernels._load.cache_clear()
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(kernels, "_nvrtc", no_compile)
+    assert kernels.load_module("lora_delta").path == mod.path
