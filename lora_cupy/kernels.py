@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -596,6 +597,24 @@ def cached_cubin(family: str, source: str, arch: str, where: Path | None = None)
     return cubin, lowered
 
 
+def _cached_module(family: str, source: str, arch: str) -> PrebuiltModule:
+    """The family's module from :func:`cached_cubin`; a cached file the driver refuses (a damaged
+    cache) is removed and built once more."""
+    stem = cache_dir() / prebuilt_stem(family, arch, source)
+    if not Path(f"{stem}.cubin").is_file():
+        logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; cached in %s)", family, arch, cache_dir())
+    first = FAMILIES[family].name_expressions[0]
+    mod = PrebuiltModule(*cached_cubin(family, source, arch))
+    try:
+        mod.get_function(first)  # loads the module: a refusal shows here
+    except Exception:  # noqa: BLE001 - the driver refused the cached file: build it again
+        for suffix in (".cubin", ".json"):
+            Path(f"{stem}{suffix}").unlink(missing_ok=True)
+        mod = PrebuiltModule(*cached_cubin(family, source, arch))
+        mod.get_function(first)
+    return mod
+
+
 @functools.lru_cache(maxsize=None)
 def _load(family: str, defines: tuple[tuple[str, object], ...]):
     import cupy
@@ -608,7 +627,7 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
             return mod
     arch = device_arch(cupy.cuda.Device().compute_capability)
     if arch.endswith("a"):  # an architecture-specific target: CuPy's RawModule asks NVRTC for sm_<cc>
-        return PrebuiltModule(*cached_cubin(family, source, arch))
+        return _cached_module(family, source, arch)
     return cupy.RawModule(code=source, options=run_options(), name_expressions=fam.name_expressions)
 
 

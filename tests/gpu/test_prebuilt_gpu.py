@@ -48,7 +48,7 @@ def test_no_matching_prebuilt_file_compiles(tmp_path, monkeypatch, fresh_modules
 def test_an_architecture_specific_build_is_cached_and_read_back(tmp_path, monkeypatch, make_case, check, fresh_modules):
     """On Hopper (sm_90a, which CuPy's own compile cannot target) a family compiles through the
     project's NVRTC into the cache directory, runs, and loads from there in a later process (here: the
-    memo cleared, NVRTC made to fail) with no second compile."""
+    memo cleared, NVRTC made to fail) with no second compile; a damaged cache file is built again."""
     if not _device_arch().endswith("a"):
         pytest.skip(f"{_device_arch()} compiles through CuPy's RawModule")
     monkeypatch.delenv(kernels.PREBUILT_ENV, raising=False)
@@ -62,5 +62,13 @@ def test_an_architecture_specific_build_is_cached_and_read_back(tmp_path, monkey
     def no_compile(*a, **k):
         raise AssertionError("compiled again")
 
+    real_nvrtc = kernels._nvrtc
     monkeypatch.setattr(kernels, "_nvrtc", no_compile)
     assert kernels.load_module("lora_delta").path == mod.path
+    # a damaged cache file, which the driver refuses: removed, built again, and the family runs
+    monkeypatch.setattr(kernels, "_nvrtc", real_nvrtc)
+    mod.path.write_bytes(b"\x7fELF damaged")
+    kernels._load.cache_clear()
+    again = kernels.load_module("lora_delta")
+    assert again.path == mod.path and len(again.path.read_bytes()) > 1000
+    check(case, run_cupy(backend_for(case.spec, kernel="simt"), case), "float32")
