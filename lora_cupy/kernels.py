@@ -627,7 +627,14 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
             return mod
     arch = device_arch(cupy.cuda.Device().compute_capability)
     if arch.endswith("a"):  # an architecture-specific target: CuPy's RawModule asks NVRTC for sm_<cc>
-        return _cached_module(family, source, arch)
+        try:
+            return _cached_module(family, source, arch)
+        except Exception as e:  # noqa: BLE001 - any failure of this path keeps the portable build
+            import warnings
+
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            warnings.warn(f"{family}: the {arch} build failed ({first}); compiling it through CuPy for "
+                          f"{arch[:-1]} instead (no warpgroup MMAs)", RuntimeWarning, stacklevel=3)
     return cupy.RawModule(code=source, options=run_options(), name_expressions=fam.name_expressions)
 
 

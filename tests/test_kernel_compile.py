@@ -305,3 +305,72 @@ def test_cache_dir_follows_its_variable_then_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv(kernels.CACHE_ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert kernels.cache_dir() == tmp_path / "xdg" / "lora_cupy"
+
+
+class _FakeCupy:
+    """As much of ``cupy`` as ``kernels._load`` touches, on a machine with no GPU: a device of the
+    given compute capability and a RawModule that records how it was made."""
+
+    def __init__(self, cc: str):
+        import types
+
+        self.made = []
+        self.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(compute_capability=cc))
+        fake = self
+
+        class RawModule:
+            def __init__(self, **kw):
+                fake.made.append(kw)
+
+            def get_function(self, name):
+                return name
+
+        self.RawModule = RawModule
+
+
+@pytest.fixture
+def fake_device(monkeypatch, tmp_path):
+    import sys
+
+    def install(cc: str) -> _FakeCupy:
+        fake = _FakeCupy(cc)
+        monkeypatch.setitem(sys.modules, "cupy", fake)
+        return fake
+
+    monkeypatch.delenv(kernels.PREBUILT_ENV, raising=False)
+    monkeypatch.delenv("LORA_CUPY_KERNEL_DEFINES", raising=False)
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path))
+    kernels._load.cache_clear()
+    yield install
+    kernels._load.cache_clear()
+
+
+def _fake_nvrtc(source, name, arch, name_expressions, cubin):
+    return b"\x7fELF" + arch.encode(), {e: f"_Z{i}" for i, e in enumerate(name_expressions)}
+
+
+def test_hopper_loads_the_projects_sm_90a_build_and_others_cupys(fake_device, monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_nvrtc", _fake_nvrtc)
+    fake = fake_device("90")
+    mod = kernels.load_module("lora_delta")
+    assert isinstance(mod, kernels.PrebuiltModule) and mod.path.parent == tmp_path
+    assert mod.path.name.startswith("lora_delta.sm_90a.") and fake.made == [{"path": str(mod.path)}]
+    kernels._load.cache_clear()
+    fake = fake_device("80")
+    mod = kernels.load_module("lora_delta")
+    assert not isinstance(mod, kernels.PrebuiltModule)
+    assert fake.made[0]["name_expressions"] == kernels.FAMILIES["lora_delta"].name_expressions
+    assert "-arch" not in " ".join(fake.made[0]["options"])  # CuPy names the device's architecture itself
+
+
+def test_a_failed_sm_90a_build_falls_back_to_cupys_portable_build(fake_device, monkeypatch, tmp_path):
+    def refuse(*a, **k):
+        raise kernels.KernelCompileError("NVRTC failed for sm_90a: planted\nthe log", path="lora_delta.cu")
+
+    monkeypatch.setattr(kernels, "_nvrtc", refuse)
+    fake = fake_device("90")
+    with pytest.warns(RuntimeWarning, match=r"sm_90a build failed \(.*planted\); compiling it through CuPy for sm_90"):
+        mod = kernels.load_module("lora_delta")
+    assert not isinstance(mod, kernels.PrebuiltModule)
+    assert fake.made and fake.made[-1]["code"] == kernels.read_source("lora_delta.cu")
+    assert not list(tmp_path.iterdir())  # nothing half-written left in the cache
