@@ -540,27 +540,38 @@ class PrebuiltModule:
         return self._module.get_function(self._lowered[name_expression])
 
 
-def _prebuilt(family: str, source: str):
-    """The family's prebuilt module from ``PREBUILT_ENV``'s directory for this device, or None."""
+def _stored_cubin(where, family: str, arch: str, source: str) -> tuple[Path, dict[str, str]] | None:
+    """The family's CUBIN for ``arch`` and its lowered names if ``where`` holds them for this very
+    source (``prebuilt_stem``), else None; a names file that cannot be read raises (OSError, ValueError)."""
     import json
-    import warnings
 
-    import cupy
-
-    where = os.environ.get(PREBUILT_ENV, "").strip()
-    if not where:
-        return None
-    arch = device_arch(cupy.cuda.Device().compute_capability)
     stem = Path(where) / prebuilt_stem(family, arch, source)
     cubin, names = Path(f"{stem}.cubin"), Path(f"{stem}.json")
     if not (cubin.is_file() and names.is_file()):
         return None
+    return cubin, dict(json.loads(names.read_text()))
+
+
+def _loaded(cubin: Path, lowered: Mapping[str, str], family: str) -> PrebuiltModule:
+    """``cubin`` as a module, loaded now (the first kernel asked for): a refusal by the driver raises here."""
+    mod = PrebuiltModule(cubin, lowered)
+    mod.get_function(FAMILIES[family].name_expressions[0])
+    return mod
+
+
+def _prebuilt(family: str, source: str, arch: str):
+    """The family's prebuilt module for ``arch`` from ``PREBUILT_ENV``'s directory, or None."""
+    import warnings
+
+    where = os.environ.get(PREBUILT_ENV, "").strip()
+    if not where:
+        return None
     try:
-        mod = PrebuiltModule(cubin, json.loads(names.read_text()))
-        mod.get_function(FAMILIES[family].name_expressions[0])  # loads the module: a refusal shows here
-        return mod
+        hit = _stored_cubin(where, family, arch, source)
+        return None if hit is None else _loaded(*hit, family)
     except Exception as e:  # noqa: BLE001 - any refusal falls back to compiling, with a warning
-        warnings.warn(f"{PREBUILT_ENV}: {cubin.name} not loaded ({e}); compiling {family} instead", stacklevel=2)
+        name = prebuilt_stem(family, arch, source) + ".cubin"
+        warnings.warn(f"{PREBUILT_ENV}: {name} not loaded ({e}); compiling {family} instead", stacklevel=2)
         return None
 
 
@@ -581,16 +592,18 @@ def cached_cubin(family: str, source: str, arch: str, where: Path | None = None)
 
     fam = FAMILIES[family]
     out = Path(where) if where is not None else cache_dir()
-    stem = out / prebuilt_stem(family, arch, source)
-    cubin, names = Path(f"{stem}.cubin"), Path(f"{stem}.json")
-    if cubin.is_file() and names.is_file():
-        try:
-            return cubin, dict(json.loads(names.read_text()))
-        except (OSError, ValueError):
-            pass  # unreadable: built again below
+    try:
+        hit = _stored_cubin(out, family, arch, source)
+    except (OSError, ValueError):
+        hit = None  # unreadable: built again below
+    if hit is not None:
+        return hit
+    logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; cached in %s)", family, arch, out)
     blob, lowered = _nvrtc(source, fam.file, arch, fam.name_expressions, cubin=True)
     out.mkdir(parents=True, exist_ok=True)
-    for path, data in ((cubin, blob), (names, json.dumps(lowered, indent=0).encode())):
+    stem = out / prebuilt_stem(family, arch, source)
+    cubin = Path(f"{stem}.cubin")
+    for path, data in ((cubin, blob), (Path(f"{stem}.json"), json.dumps(lowered, indent=0).encode())):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
@@ -600,19 +613,13 @@ def cached_cubin(family: str, source: str, arch: str, where: Path | None = None)
 def _cached_module(family: str, source: str, arch: str) -> PrebuiltModule:
     """The family's module from :func:`cached_cubin`; a cached file the driver refuses (a damaged
     cache) is removed and built once more."""
-    stem = cache_dir() / prebuilt_stem(family, arch, source)
-    if not Path(f"{stem}.cubin").is_file():
-        logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; cached in %s)", family, arch, cache_dir())
-    first = FAMILIES[family].name_expressions[0]
-    mod = PrebuiltModule(*cached_cubin(family, source, arch))
+    cubin, lowered = cached_cubin(family, source, arch)
     try:
-        mod.get_function(first)  # loads the module: a refusal shows here
+        return _loaded(cubin, lowered, family)
     except Exception:  # noqa: BLE001 - the driver refused the cached file: build it again
-        for suffix in (".cubin", ".json"):
-            Path(f"{stem}{suffix}").unlink(missing_ok=True)
-        mod = PrebuiltModule(*cached_cubin(family, source, arch))
-        mod.get_function(first)
-    return mod
+        cubin.unlink(missing_ok=True)
+        cubin.with_suffix(".json").unlink(missing_ok=True)
+        return _loaded(*cached_cubin(family, source, arch), family)
 
 
 @functools.lru_cache(maxsize=None)
@@ -621,11 +628,11 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
 
     fam = FAMILIES[family]
     source = read_source(fam.file, dict(defines))
+    arch = device_arch(cupy.cuda.Device().compute_capability)
     if not defines:  # a tuning variant always compiles
-        mod = _prebuilt(family, source)
+        mod = _prebuilt(family, source, arch)
         if mod is not None:
             return mod
-    arch = device_arch(cupy.cuda.Device().compute_capability)
     if arch.endswith("a"):  # an architecture-specific target: CuPy's RawModule asks NVRTC for sm_<cc>
         try:
             return _cached_module(family, source, arch)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lora_cupy import kernels
@@ -374,3 +376,34 @@ def test_a_failed_sm_90a_build_falls_back_to_cupys_portable_build(fake_device, m
     assert not isinstance(mod, kernels.PrebuiltModule)
     assert fake.made and fake.made[-1]["code"] == kernels.read_source("lora_delta.cu")
     assert not list(tmp_path.iterdir())  # nothing half-written left in the cache
+
+
+def test_a_prebuilt_cubin_is_found_under_the_devices_target(fake_device, monkeypatch, tmp_path):
+    """``LORA_CUPY_PREBUILT``: the file named for this source and ``device_arch`` loads with no compile;
+    one whose names file cannot be read is passed over with a warning, and the family is built instead."""
+    import json
+
+    built = []
+
+    def counting_nvrtc(*a, **k):
+        built.append(a[2])
+        return _fake_nvrtc(*a, **k)
+
+    monkeypatch.setattr(kernels, "_nvrtc", counting_nvrtc)
+    pb = tmp_path / "pb"
+    pb.mkdir()
+    src = kernels.read_source("lora_delta.cu")
+    stem = pb / kernels.prebuilt_stem("lora_delta", "sm_90a", src)
+    cubin, names_file = Path(f"{stem}.cubin"), Path(f"{stem}.json")
+    names = {e: f"_Z{i}" for i, e in enumerate(kernels.FAMILIES["lora_delta"].name_expressions)}
+    cubin.write_bytes(b"\x7fELF prebuilt")
+    names_file.write_text(json.dumps(names))
+    monkeypatch.setenv(kernels.PREBUILT_ENV, str(pb))
+    fake_device("90")
+    mod = kernels.load_module("lora_delta")
+    assert isinstance(mod, kernels.PrebuiltModule) and mod.path == cubin and built == []
+    kernels._load.cache_clear()
+    names_file.write_text("{not json")
+    with pytest.warns(UserWarning, match="not loaded"):
+        mod = kernels.load_module("lora_delta")
+    assert mod.path.parent == tmp_path and built == ["sm_90a"]  # built into the cache directory instead

@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lora-cupy-ab")
     ap.add_argument("--prebuild", type=Path, help="CPU: build each patched tree's bf16 family's CUBIN here, and stop")
     args = ap.parse_args(argv)
-    trees = {Path(p.split("+")[-1]).stem: make_tree(p, args.work) for p in args.patches}
+    trees = {t.name: t for t in (make_tree(p, args.work) for p in args.patches)}  # named for each stack's last patch
     if args.prebuild:
         out = args.prebuild.resolve()
         for tag, tree in trees.items():
