@@ -23,8 +23,10 @@ from .errors import LoraError
 
 _PKG = Path(__file__).resolve().parent
 
-#: The options every kernel is compiled with, at run time and by the compile check.
-NVRTC_OPTIONS = ("-std=c++17",)
+#: The options every kernel is compiled with, at run time and by the compile check. NVRTC 13.0 (the
+#: toolkit of CUDA 13.0 hosts) takes a generic lambda in device code for a host function and refuses
+#: lora_mma.cu without ``-default-device`` (unannotated functions are device functions); 13.5 does not.
+NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 #: The architectures the compile check builds for: Hopper's build (``device_arch``), the same
 #: sources without its architecture-specific instructions (what a later architecture compiles), Ampere.
 CHECK_ARCHS = ("sm_90a", "sm_90", "sm_80")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -407,3 +408,55 @@ def test_a_prebuilt_cubin_is_found_under_the_devices_target(fake_device, monkeyp
     with pytest.warns(UserWarning, match="not loaded"):
         mod = kernels.load_module("lora_delta")
     assert mod.path.parent == tmp_path and built == ["sm_90a"]  # built into the cache directory instead
+
+
+#: A ``libnvrtc.so.13`` of CUDA 13.0, the oldest NVRTC the package allows (``nvidia-cuda-nvrtc>=13``;
+#: the NVRTC of a CUDA 13.0 host): ``.ci/run`` installs that wheel beside the venv and names it here.
+OLDEST_NVRTC_ENV = "LORA_CUPY_OLDEST_NVRTC"
+
+
+def _compile_with(lib_path: str, family: str, arch: str, options) -> tuple[tuple[int, int], int, str]:
+    """One family compiled by the NVRTC library at ``lib_path`` (through its C API; CuPy's binding is
+    bound to the NVRTC it loaded): ``(version, result code, log)``."""
+    import ctypes
+
+    lib_dir = Path(lib_path).parent
+    for builtins in sorted(lib_dir.glob("libnvrtc-builtins.so.*")):  # its soname, loaded before NVRTC asks
+        if ".alt." not in builtins.name:
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(lib_path)
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    assert lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) == 0
+    fam = kernels.FAMILIES[family]
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), kernels.read_source(fam.file).encode(), fam.file.encode(),
+                                  0, None, None) == 0
+    try:
+        for expr in fam.name_expressions:
+            assert lib.nvrtcAddNameExpression(prog, expr.encode()) == 0
+        opts = [*options, f"-I{kernels.kernel_dir()}", f"-arch={arch}",
+                *(f"-I{d}" for d in kernels.cuda_include_dirs())]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts)))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        return (major.value, minor.value), rc, log.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.skipif(not os.environ.get(OLDEST_NVRTC_ENV),
+                    reason=f"{OLDEST_NVRTC_ENV} names no CUDA 13.0 libnvrtc.so (.ci/run installs one)")
+def test_every_family_compiles_with_the_oldest_nvrtc():
+    """A CUDA 13.0 host compiles what 13.5 does: each family for Hopper (sm_90a) with the run-time
+    options. Without ``-default-device`` 13.0 refuses lora_mma.cu's generic lambda as host code, so
+    the option is checked to be what makes the difference."""
+    lib = os.environ[OLDEST_NVRTC_ENV]
+    version, rc, log = _compile_with(lib, "lora_mma_float32", "sm_90a",
+                                     [o for o in kernels.NVRTC_OPTIONS if o != "-default-device"])
+    assert version == (13, 0), f"{lib} is NVRTC {version}, not 13.0"
+    assert rc != 0 and "JIT mode" in log  # 13.0's refusal, which -default-device answers
+    for family in sorted(kernels.FAMILIES):
+        version, rc, log = _compile_with(lib, family, "sm_90a", kernels.NVRTC_OPTIONS)
+        assert rc == 0, f"NVRTC {version} refuses {family}:\n{log[:3000]}"
