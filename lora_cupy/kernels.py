@@ -286,7 +286,7 @@ def run_options() -> tuple[str, ...]:
 
 def device_arch(compute_capability: str) -> str:
     """The target the kernels are built for on a device of ``compute_capability`` (CuPy's ``"90"``):
-    ``sm_90a`` on Hopper, whose warpgroup MMAs (chunk.cuh's chunks of 128) exist only there, else
+    ``sm_90a`` on Hopper, whose warpgroup MMAs (chunk.cuh's chunks of 64 and 128) exist only there, else
     ``sm_<cc>``."""
     cc = str(compute_capability)
     if not cc.isdigit():

@@ -260,7 +260,7 @@ def test_device_arch_is_hopper_specific_target_only_on_hopper():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_tall_chunks_run_on_warpgroup_mma_only_for_sm_90a(dtype):
-    """chunk.cuh's chunks of 128 at rank width 64 take wgmma where the target is sm_90a (what Hopper
+    """chunk.cuh's chunks of 64 and 128 at rank width 64 take wgmma where the target is sm_90a (what Hopper
     runs, ``device_arch``), with the proxy fence their copies need; sm_90 builds the same sources on
     mma.sync alone (what a later architecture runs)."""
     family = kernels.mma_family(dtype)
@@ -272,6 +272,14 @@ def test_tall_chunks_run_on_warpgroup_mma_only_for_sm_90a(dtype):
     assert "fence.proxy.async.shared::cta" in hopper
     assert "wgmma" not in plain and "fence.proxy.async" not in plain
     assert "mma.sync.aligned.m16n8k16" in plain
+    # kernel by kernel: lora_chunk at rank width 64 in chunks of 64 and 128 and no other
+    fam = kernels.FAMILIES[family]
+    lowered = kernels._nvrtc(kernels.read_source(fam.file), fam.file, "sm_90a", fam.name_expressions, cubin=False)[1]
+    bodies = {name: body for name, _, body in (e.partition("(") for e in hopper.split(".entry ")[1:])}
+    for rw, bm in kernels.CHUNK_SHAPES:
+        for aligned, sliced in ((False, False), (False, True), (True, False), (True, True)):
+            entry = lowered[kernels.chunk_name(kernels.CUDA_TYPES[dtype], rw, bm, aligned=aligned, sliced=sliced)]
+            assert ("wgmma.mma_async" in bodies[entry]) == (rw == 64 and bm >= 64), (rw, bm, aligned, sliced)
 
 
 def test_cached_cubin_compiles_once_then_reads_the_cache(tmp_path, monkeypatch):

@@ -368,6 +368,11 @@ CHUNK_SLICE_ALIGN = 128
 #: chunks of 128 half empty); at 4096 64.0 / 56.5 / 53.1, 61.8 / 57.1 / 54.7 and 65.2 / 60.6 / 57.9,
 #: and on the wide shapes with 8 (4096 -> 14336, 14336 -> 4096) 137.0 / 119.0 / 114.8 and
 #: 111.7 / 94.3 / 87.2. (At b34b9e4 chunks of 64 had won at 1024: 27.3 against 29.0 with one adapter.)
+#: Since chunks of 64 and 128 run on warpgroup MMAs (sm_90a; on an H200, 2026-12-06, the same sweep):
+#: at 1024 24.9 / 25.9 / 24.1, 26.2 / 27.7 / 25.5 and 30.5 / 33.0 / 38.8; at 2048 39.8 / 34.9 / 31.8,
+#: 40.5 / 37.0 / 33.4 and 45.3 / 41.4 / 43.6; at 4096 68.6 / 63.5 / 49.8, 70.4 / 60.3 / 50.1 and
+#: 72.9 / 62.6 / 54.8. Chunks of 128 from 2048 would gain 3.1-3.6 us with 1 and 8 adapters and lose 2.2
+#: with 32 (64 positions a slot); the plan sees neither, so 2048 keeps chunks of 64.
 CHUNK_WIDE_FROM = 2048
 CHUNK_TALL_FROM = 4096
 #: Up to this many positions lora_chunk cuts a step into chunks of ``CHUNK_NARROW_BM`` (``chunk_bm``):
