@@ -70,17 +70,17 @@
 // table, each column block's slice lookup, v reloaded at a slice change). The other serves one
 // slice with columns (found by a ballot in the setup) with all of that compiled out, and at rank
 // widths 16 and 64 (a rank fits one rank block) with one pass and one rank block a column block.
-// WG (chunks of 64 and 128 at rank width 64, compiled for sm_90a: kernels.py builds for sm_90a on
-// Hopper): each warpgroup (the 4 warps of a chunk of 64, 4 of the 8 of a chunk of 128) takes 64 rows and runs warpgroup MMAs (wgmma.m64n64k16): the
-// shrink with x and A from shared memory, the expand with v from registers (its fragments in rank
-// order, as wgmma reads B) and B from shared memory; the stage tiles it reads are laid out as wgmma's
-// core matrices (Chunk::at), the 16-byte copies unchanged but for their addresses. The accumulators
-// keep mma.sync's layout, so the adds into v and the y tiles' epilogue are the same code. Compiled
-// for anything else (sm_90, sm_80, the host check), these chunks run on mma.sync.
+// WG (chunks of 64 and 128 at rank width 64, compiled for sm_90a: kernels.py builds for sm_90a on Hopper):
+// each warpgroup (the 4 warps of a chunk of 64, 4 of the 8 of a chunk of 128) takes 64 rows and runs
+// warpgroup MMAs (wgmma.m64n64k16): the shrink with x and A from shared memory, the expand with v from
+// registers (its fragments in rank order, as wgmma reads B) and B from shared memory; the stage tiles it
+// reads are laid out as wgmma's core matrices (Chunk::at), the 16-byte copies unchanged but for their
+// addresses. The accumulators keep mma.sync's layout, so the adds into v and the y tiles' epilogue are the
+// same code. Compiled for anything else (sm_90, sm_80, the host check), these chunks run on mma.sync.
 #pragma once
 
-// The wide and tall chunks' MMAs as warpgroup MMAs (wgmma, an sm_90a instruction): built where the compile
-// targets sm_90a, else the same chunks run on mma.sync.
+// The wide and tall chunks' MMAs as warpgroup MMAs (wgmma, an sm_90a instruction): built where the
+// compile targets sm_90a, else the same chunks run on mma.sync.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define LORA_WGMMA 1
 #else
@@ -178,11 +178,11 @@ struct Chunk {
   // chunk's parts are a multiple of RSPLIT, part q sums ranks (q % RSPLIT) * RBS + [0, RBS) of v over
   // RSPLIT times the share of `in` it would take, so each element of v takes 1 / RSPLIT of the adds
   static constexpr int RSPLIT = RW == 64 && BM_ == 32 ? 2 : 1, RBS = RB / RSPLIT;
-  // chunks of 64 and 128 at rank width 64 on warpgroup MMAs (sm_90a): each warpgroup of 4 warps takes 64 rows
-  // (its warps' m-tiles, as on mma.sync) and every tile an MMA reads from shared memory (x, A, B) is
+  // chunks of 64 and 128 at rank width 64 on warpgroup MMAs (sm_90a): each warpgroup of 4 warps takes 64
+  // rows (its warps' m-tiles, as on mma.sync) and every tile an MMA reads from shared memory (x, A, B) is
   // laid out as wgmma's core matrices (8 rows x 16 bytes), WG_LBO bytes apart along k (128 and 16 of
-  // padding, so the 8 pieces of a row that 8 neighbouring threads copy fall in distinct banks) and
-  // WG_SBO along rows: the padded rows' bytes
+  // padding, so the 8 pieces of a row that 8 neighbouring threads copy fall in distinct banks) and WG_SBO
+  // along rows: the padded rows' bytes
   static constexpr bool WG = LORA_WGMMA && BM_ >= 64 && RW == 64;
   static constexpr int WG_LBO = 144, WG_SBO = 8 * WG_LBO;
   // element (row, k) of a stage's tile: rows of ld elements, or (WG; k below 64) core matrices
