@@ -7,6 +7,10 @@ turn, `--rounds` times (this tree first in each round), with the arguments after
 gathered into one table, a column a tree, each cell the warm and flushed figures of every round
 (min-max where they differ).
 
+A tree holds `tests/` and `pyproject.toml` too, so its GPU tests run against its own package from its root
+(`cd <work>/<name> && python -m pytest -m gpu tests/gpu/...`); run from this checkout, pytest's `pythonpath = ["."]`
+would import this checkout's package instead.
+
 On a CPU machine, `--prebuild DIR` builds each patched tree's bf16 tensor-core family into DIR (the
 base tree's families: `lora-cupy check-kernels --prebuild DIR`), so the GPU's time is not spent in
 NVRTC: point `LORA_CUPY_PREBUILT` at DIR there (a tree whose sources differ matches none of the
@@ -40,8 +44,9 @@ def make_tree(stack: str, work: Path) -> Path:
     if tree.exists():
         shutil.rmtree(tree)
     tree.mkdir(parents=True)
-    for part in ("lora_cupy", "raw_kernels"):
+    for part in ("lora_cupy", "raw_kernels", "tests"):  # tests and pyproject: the tree's own tests run from its root
         shutil.copytree(ROOT / part, tree / part, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy2(ROOT / "pyproject.toml", tree / "pyproject.toml")
     for patch in patches:
         cmd = ["git", "apply", str(patch.resolve())] if shutil.which("git") else ["patch", "-p1", "-i", str(patch.resolve())]
         r = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
