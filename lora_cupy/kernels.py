@@ -350,11 +350,17 @@ def _nvrtc_both(source: str, name: str, arch: str, name_expressions: tuple[str, 
     return hit
 
 
+def compile_options(arch: str, options=NVRTC_OPTIONS) -> list[str]:
+    """The whole option list of one NVRTC compile for ``arch``: ``options`` (the run-time ones), the
+    kernels' directory, the target, and where the CUDA headers are."""
+    return [*options, f"-I{kernel_dir()}", f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
+
+
 def _nvrtc_compile(source: str, name: str, arch: str, name_expressions: tuple[str, ...]):
     """One NVRTC compile with the run-time options for ``arch``: ``(PTX, CUBIN, lowered names)``."""
     from cupy_backends.cuda.libs import nvrtc
 
-    opts = [*run_options(), f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
+    opts = compile_options(arch)
     prog = nvrtc.createProgram(source, name, [], [])
     try:
         for expr in name_expressions:
@@ -511,19 +517,12 @@ def prebuilt_stem(family: str, arch: str, source: str) -> str:
 def prebuild(out_dir, arch: str = "sm_90a", families=None) -> list[Path]:
     """Compile ``families`` (default: all) with NVRTC for ``arch`` into ``out_dir``: for each, the
     CUBIN and a JSON of its name expressions' lowered names. Returns the CUBINs written."""
-    import json
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     written = []
     for family in families or FAMILIES:
         fam = FAMILIES[family]
         source = read_source(fam.file)
-        cubin, lowered = _nvrtc(source, fam.file, arch, fam.name_expressions, cubin=True)
-        stem = out / prebuilt_stem(family, arch, source)
-        Path(f"{stem}.cubin").write_bytes(cubin)
-        Path(f"{stem}.json").write_text(json.dumps(lowered, indent=0))
-        written.append(Path(f"{stem}.cubin"))
+        blob, lowered = _nvrtc(source, fam.file, arch, fam.name_expressions, cubin=True)
+        written.append(_store_cubin(out_dir, family, arch, source, blob, lowered))
     return written
 
 
@@ -542,13 +541,32 @@ class PrebuiltModule:
         return self._module.get_function(self._lowered[name_expression])
 
 
+def _cubin_files(where, family: str, arch: str, source: str) -> tuple[Path, Path]:
+    """The CUBIN and names file of one family, target and source under ``where`` (``prebuilt_stem``)."""
+    stem = Path(where) / prebuilt_stem(family, arch, source)
+    return Path(f"{stem}.cubin"), Path(f"{stem}.json")
+
+
+def _store_cubin(where, family: str, arch: str, source: str, blob: bytes, lowered: Mapping[str, str]) -> Path:
+    """Write a compile's CUBIN and lowered names under ``where``, each file renamed into place whole
+    (a process that stops mid-write leaves no torn file); returns the CUBIN's path."""
+    import json
+
+    Path(where).mkdir(parents=True, exist_ok=True)
+    cubin, names = _cubin_files(where, family, arch, source)
+    for path, data in ((cubin, blob), (names, json.dumps(dict(lowered), indent=0).encode())):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return cubin
+
+
 def _stored_cubin(where, family: str, arch: str, source: str) -> tuple[Path, dict[str, str]] | None:
     """The family's CUBIN for ``arch`` and its lowered names if ``where`` holds them for this very
     source (``prebuilt_stem``), else None; a names file that cannot be read raises (OSError, ValueError)."""
     import json
 
-    stem = Path(where) / prebuilt_stem(family, arch, source)
-    cubin, names = Path(f"{stem}.cubin"), Path(f"{stem}.json")
+    cubin, names = _cubin_files(where, family, arch, source)
     if not (cubin.is_file() and names.is_file()):
         return None
     return cubin, dict(json.loads(names.read_text()))
@@ -590,8 +608,6 @@ def cached_cubin(family: str, source: str, arch: str, where: Path | None = None)
     """One family's CUBIN for ``arch`` and its lowered names, from ``where`` (default :func:`cache_dir`)
     if an earlier process built the same source there, else compiled with NVRTC now and written
     there (each file renamed into place whole, so a process that stops mid-write leaves no torn file)."""
-    import json
-
     fam = FAMILIES[family]
     out = Path(where) if where is not None else cache_dir()
     try:
@@ -602,14 +618,7 @@ def cached_cubin(family: str, source: str, arch: str, where: Path | None = None)
         return hit
     logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; cached in %s)", family, arch, out)
     blob, lowered = _nvrtc(source, fam.file, arch, fam.name_expressions, cubin=True)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / prebuilt_stem(family, arch, source)
-    cubin = Path(f"{stem}.cubin")
-    for path, data in ((cubin, blob), (Path(f"{stem}.json"), json.dumps(lowered, indent=0).encode())):
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    return cubin, lowered
+    return _store_cubin(out, family, arch, source, blob, lowered), lowered
 
 
 def _cached_module(family: str, source: str, arch: str) -> PrebuiltModule:
@@ -619,8 +628,8 @@ def _cached_module(family: str, source: str, arch: str) -> PrebuiltModule:
     try:
         return _loaded(cubin, lowered, family)
     except Exception:  # noqa: BLE001 - the driver refused the cached file: build it again
-        cubin.unlink(missing_ok=True)
-        cubin.with_suffix(".json").unlink(missing_ok=True)
+        for path in _cubin_files(cache_dir(), family, arch, source):
+            path.unlink(missing_ok=True)
         return _loaded(*cached_cubin(family, source, arch), family)
 
 

@@ -442,8 +442,7 @@ def _compile_with(lib_path: str, family: str, arch: str, options) -> tuple[tuple
     try:
         for expr in fam.name_expressions:
             assert lib.nvrtcAddNameExpression(prog, expr.encode()) == 0
-        opts = [*options, f"-I{kernels.kernel_dir()}", f"-arch={arch}",
-                *(f"-I{d}" for d in kernels.cuda_include_dirs())]
+        opts = kernels.compile_options(arch, options)
         rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts)))
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
