@@ -449,6 +449,8 @@ def default_one(bucket: int, clusters: bool, share: int, dtype: str) -> bool:
 #: layer's four calls back to back ran 16 x 8 / 64 x 8 / 64 x 32 / 256 x 32 (positions x adapters) in
 #: 24.8 / 25.7 / 55.6 / 65.8 us warm where lora_one in chunks, the default before, took 31.3 / 35.5 /
 #: 56.9 / 69.6; at rank width 64 it took the decode rows from lora_chunk ("lora_pair at rank width 64").
+#: The 256 bucket on lora_chunk instead (``PAIR_TO = 128``) ran 256 x 32 in 97.2 against 67.1 us warm on an
+#: H100 (NOTES.md, "The prefetches of B on an H100").
 PAIR_FROM = 2
 PAIR_TO = 256
 #: At rank width 64 the pair is the default up to ``PAIR_WIDE_RANK_TO`` positions where one round of its
