@@ -279,9 +279,10 @@ def _headers_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def run_options() -> tuple[str, ...]:
-    """NVRTC options at run time: CuPy adds the device's architecture and its toolkit headers."""
-    return (*NVRTC_OPTIONS, f"-I{kernel_dir()}")
+def run_options(options=NVRTC_OPTIONS) -> tuple[str, ...]:
+    """NVRTC options at run time (``options`` and the kernels' directory): CuPy adds the device's
+    architecture and its toolkit headers; :func:`compile_options` adds them for the project's own compile."""
+    return (*options, f"-I{kernel_dir()}")
 
 
 def device_arch(compute_capability: str) -> str:
@@ -351,9 +352,9 @@ def _nvrtc_both(source: str, name: str, arch: str, name_expressions: tuple[str, 
 
 
 def compile_options(arch: str, options=NVRTC_OPTIONS) -> list[str]:
-    """The whole option list of one NVRTC compile for ``arch``: ``options`` (the run-time ones), the
-    kernels' directory, the target, and where the CUDA headers are."""
-    return [*options, f"-I{kernel_dir()}", f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
+    """The whole option list of one NVRTC compile for ``arch``: :func:`run_options` of ``options``, the
+    target, and where the CUDA headers are."""
+    return [*run_options(options), f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
 
 
 def _nvrtc_compile(source: str, name: str, arch: str, name_expressions: tuple[str, ...]):
