@@ -357,11 +357,12 @@ def compile_options(arch: str, options=NVRTC_OPTIONS) -> list[str]:
     return [*run_options(options), f"-arch={arch}", *(f"-I{d}" for d in cuda_include_dirs())]
 
 
-def _nvrtc_compile(source: str, name: str, arch: str, name_expressions: tuple[str, ...]):
-    """One NVRTC compile with the run-time options for ``arch``: ``(PTX, CUBIN, lowered names)``."""
+def _nvrtc_compile(source: str, name: str, arch: str, name_expressions: tuple[str, ...], extra: tuple[str, ...] = ()):
+    """One NVRTC compile with the run-time options for ``arch`` (and ``extra`` options after them):
+    ``(PTX, CUBIN, lowered names)``."""
     from cupy_backends.cuda.libs import nvrtc
 
-    opts = compile_options(arch)
+    opts = [*compile_options(arch), *extra]
     prog = nvrtc.createProgram(source, name, [], [])
     try:
         for expr in name_expressions:
@@ -551,10 +552,13 @@ def _cubin_files(where, family: str, arch: str, source: str) -> tuple[Path, Path
 def _store_cubin(where, family: str, arch: str, source: str, blob: bytes, lowered: Mapping[str, str]) -> Path:
     """Write a compile's CUBIN and lowered names under ``where``, each file renamed into place whole
     (a process that stops mid-write leaves no torn file); returns the CUBIN's path."""
+    return _write_cubin(*_cubin_files(where, family, arch, source), blob, lowered)
+
+
+def _write_cubin(cubin: Path, names: Path, blob: bytes, lowered: Mapping[str, str]) -> Path:
     import json
 
-    Path(where).mkdir(parents=True, exist_ok=True)
-    cubin, names = _cubin_files(where, family, arch, source)
+    cubin.parent.mkdir(parents=True, exist_ok=True)
     for path, data in ((cubin, blob), (names, json.dumps(dict(lowered), indent=0).encode())):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
@@ -640,7 +644,7 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
 
     fam = FAMILIES[family]
     source = read_source(fam.file, dict(defines))
-    arch = device_arch(cupy.cuda.Device().compute_capability)
+    arch = _device_arch_here()
     if not defines:  # a tuning variant always compiles
         mod = _prebuilt(family, source, arch)
         if mod is not None:
@@ -655,6 +659,70 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
             warnings.warn(f"{family}: the {arch} build failed ({first}); compiling it through CuPy for "
                           f"{arch[:-1]} instead (no warpgroup MMAs)", RuntimeWarning, stacklevel=3)
     return cupy.RawModule(code=source, options=run_options(), name_expressions=fam.name_expressions)
+
+
+def _device_arch_here() -> str:
+    """:func:`device_arch` of the current CUDA device."""
+    import cupy
+
+    return device_arch(cupy.cuda.Device().compute_capability)
+
+
+def _source_files(where, source: str, name: str, arch: str, names: tuple[str, ...], extra: tuple[str, ...]):
+    """The CUBIN and names file of a source that is no family under ``where``: its name, ``arch`` and a
+    hash of the source, the options and the name expressions."""
+    key = "\0".join((source, name, arch, *NVRTC_OPTIONS, *extra, *names))
+    stem = Path(where) / f"{Path(name).stem}.{arch}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    return Path(f"{stem}.cubin"), Path(f"{stem}.json")
+
+
+def source_cubin(source: str, name: str, name_expressions, arch: str = "sm_90a", where=None, include_dirs=()) -> Path:
+    """The CUBIN of ``source`` (kernel code that is none of the families) for ``arch``, from ``where``
+    (default :func:`cache_dir`) if built there before, else compiled with the project's NVRTC options
+    plus ``include_dirs`` and written there (each file renamed into place whole). On a CPU machine with
+    ``where`` the directory ``LORA_CUPY_PREBUILT`` will name, it builds a dev tool's module ahead."""
+    names, extra = tuple(name_expressions), tuple(f"-I{d}" for d in include_dirs)
+    cubin, names_file = _source_files(where if where is not None else cache_dir(), source, name, arch, names, extra)
+    if not (cubin.is_file() and names_file.is_file()):
+        logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; kept in %s)", name, arch, cubin.parent)
+        _, blob, lowered = _nvrtc_compile(source, name, arch, names, extra)
+        _write_cubin(cubin, names_file, blob, dict(lowered))
+    return cubin
+
+
+def source_module(source: str, name: str, name_expressions, include_dirs=()):
+    """A module of ``source``, kernel code that is none of the families (a dev tool's traced or patched
+    copy of lora_mma.cu, a prototype), built for this device as :func:`load_module` builds the families,
+    so what a dev tool times is what the families run: on Hopper for ``sm_90a`` (the warpgroup MMAs in)
+    by :func:`source_cubin`, found first in ``LORA_CUPY_PREBUILT``'s directory where it was built ahead;
+    elsewhere, or where that build fails (with a warning saying so), CuPy's ``RawModule`` for
+    ``sm_<cc>``. Either way ``get_function(name expression)``."""
+    import json
+
+    names = tuple(name_expressions)
+    arch = _device_arch_here()
+    if arch.endswith("a"):
+        try:
+            ahead = os.environ.get(PREBUILT_ENV, "").strip()
+            extra = tuple(f"-I{d}" for d in include_dirs)
+            cubin, names_file = _source_files(ahead, source, name, arch, names, extra) if ahead else (None, None)
+            if cubin is None or not (cubin.is_file() and names_file.is_file()):
+                cubin = source_cubin(source, name, names, arch, include_dirs=include_dirs)
+                names_file = cubin.with_suffix(".json")
+            mod = PrebuiltModule(cubin, json.loads(names_file.read_text()))
+            for expr in names[:1]:
+                mod.get_function(expr)  # loaded now: a refusal by the driver falls back below
+            return mod
+        except Exception as e:  # noqa: BLE001 - any failure of this path keeps the portable build
+            import warnings
+
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            warnings.warn(f"{name}: the {arch} build failed ({first}); compiling it through CuPy for {arch[:-1]} "
+                          "instead (no warpgroup MMAs)", RuntimeWarning, stacklevel=2)
+    import cupy
+
+    return cupy.RawModule(code=source, options=(*run_options(), *(f"-I{d}" for d in include_dirs)),
+                          name_expressions=names)
 
 
 def env_defines() -> dict[str, str]:

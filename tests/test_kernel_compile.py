@@ -418,6 +418,72 @@ def test_a_prebuilt_cubin_is_found_under_the_devices_target(fake_device, monkeyp
     assert mod.path.parent == tmp_path and built == ["sm_90a"]  # built into the cache directory instead
 
 
+def _fake_nvrtc_compile(calls):
+    def compile_(source, name, arch, name_expressions, extra=()):
+        calls.append((arch, source, tuple(extra)))
+        return b"ptx", b"\x7fELF" + arch.encode(), tuple((e, f"_Z{i}") for i, e in enumerate(name_expressions))
+
+    return compile_
+
+
+def test_a_dev_source_is_built_for_sm_90a_once_then_loaded(fake_device, monkeypatch, tmp_path):
+    """``source_module``: a dev tool's copy of the kernels is built as the families are (sm_90a through
+    the project's NVRTC on Hopper, with the include directories it names), kept in the cache directory
+    under a hash of what was built, and loaded again with no compile; elsewhere CuPy builds it."""
+    calls = []
+    monkeypatch.setattr(kernels, "_nvrtc_compile", _fake_nvrtc_compile(calls))
+    inc = tmp_path / "inc"
+    fake = fake_device("90")
+    mod = kernels.source_module("// traced", "trace.cu", ["k<1>", "k<2>"], include_dirs=[inc])
+    assert isinstance(mod, kernels.PrebuiltModule) and mod.path.parent == tmp_path
+    assert mod.path.name.startswith("trace.sm_90a.") and fake.made == [{"path": str(mod.path)}]
+    assert calls == [("sm_90a", "// traced", (f"-I{inc}",))]
+    assert mod.get_function("k<2>") == "_Z1"
+    assert kernels.source_module("// traced", "trace.cu", ["k<1>", "k<2>"], include_dirs=[inc]).path == mod.path
+    assert len(calls) == 1  # read back, not built again
+    other = kernels.source_module("// traced, edited", "trace.cu", ["k<1>", "k<2>"], include_dirs=[inc])
+    assert other.path != mod.path and len(calls) == 2
+    assert kernels.source_module("// traced", "trace.cu", ["k<1>"], include_dirs=[inc]).path not in (mod.path, other.path)
+    fake = fake_device("80")
+    plain = kernels.source_module("// traced", "trace.cu", ["k<1>"], include_dirs=[inc])
+    assert not isinstance(plain, kernels.PrebuiltModule) and len(calls) == 3
+    assert fake.made[0]["code"] == "// traced" and fake.made[0]["name_expressions"] == ("k<1>",)
+    assert f"-I{inc}" in fake.made[0]["options"]
+
+
+def test_a_dev_source_built_ahead_is_found_and_a_failed_build_falls_back(fake_device, monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(kernels, "_nvrtc_compile", _fake_nvrtc_compile(calls))
+    pb = tmp_path / "pb"
+    ahead = kernels.source_cubin("// proto", "proto.cu", ["p<1>"], "sm_90a", where=pb)  # on a CPU machine
+    assert ahead.parent == pb and len(calls) == 1
+
+    def refuse(*a, **k):
+        raise kernels.KernelCompileError("NVRTC failed for sm_90a: planted\nthe log", path="proto.cu")
+
+    monkeypatch.setattr(kernels, "_nvrtc_compile", refuse)
+    monkeypatch.setenv(kernels.PREBUILT_ENV, str(pb))
+    fake_device("90")
+    assert kernels.source_module("// proto", "proto.cu", ["p<1>"]).path == ahead
+    with pytest.warns(RuntimeWarning, match=r"proto.cu: the sm_90a build failed \(.*planted\); compiling it through CuPy"):
+        mod = kernels.source_module("// proto, edited", "proto.cu", ["p<1>"])
+    assert not isinstance(mod, kernels.PrebuiltModule)
+    assert not [p for p in tmp_path.iterdir() if p.is_file()]  # nothing half-written in the cache
+
+
+def test_source_cubin_compiles_with_its_include_directories(tmp_path):
+    """The real NVRTC: a source whose header lies in a directory of its own builds for sm_90a."""
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "twice.cuh").write_text("__device__ float twice(float v) { return 2.f * v; }\n")
+    src = '#include "twice.cuh"\ntemplate <int N> __global__ void k(float* y) { y[N] = twice(y[N]); }\n'
+    cubin = kernels.source_cubin(src, "inc.cu", ["k<3>"], "sm_90a", where=tmp_path / "out", include_dirs=[inc])
+    assert cubin.read_bytes()[:4] == b"\x7fELF"
+    assert "k<3>" in cubin.with_suffix(".json").read_text()
+    with pytest.raises(kernels.KernelCompileError, match="twice.cuh"):
+        kernels.source_cubin(src, "inc.cu", ["k<3>"], "sm_90a", where=tmp_path / "out2")
+
+
 #: A ``libnvrtc.so.13`` of CUDA 13.0, the oldest NVRTC the package allows (``nvidia-cuda-nvrtc>=13``;
 #: the NVRTC of a CUDA 13.0 host): ``.ci/run`` installs that wheel beside the venv and names it here.
 OLDEST_NVRTC_ENV = "LORA_CUPY_OLDEST_NVRTC"

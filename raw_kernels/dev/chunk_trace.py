@@ -108,13 +108,10 @@ def name_of(rw: int, bm: int, sliced: bool) -> str:
 
 
 def module(names):
-    import cupy
-
     from lora_cupy import kernels as K
 
     src = (K.kernel_dir() / "lora_mma.cu").read_text() + KERNEL
-    opts = (*K.run_options(), *(f"-I{d}" for d in K.cuda_include_dirs()), f"-I{K.kernel_dir()}")
-    return cupy.RawModule(code=src, options=opts, name_expressions=list(names))
+    return K.source_module(src, "lora_chunk_trace.cu", list(names))  # sm_90a on Hopper, as the shipped family
 
 
 def main() -> None:

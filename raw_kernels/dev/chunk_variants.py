@@ -55,9 +55,8 @@ def apply_patch(text: str, diff: str) -> str:
 
 
 def module(patch: Path, names: list[str]):
-    """The dev module: lora_mma.cu with the patched chunk.cuh in place of its include."""
-    import cupy
-
+    """The dev module: lora_mma.cu with the patched chunk.cuh in place of its include (sm_90a on Hopper,
+    as the shipped family)."""
     from lora_cupy import kernels as K
 
     kd = K.kernel_dir()
@@ -65,8 +64,7 @@ def module(patch: Path, names: list[str]):
     src = (kd / "lora_mma.cu").read_text()
     assert '#include "chunk.cuh"' in src, "lora_mma.cu no longer includes chunk.cuh: update the script"
     src = src.replace('#include "chunk.cuh"', chunk)
-    opts = (*K.run_options(), *(f"-I{d}" for d in K.cuda_include_dirs()))
-    return cupy.RawModule(code=src, options=opts, name_expressions=names)
+    return K.source_module(src, "lora_chunk_variant.cu", names)
 
 
 def main(argv=None) -> int:

@@ -58,13 +58,10 @@ def variant_source(source: str, rows: int) -> str:
 
 def module(source: str, rows: int, threads: list[int]):
     """The dev module of one source and ONE_ROWS: lora_one_v at each thread count, rank widths 16 and 64."""
-    import cupy
-
     from lora_cupy import kernels as K
 
     names = [f"lora_one_v<__nv_bfloat16, {rw}, true, {t}>" for rw in (16, 64) for t in threads]
-    opts = (*K.run_options(), *(f"-I{d}" for d in K.cuda_include_dirs()))
-    return cupy.RawModule(code=variant_source(source, rows), options=opts, name_expressions=names)
+    return K.source_module(variant_source(source, rows), "lora_one_v.cu", names)
 
 
 def main() -> None:

@@ -23,15 +23,12 @@ KB_OF_RT = {1: 4, 2: 3, 3: 2}
 
 
 def module():
-    import cupy
-
-    from lora_cupy.kernels import cuda_include_dirs, run_options
+    from lora_cupy.kernels import source_module
 
     names = [f"pp::pair_shrink<__nv_bfloat16,{rt},{kb}>" for rt, kb in KB_OF_RT.items()]
     names += [f"pp::pair_expand<__nv_bfloat16,{u},{w}>" for u, w in EXPANDS] + ["pp::chain_step"]
     src = (HERE / "pair_proto.cu").read_text()
-    opts = (*run_options(), f"-I{HERE}", *(f"-I{d}" for d in cuda_include_dirs()))
-    mod = cupy.RawModule(code=src, options=opts, name_expressions=names)
+    mod = source_module(src, "pair_proto.cu", names, include_dirs=[HERE])
     return mod, names
 
 
