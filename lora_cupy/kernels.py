@@ -668,21 +668,29 @@ def _device_arch_here() -> str:
     return device_arch(cupy.cuda.Device().compute_capability)
 
 
-def _source_files(where, source: str, name: str, arch: str, names: tuple[str, ...], extra: tuple[str, ...]):
+def _source_files(where, source: str, name: str, arch: str, names: tuple[str, ...], include_dirs=()):
     """The CUBIN and names file of a source that is no family under ``where``: its name, ``arch`` and a
-    hash of the source, the options and the name expressions."""
-    key = "\0".join((source, name, arch, *NVRTC_OPTIONS, *extra, *names))
+    hash of the source, the headers it may include (the kernels' and those of ``include_dirs``), the
+    options and the name expressions, so an edited header builds anew."""
+    heads = hashlib.sha256()
+    for d in include_dirs:
+        for p in sorted(q for q in Path(d).glob("*") if q.suffix in (".cuh", ".h")):
+            heads.update(p.name.encode() + b"\0" + p.read_bytes())
+    extra = tuple(f"-I{d}" for d in include_dirs)
+    key = "\0".join((source, name, arch, _headers_digest(), heads.hexdigest(), *NVRTC_OPTIONS, *extra, *names))
     stem = Path(where) / f"{Path(name).stem}.{arch}.{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     return Path(f"{stem}.cubin"), Path(f"{stem}.json")
 
 
 def source_cubin(source: str, name: str, name_expressions, arch: str = "sm_90a", where=None, include_dirs=()) -> Path:
     """The CUBIN of ``source`` (kernel code that is none of the families) for ``arch``, from ``where``
-    (default :func:`cache_dir`) if built there before, else compiled with the project's NVRTC options
-    plus ``include_dirs`` and written there (each file renamed into place whole). On a CPU machine with
+    (default :func:`cache_dir`) if built there before from the same source and headers, else compiled
+    with the project's NVRTC options plus ``include_dirs`` and written there (each file renamed into
+    place whole). On a CPU machine with
     ``where`` the directory ``LORA_CUPY_PREBUILT`` will name, it builds a dev tool's module ahead."""
     names, extra = tuple(name_expressions), tuple(f"-I{d}" for d in include_dirs)
-    cubin, names_file = _source_files(where if where is not None else cache_dir(), source, name, arch, names, extra)
+    cubin, names_file = _source_files(where if where is not None else cache_dir(), source, name, arch, names,
+                                      include_dirs)
     if not (cubin.is_file() and names_file.is_file()):
         logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; kept in %s)", name, arch, cubin.parent)
         _, blob, lowered = _nvrtc_compile(source, name, arch, names, extra)
@@ -704,8 +712,7 @@ def source_module(source: str, name: str, name_expressions, include_dirs=()):
     if arch.endswith("a"):
         try:
             ahead = os.environ.get(PREBUILT_ENV, "").strip()
-            extra = tuple(f"-I{d}" for d in include_dirs)
-            cubin, names_file = _source_files(ahead, source, name, arch, names, extra) if ahead else (None, None)
+            cubin, names_file = _source_files(ahead, source, name, arch, names, include_dirs) if ahead else (None, None)
             if cubin is None or not (cubin.is_file() and names_file.is_file()):
                 cubin = source_cubin(source, name, names, arch, include_dirs=include_dirs)
                 names_file = cubin.with_suffix(".json")

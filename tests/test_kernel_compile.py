@@ -433,6 +433,8 @@ def test_a_dev_source_is_built_for_sm_90a_once_then_loaded(fake_device, monkeypa
     calls = []
     monkeypatch.setattr(kernels, "_nvrtc_compile", _fake_nvrtc_compile(calls))
     inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "h.cuh").write_text("// a header\n")
     fake = fake_device("90")
     mod = kernels.source_module("// traced", "trace.cu", ["k<1>", "k<2>"], include_dirs=[inc])
     assert isinstance(mod, kernels.PrebuiltModule) and mod.path.parent == tmp_path
@@ -444,11 +446,26 @@ def test_a_dev_source_is_built_for_sm_90a_once_then_loaded(fake_device, monkeypa
     other = kernels.source_module("// traced, edited", "trace.cu", ["k<1>", "k<2>"], include_dirs=[inc])
     assert other.path != mod.path and len(calls) == 2
     assert kernels.source_module("// traced", "trace.cu", ["k<1>"], include_dirs=[inc]).path not in (mod.path, other.path)
+    assert len(calls) == 3
+    (inc / "h.cuh").write_text("// a header, edited\n")  # what the source includes changed: built anew
+    assert kernels.source_module("// traced", "trace.cu", ["k<1>", "k<2>"], include_dirs=[inc]).path != mod.path
+    assert len(calls) == 4
     fake = fake_device("80")
     plain = kernels.source_module("// traced", "trace.cu", ["k<1>"], include_dirs=[inc])
-    assert not isinstance(plain, kernels.PrebuiltModule) and len(calls) == 3
+    assert not isinstance(plain, kernels.PrebuiltModule) and len(calls) == 4
     assert fake.made[0]["code"] == "// traced" and fake.made[0]["name_expressions"] == ("k<1>",)
     assert f"-I{inc}" in fake.made[0]["options"]
+
+
+def test_a_dev_sources_cubin_is_named_for_the_kernels_headers_too(tmp_path, monkeypatch):
+    """A dev tool's copy of lora_mma.cu includes the kernels' headers: an edited header names another file."""
+    for p in kernels.kernel_dir().glob("*.cu*"):
+        (tmp_path / p.name).write_bytes(p.read_bytes())
+    monkeypatch.setattr(kernels, "kernel_dir", lambda: tmp_path)
+    before = kernels._source_files(tmp_path / "c", "// copy", "copy.cu", "sm_90a", ("k<1>",))
+    header = tmp_path / "pair.cuh"
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert kernels._source_files(tmp_path / "c", "// copy", "copy.cu", "sm_90a", ("k<1>",)) != before
 
 
 def test_a_dev_source_built_ahead_is_found_and_a_failed_build_falls_back(fake_device, monkeypatch, tmp_path):
