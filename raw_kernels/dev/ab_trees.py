@@ -11,8 +11,11 @@ A tree holds `tests/` and `pyproject.toml` too, so its GPU tests run against its
 (`cd <work>/<name> && python -m pytest -m gpu tests/gpu/...`); run from this checkout, pytest's `pythonpath = ["."]`
 would import this checkout's package instead.
 
-On a CPU machine, `--prebuild DIR` builds each patched tree's bf16 tensor-core family into DIR (the
-base tree's families: `lora-cupy check-kernels --prebuild DIR`), so the GPU's time is not spent in
+On a CPU machine, `--prebuild DIR` builds each patched tree's bf16 tensor-core family into DIR (with
+`--families changed`, every family whose source as the loader reads it the patches change: all of them where a
+`.cuh` changes, whose digest heads every source; so the tree's whole `pytest -m gpu` and `dev/gpu_check.sh` run
+from CUBINs too; the base tree's families: `lora-cupy check-kernels --prebuild
+DIR`), so the GPU's time is not spent in
 NVRTC: point `LORA_CUPY_PREBUILT` at DIR there (a tree whose sources differ matches none of the
 other trees' files, so each tree finds its own).
 
@@ -64,6 +67,16 @@ def run_rows(tag: str, tree: Path, args: list[str]) -> list[str]:
     return r.stdout.splitlines()
 
 
+def base_stems() -> list[str]:
+    """This tree's prebuilt-CUBIN stems for sm_90a, one a family (what a patched tree's families are
+    compared with)."""
+    code = ("import lora_cupy.kernels as k; "
+            "print(' '.join(k.prebuilt_stem(f, 'sm_90a', k.read_source(v.file)) for f, v in k.FAMILIES.items()))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                       capture_output=True, text=True, check=True)
+    return r.stdout.split()
+
+
 def table(lines: list[str], tags: list[str]) -> str:
     cells: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for line in lines:
@@ -93,6 +106,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "lora-cupy-ab")
     ap.add_argument("--prebuild", type=Path, help="CPU: build each patched tree's bf16 family's CUBIN here, and stop")
+    ap.add_argument("--families", choices=("bf16", "changed"), default="bf16",
+                    help="with --prebuild: the bf16 tensor-core family only, or every family the patches change")
     args = ap.parse_args(argv)
     trees = {t.name: t for t in (make_tree(p, args.work) for p in args.patches)}  # named for each stack's last patch
     if args.prebuild:
@@ -100,6 +115,13 @@ def main() -> None:
         for tag, tree in trees.items():
             code = ("import lora_cupy.kernels as k; "
                     f"print(k.prebuild({str(out)!r}, 'sm_90a', [k.mma_family('bfloat16')]))")
+            if args.families == "changed":
+                code = ("import lora_cupy.kernels as k\n"
+                        f"base = {base_stems()!r}\n"
+                        "fams = [f for f, v in k.FAMILIES.items() if k.prebuilt_stem(f, 'sm_90a', k.read_source(v.file)) "
+                        "not in base]\n"
+                        "k.compile_ahead([(f, 'sm_90a') for f in fams], jobs=2)\n"
+                        f"print(fams, k.prebuild({str(out)!r}, 'sm_90a', fams))")
             r = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
                                capture_output=True, text=True)
             print(f"{tag}: {r.stdout.strip() or r.stderr[-2000:]}", flush=True)
