@@ -11,12 +11,11 @@ A tree holds `tests/` and `pyproject.toml` too, so its GPU tests run against its
 (`cd <work>/<name> && python -m pytest -m gpu tests/gpu/...`); run from this checkout, pytest's `pythonpath = ["."]`
 would import this checkout's package instead.
 
-On a CPU machine, `--prebuild DIR` builds each patched tree's bf16 tensor-core family into DIR (with
-`--families changed`, every family whose source as the loader reads it the patches change: all of them where a
-`.cuh` changes, whose digest heads every source; so the tree's whole `pytest -m gpu` and `dev/gpu_check.sh` run
-from CUBINs too; the base tree's families: `lora-cupy check-kernels --prebuild
-DIR`), so the GPU's time is not spent in
-NVRTC: point `LORA_CUPY_PREBUILT` at DIR there (a tree whose sources differ matches none of the
+On a CPU machine, `--prebuild DIR` builds each patched tree's bf16 tensor-core family into DIR, or with
+`--families changed` every family whose source, as the loader reads it, the patches change (all of them where a
+`.cuh` changes: its digest heads every source), so the tree's whole `pytest -m gpu` and `dev/gpu_check.sh` run
+from CUBINs too (the base tree's families: `lora-cupy check-kernels --prebuild DIR`). The GPU's time is then
+not spent in NVRTC: point `LORA_CUPY_PREBUILT` at DIR there (a tree whose sources differ matches none of the
 other trees' files, so each tree finds its own).
 
     python raw_kernels/dev/ab_trees.py --prebuild out/pb raw_kernels/dev/pair_one_slice_run.patch   # CPU
