@@ -569,9 +569,14 @@ def _write_cubin(cubin: Path, names: Path, blob: bytes, lowered: Mapping[str, st
 def _stored_cubin(where, family: str, arch: str, source: str) -> tuple[Path, dict[str, str]] | None:
     """The family's CUBIN for ``arch`` and its lowered names if ``where`` holds them for this very
     source (``prebuilt_stem``), else None; a names file that cannot be read raises (OSError, ValueError)."""
+    return _read_stored(*_cubin_files(where, family, arch, source))
+
+
+def _read_stored(cubin: Path, names: Path) -> tuple[Path, dict[str, str]] | None:
+    """``cubin`` and the lowered names in ``names`` where both files are there, else None; a names file
+    that cannot be read raises (OSError, ValueError)."""
     import json
 
-    cubin, names = _cubin_files(where, family, arch, source)
     if not (cubin.is_file() and names.is_file()):
         return None
     return cubin, dict(json.loads(names.read_text()))
@@ -579,9 +584,23 @@ def _stored_cubin(where, family: str, arch: str, source: str) -> tuple[Path, dic
 
 def _loaded(cubin: Path, lowered: Mapping[str, str], family: str) -> PrebuiltModule:
     """``cubin`` as a module, loaded now (the first kernel asked for): a refusal by the driver raises here."""
+    return _loaded_as(cubin, lowered, FAMILIES[family].name_expressions[:1])
+
+
+def _loaded_as(cubin: Path, lowered: Mapping[str, str], first=()) -> PrebuiltModule:
     mod = PrebuiltModule(cubin, lowered)
-    mod.get_function(FAMILIES[family].name_expressions[0])
+    for expr in first:
+        mod.get_function(expr)
     return mod
+
+
+def _portable_build_warning(name: str, arch: str, e: Exception, stacklevel: int) -> None:
+    """The warning of a failed build for ``arch`` (sm_90a) that falls back to CuPy's build for ``sm_<cc>``."""
+    import warnings
+
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    warnings.warn(f"{name}: the {arch} build failed ({first}); compiling it through CuPy for {arch[:-1]} "
+                  "instead (no warpgroup MMAs)", RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def _prebuilt(family: str, source: str, arch: str):
@@ -653,11 +672,7 @@ def _load(family: str, defines: tuple[tuple[str, object], ...]):
         try:
             return _cached_module(family, source, arch)
         except Exception as e:  # noqa: BLE001 - any failure of this path keeps the portable build
-            import warnings
-
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            warnings.warn(f"{family}: the {arch} build failed ({first}); compiling it through CuPy for "
-                          f"{arch[:-1]} instead (no warpgroup MMAs)", RuntimeWarning, stacklevel=3)
+            _portable_build_warning(family, arch, e, stacklevel=3)
     return cupy.RawModule(code=source, options=run_options(), name_expressions=fam.name_expressions)
 
 
@@ -686,12 +701,12 @@ def source_cubin(source: str, name: str, name_expressions, arch: str = "sm_90a",
     """The CUBIN of ``source`` (kernel code that is none of the families) for ``arch``, from ``where``
     (default :func:`cache_dir`) if built there before from the same source and headers, else compiled
     with the project's NVRTC options plus ``include_dirs`` and written there (each file renamed into
-    place whole). On a CPU machine with
-    ``where`` the directory ``LORA_CUPY_PREBUILT`` will name, it builds a dev tool's module ahead."""
+    place whole). On a CPU machine with ``where`` the directory ``LORA_CUPY_PREBUILT`` will name, it
+    builds a dev tool's module ahead."""
     names, extra = tuple(name_expressions), tuple(f"-I{d}" for d in include_dirs)
     cubin, names_file = _source_files(where if where is not None else cache_dir(), source, name, arch, names,
                                       include_dirs)
-    if not (cubin.is_file() and names_file.is_file()):
+    if _read_stored(cubin, names_file) is None:
         logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; kept in %s)", name, arch, cubin.parent)
         _, blob, lowered = _nvrtc_compile(source, name, arch, names, extra)
         _write_cubin(cubin, names_file, blob, dict(lowered))
@@ -705,27 +720,18 @@ def source_module(source: str, name: str, name_expressions, include_dirs=()):
     by :func:`source_cubin`, found first in ``LORA_CUPY_PREBUILT``'s directory where it was built ahead;
     elsewhere, or where that build fails (with a warning saying so), CuPy's ``RawModule`` for
     ``sm_<cc>``. Either way ``get_function(name expression)``."""
-    import json
-
     names = tuple(name_expressions)
     arch = _device_arch_here()
     if arch.endswith("a"):
         try:
             ahead = os.environ.get(PREBUILT_ENV, "").strip()
-            cubin, names_file = _source_files(ahead, source, name, arch, names, include_dirs) if ahead else (None, None)
-            if cubin is None or not (cubin.is_file() and names_file.is_file()):
+            hit = _read_stored(*_source_files(ahead, source, name, arch, names, include_dirs)) if ahead else None
+            if hit is None:
                 cubin = source_cubin(source, name, names, arch, include_dirs=include_dirs)
-                names_file = cubin.with_suffix(".json")
-            mod = PrebuiltModule(cubin, json.loads(names_file.read_text()))
-            for expr in names[:1]:
-                mod.get_function(expr)  # loaded now: a refusal by the driver falls back below
-            return mod
+                hit = _read_stored(cubin, cubin.with_suffix(".json"))
+            return _loaded_as(*hit, names[:1])  # loaded now: a refusal by the driver falls back below
         except Exception as e:  # noqa: BLE001 - any failure of this path keeps the portable build
-            import warnings
-
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            warnings.warn(f"{name}: the {arch} build failed ({first}); compiling it through CuPy for {arch[:-1]} "
-                          "instead (no warpgroup MMAs)", RuntimeWarning, stacklevel=2)
+            _portable_build_warning(name, arch, e, stacklevel=2)
     import cupy
 
     return cupy.RawModule(code=source, options=(*run_options(), *(f"-I{d}" for d in include_dirs)),

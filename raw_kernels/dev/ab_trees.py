@@ -111,12 +111,13 @@ def main() -> None:
     trees = {t.name: t for t in (make_tree(p, args.work) for p in args.patches)}  # named for each stack's last patch
     if args.prebuild:
         out = args.prebuild.resolve()
+        base = base_stems() if args.families == "changed" else []  # this tree's, once for every patched tree
         for tag, tree in trees.items():
             code = ("import lora_cupy.kernels as k; "
                     f"print(k.prebuild({str(out)!r}, 'sm_90a', [k.mma_family('bfloat16')]))")
             if args.families == "changed":
                 code = ("import lora_cupy.kernels as k\n"
-                        f"base = {base_stems()!r}\n"
+                        f"base = {base!r}\n"
                         "fams = [f for f, v in k.FAMILIES.items() if k.prebuilt_stem(f, 'sm_90a', k.read_source(v.file)) "
                         "not in base]\n"
                         "k.compile_ahead([(f, 'sm_90a') for f in fams], jobs=2)\n"

@@ -58,7 +58,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 
-from conftest import build_case, check_result, with_inf, with_row_at  # noqa: E402
+from conftest import adapter_slots, build_case, check_result, with_inf, with_row_at  # noqa: E402
 
 from lora_cupy.backends import cupy as cb  # noqa: E402
 from lora_cupy.backends.base import member_offsets  # noqa: E402
@@ -511,10 +511,7 @@ def run_glu(lib, case, spec: dict, sms: int) -> dict:
 def plant_inf(case) -> tuple[np.ndarray, int | None]:
     """``with_inf`` where the case has a position on an adapter slot; x unchanged and no row where its
     draw put every position on slot 0 (a one-position case may: nothing then meets an adapter)."""
-    ip = case.slot_indptr
-    if not any(ip[s + 1] > ip[s] for s in range(1, len(ip) - 1)):
-        return case.x, None
-    return with_inf(case)
+    return with_inf(case) if adapter_slots(case) else (case.x, None)
 
 
 def check_glu(case, r: dict, inf_row: int | None = None) -> None:

@@ -129,12 +129,18 @@ def _finite(w: LayerWeights) -> LayerWeights:
                         w.scaling, w.ranks, w.out_offsets)
 
 
+def adapter_slots(case: Case) -> list[int]:
+    """The slots past slot 0 (no adapter) that hold positions of the case's step."""
+    ip = case.slot_indptr
+    return [s for s in range(1, len(ip) - 1) if ip[s + 1] > ip[s]]
+
+
 def with_inf(case: Case) -> tuple[np.ndarray, int]:
     """A copy of ``case.x`` with an inf in the row of the first token on a slot whose last slice
     has a rank (else on any slot with positions), and that row. A packed shrink meets it with the
     zero rows of A before that slice: 0 * inf is NaN, which must land nowhere it stays."""
     ip, order = case.slot_indptr, case.token_order
-    slots = [s for s in range(1, len(ip) - 1) if ip[s + 1] > ip[s]]
+    slots = adapter_slots(case)
     s = next((s for s in slots if case.w.ranks[s, -1] > 0), slots[0])
     t = int(order[ip[s]])
     x = case.x.copy()
