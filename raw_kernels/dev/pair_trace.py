@@ -19,6 +19,9 @@ stamp less the layer's first block's entry (us):
   the cluster (its shrink and the cluster barrier before it);
 - exit: the median working block's last warp, and the last one of the launch.
 
+A tree with `dev/pair_ready_count.patch` applied is traced too (run from its root): the expand's wait is
+then its poll of the chunk's count, and the shrink's exit comes after the split's count.
+
 Stamps are thread 0's, but for the exit (the block's last warp, an atomicMax of each warp's);
 blocks past the step's items leave after the scan and count only in the entries. The stamps cost a
 few stores a block; each call's y is checked against float64 before the timing, as the bench does.
@@ -81,7 +84,8 @@ __device__ __forceinline__ void pair_trace_exit(const Args<T>& g, int kind) {
 }  // namespace lora
 """ % {"kinds": len(KINDS), "blocks": BLOCKS, "stamps": len(STAMPS)}
 
-# (file, text in it, the text that replaces it): each must occur exactly once.
+# (file, text in it, the text that replaces it[, another text, its replacement]): each must occur exactly
+# once; where a place has another text (a dev patch's form of it), exactly one of the two occurs.
 PLACES = [
     ("pair.cuh", "#pragma once\n", "#pragma once\n" + HEAD),
     # the shrink
@@ -98,13 +102,23 @@ PLACES = [
     ("pair.cuh", "#pragma unroll\n  for (int rt = 0; rt < RT; ++rt) {  // D: rows",
      "  pair_trace_stamp(g, 0, 4);\n#pragma unroll\n  for (int rt = 0; rt < RT; ++rt) {  // D: rows"),
     ("pair.cuh", "    red_add4(vc + e, s);\n  }\n}\n",
-     "    red_add4(vc + e, s);\n  }\n  pair_trace_exit(g, 0);\n}\n"),
+     "    red_add4(vc + e, s);\n  }\n  pair_trace_exit(g, 0);\n}\n",
+     # or, with dev/pair_ready_count.patch, after the split's count
+     "    atomicAdd(g.counters + item / splits, 1);\n  }\n}\n",
+     "    atomicAdd(g.counters + item / splits, 1);\n  }\n  pair_trace_exit(g, 0);\n}\n"),
     # the expand
     ("pair.cuh", "  __shared__ int off[9], tpre[9], rks[8];\n",
      "  __shared__ int off[9], tpre[9], rks[8];\n  pair_trace_entry(g, 1);\n"),
     ("pair.cuh", "    tpre[n] = run;\n  });\n", "    tpre[n] = run;\n  });\n  pair_trace_stamp(g, 1, 1);\n"),
     ("pair.cuh", "  if (early) wait_prior_grid();\n  unsigned yv[U][2];",
-     "  pair_trace_stamp(g, 1, 2);\n  if (early) wait_prior_grid();\n  pair_trace_stamp(g, 1, 3);\n  unsigned yv[U][2];"),
+     "  pair_trace_stamp(g, 1, 2);\n  if (early) wait_prior_grid();\n  pair_trace_stamp(g, 1, 3);\n  unsigned yv[U][2];",
+     # or, with dev/pair_ready_count.patch, around the wait for the chunk's count
+     "  if (early) {  // the chunk's splits all counted: each after its own wait, so the grid before them has finished\n"
+     "    if (threadIdx.x == 0)\n      while (load_acquire(g.counters + chunk) < g.splits) __nanosleep(32);\n"
+     "    __syncthreads();\n  }\n",
+     "  pair_trace_stamp(g, 1, 2);\n  if (early) {\n"
+     "    if (threadIdx.x == 0)\n      while (load_acquire(g.counters + chunk) < g.splits) __nanosleep(32);\n"
+     "    __syncthreads();\n  }\n  pair_trace_stamp(g, 1, 3);\n"),
     ("pair.cuh", "  __syncthreads();\n  // the block's reads of v are done",
      "  __syncthreads();\n  pair_trace_stamp(g, 1, 4);\n  // the block's reads of v are done"),
     ("pair.cuh", "      return;\n    }\n  }\n  unsigned short part = 0;",
@@ -134,15 +148,17 @@ def traced_dir(src: Path) -> Path:
     for p in src.iterdir():
         if p.is_file():
             shutil.copy(p, out / p.name)
-    for name in sorted({f for f, _, _ in PLACES}):
+    for name in sorted({place[0] for place in PLACES}):
         text = (src / name).read_text()
-        for f, old, new in PLACES:
+        for f, *forms in PLACES:
             if f != name:
                 continue
-            if text.count(old) != 1:
-                raise SystemExit(f"pair_trace: a stamp's place occurs {text.count(old)} times in {name} "
-                                 f"(wanted once): {old.strip()[:70]!r}")
-            text = text.replace(old, new)
+            pairs = list(zip(forms[0::2], forms[1::2]))
+            found = [(old, new) for old, new in pairs if text.count(old)]
+            if len(found) != 1 or text.count(found[0][0]) != 1:
+                raise SystemExit(f"pair_trace: a stamp's place does not occur exactly once in {name}: "
+                                 + " or ".join(repr(old.strip()[:70]) for old, _ in pairs))
+            text = text.replace(*found[0])
         (out / name).write_text(text)
     return out
 
