@@ -703,14 +703,21 @@ def source_cubin(source: str, name: str, name_expressions, arch: str = "sm_90a",
     with the project's NVRTC options plus ``include_dirs`` and written there (each file renamed into
     place whole). On a CPU machine with ``where`` the directory ``LORA_CUPY_PREBUILT`` will name, it
     builds a dev tool's module ahead."""
-    names, extra = tuple(name_expressions), tuple(f"-I{d}" for d in include_dirs)
+    return _source_built(source, name, tuple(name_expressions), arch, where, include_dirs)[0]
+
+
+def _source_built(source: str, name: str, names: tuple[str, ...], arch: str, where,
+                  include_dirs) -> tuple[Path, dict[str, str]]:
+    """:func:`source_cubin`'s CUBIN and its lowered names, each read or compiled once."""
     cubin, names_file = _source_files(where if where is not None else cache_dir(), source, name, arch, names,
                                       include_dirs)
-    if _read_stored(cubin, names_file) is None:
+    hit = _read_stored(cubin, names_file)
+    if hit is None:
         logging.getLogger(__name__).info("compiling %s for %s with NVRTC (once; kept in %s)", name, arch, cubin.parent)
-        _, blob, lowered = _nvrtc_compile(source, name, arch, names, extra)
-        _write_cubin(cubin, names_file, blob, dict(lowered))
-    return cubin
+        _, blob, lowered = _nvrtc_compile(source, name, arch, names, tuple(f"-I{d}" for d in include_dirs))
+        hit = cubin, dict(lowered)
+        _write_cubin(cubin, names_file, blob, hit[1])
+    return hit
 
 
 def source_module(source: str, name: str, name_expressions, include_dirs=()):
@@ -727,8 +734,7 @@ def source_module(source: str, name: str, name_expressions, include_dirs=()):
             ahead = os.environ.get(PREBUILT_ENV, "").strip()
             hit = _read_stored(*_source_files(ahead, source, name, arch, names, include_dirs)) if ahead else None
             if hit is None:
-                cubin = source_cubin(source, name, names, arch, include_dirs=include_dirs)
-                hit = _read_stored(cubin, cubin.with_suffix(".json"))
+                hit = _source_built(source, name, names, arch, None, include_dirs)
             return _loaded_as(*hit, names[:1])  # loaded now: a refusal by the driver falls back below
         except Exception as e:  # noqa: BLE001 - any failure of this path keeps the portable build
             _portable_build_warning(name, arch, e, stacklevel=2)

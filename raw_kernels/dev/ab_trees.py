@@ -66,11 +66,14 @@ def run_rows(tag: str, tree: Path, args: list[str]) -> list[str]:
     return r.stdout.splitlines()
 
 
+# a tree's prebuilt-CUBIN stem for sm_90a of each family, as Python run in that tree (k: lora_cupy.kernels)
+STEMS = "{f: k.prebuilt_stem(f, 'sm_90a', k.read_source(v.file)) for f, v in k.FAMILIES.items()}"
+
+
 def base_stems() -> list[str]:
     """This tree's prebuilt-CUBIN stems for sm_90a, one a family (what a patched tree's families are
     compared with)."""
-    code = ("import lora_cupy.kernels as k; "
-            "print(' '.join(k.prebuilt_stem(f, 'sm_90a', k.read_source(v.file)) for f, v in k.FAMILIES.items()))")
+    code = f"import lora_cupy.kernels as k; print(' '.join({STEMS}.values()))"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
                        capture_output=True, text=True, check=True)
     return r.stdout.split()
@@ -118,8 +121,7 @@ def main() -> None:
             if args.families == "changed":
                 code = ("import lora_cupy.kernels as k\n"
                         f"base = {base!r}\n"
-                        "fams = [f for f, v in k.FAMILIES.items() if k.prebuilt_stem(f, 'sm_90a', k.read_source(v.file)) "
-                        "not in base]\n"
+                        f"fams = [f for f, stem in {STEMS}.items() if stem not in base]\n"
                         "k.compile_ahead([(f, 'sm_90a') for f in fams], jobs=2)\n"
                         f"print(fams, k.prebuild({str(out)!r}, 'sm_90a', fams))")
             r = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
