@@ -33,8 +33,9 @@
 // at once, but for block 0, which waits for the grid before.
 // Order of a block: let the next grid launch; where EARLY_READS, the addressing, the chunk, the ranks
 // and the first loads of weights (A; B) in one round after slot_indptr's, x and y sent towards L2,
-// then wait for the grid before; then x (the shrink), or y and V (the expand). The expand waits for
-// its shrink, so y is read only after the call before has finished with it. V and the counts are
+// then wait for the grid before; then x (the shrink), or V (the expand), whose deltas are added into y
+// at L2 (pair_red) with no read of y where a tile is whole. The expand waits for its shrink, so y is
+// touched only after the call before has finished with it. V and the counts are
 // touched by the next call only after its shrink's wait, and every kernel of the family keeps one block
 // waiting for the grid before it (lora_one and lora_chunk too where they find no work), so no grid
 // finishes before the one before it: the next shrink's wait returns only once this expand has
@@ -42,7 +43,8 @@
 // Shapes: any in, out, slices up to 8 (the shrink built for NS slices: 1, 2, 3, 4 or 8 at RW = 16; 1 or
 // 2 at RW = 64), ranks up to RW below the pool's max_rank, any slots; ALIGNED (flags == 7) takes x, A
 // and B in 16- and 8-byte pieces, the other instantiation reads the flags and goes element by element
-// where they say so; y in 4-byte pairs where a tile is whole and y's rows allow it.
+// where they say so; y by 4-byte reductions at L2 where a tile is whole and y's rows allow it, else
+// loaded, summed and stored an element at a time.
 #pragma once
 
 namespace lora {
@@ -286,16 +288,40 @@ __device__ __forceinline__ unsigned pair_add(unsigned yv, float da, float db) {
   return (da == 0.f ? (yv & 0xffffu) : (s & 0xffffu)) | (db == 0.f ? (yv & 0xffff0000u) : (s & 0xffff0000u));
 }
 
+// y's pair at p (4-byte aligned) += (da, db), a pair whose deltas are both exactly zero untouched. From
+// sm_90 one packed reduction at L2 (`red.add.noftz.bf16x2` / `.f16x2`): the warp loads no y, so no round
+// of its tiles waits for y's lines, and the add lands where the line is; a zero delta beside a nonzero
+// one adds -0, which keeps every bit of y (-0 is the identity of a round-to-nearest add: -0 + -0 = -0).
+// The delta is rounded to T before the add (the load's path rounded the sum once). Before sm_90 (and in
+// the host check) a load and a store: a pair has one writer.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void pair_red_at(__nv_bfloat16* p, unsigned w) {
+  asm volatile("red.global.add.noftz.bf16x2 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+}
+__device__ __forceinline__ void pair_red_at(__half* p, unsigned w) {
+  asm volatile("red.global.add.noftz.f16x2 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+}
+#endif
+template <typename T>
+__device__ __forceinline__ void pair_red(T* p, float da, float db) {
+  if (da == 0.f && db == 0.f) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  pair_red_at(p, pack2<T>(da == 0.f ? -0.f : da, db == 0.f ? -0.f : db));
+#else
+  unsigned* q = reinterpret_cast<unsigned*>(p);
+  *q = pair_add<T>(*q, da, db);
+#endif
+}
+
 // pair_expand's rounds over a run [t0, t1) of whole tiles of one slice at rank width 16, ALIGNED
 // (c0: the run's first column; vrow: the slice's v of the lane's position gq; rk: its rank): where
-// `first` (the run starts the share), the first round's B and y already in bw and yv (loaded before
-// the wait as every share's are; those of tiles past t1, the next slice's, left unused), then rounds
-// of U tiles a warp, tile w + EW u at column c0 + 16 (w + EW u). B masked past rk as the general loop
-// masks it; y's pairs written back where a position is present (zero deltas keep their bits).
+// `first` (the run starts the share), the first round's B already in bw (loaded before the wait as
+// every share's is; that of tiles past t1, the next slice's, left unused), then rounds of U tiles a
+// warp, tile w + EW u at column c0 + 16 (w + EW u). B masked past rk as the general loop masks it; the
+// deltas added into y's pairs at L2 where a position is present (pair_red: zero deltas keep y's bits).
 template <typename T, int U>
 __device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow, int rk, const T* bs, T* const* yr,
-                                                uint2 (&bw)[U][2][1], unsigned (&yv)[U][2], int c0, int t0, int t1,
-                                                bool first) {
+                                                uint2 (&bw)[U][2][1], int c0, int t0, int t1, bool first) {
   constexpr int EW = PAIR_EW;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gq = lane >> 2, t = lane & 3, R = g.max_rank;
   const uint2 v = *reinterpret_cast<const uint2*>(vrow + 4 * t);
@@ -314,10 +340,8 @@ __device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow,
         const int c = cb + 16 * EW * u;
         const T* p = bs + g.b_at(c, 4 * t);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
+        for (int e = 0; e < 2; ++e)
           bw[u][e][0] = bon ? *reinterpret_cast<const uint2*>(p + e * g.b_ld) : make_uint2(0u, 0u);
-          yv[u][e] = yr[e] ? *reinterpret_cast<const unsigned*>(yr[e] + c) : 0u;
-        }
       }
     }
 #pragma unroll
@@ -329,7 +353,7 @@ __device__ __forceinline__ void pair_expand_run(const Args<T>& g, const T* vrow,
       mma16816<T>(d, a, bv);
 #pragma unroll
       for (int e = 0; e < 2; ++e)
-        if (yr[e]) *reinterpret_cast<unsigned*>(yr[e] + c) = pair_add<T>(yv[u][e], d[e], d[2 + e]);
+        if (yr[e]) pair_red<T>(yr[e] + c, d[e], d[2 + e]);
     }
   }
 }
@@ -429,11 +453,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   unsigned yv[U][2];  // y: [tile][position 2t, 2t + 1] at columns c0 + 2g, c0 + 2g + 1
   auto load_y = [&](int u) {
     const int c = pc[u] + 2 * gq;
-    if (pw[u]) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) yv[u][e] = yr[e] ? *reinterpret_cast<const unsigned*>(yr[e] + c) : 0u;
-      return;
-    }
+    if (pw[u]) return;  // a whole tile adds its pairs at L2 (pair_red): no y read
     const int hi = off[pj[u] + 1];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -490,7 +510,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
     if (whole) {
       for (int j = j0; j < n && tpre[j] < t1; ++j) {
         const int r0 = max(t0, tpre[j]), r1 = min(t1, tpre[j + 1]);
-        pair_expand_run<T>(g, vs[gq] + j * RW, rks[j], bs, yr, bw, yv, off[j] + 16 * (r0 - tpre[j]), r0, r1, j == j0);
+        pair_expand_run<T>(g, vs[gq] + j * RW, rks[j], bs, yr, bw, off[j] + 16 * (r0 - tpre[j]), r0, r1, j == j0);
       }
       release();
       return;
@@ -533,7 +553,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
       if (pw[u]) {  // a whole tile: each present position's pair written back (zero deltas keep their bits)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
-          if (yr[e]) *reinterpret_cast<unsigned*>(yr[e] + c) = pair_add<T>(yv[u][e], d[e], d[2 + e]);
+          if (yr[e]) pair_red<T>(yr[e] + c, d[e], d[2 + e]);
         continue;
       }
       const int hi = off[jt + 1];
