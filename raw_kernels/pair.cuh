@@ -27,10 +27,10 @@
 // positions can have), an item a block, `splits` ranges of 32-wide k-blocks, each warp KB of them in
 // registers (the rows of A in NS * RW / 16 row tiles of 16); the expand's blocks of 8 warps share the
 // chunks' column tiles (16 columns of one slice, RW / 16 MMA k-steps) out, U tiles a warp in flight
-// (4 at RW = 16, 2 at 64), whole tiles (every Llama-shaped tile) on straight loads and stores
-// of pairs; where every tile of a share is whole (ALIGNED, RW = 16), its tiles of each slice in a loop
-// of their own (pair_expand_run: no slice walk or per-tile test). Blocks past the step's items leave
-// at once, but for block 0, which waits for the grid before.
+// (4 at RW = 16, 2 at 64), whole tiles (every Llama-shaped tile) on straight loads of B and
+// reductions of y's pairs at L2; where every tile of a share is whole (ALIGNED, RW = 16), its tiles
+// of each slice in a loop of their own (pair_expand_run: no slice walk or per-tile test). Blocks
+// past the step's items leave at once, but for block 0, which waits for the grid before.
 // Order of a block: let the next grid launch; where EARLY_READS, the addressing, the chunk, the ranks
 // and the first loads of weights (A; B) in one round after slot_indptr's, x and y sent towards L2,
 // then wait for the grid before; then x (the shrink), or V (the expand), whose deltas are added into y
@@ -401,7 +401,8 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   const T* bs = g.B + (size_t)ch.slot * g.b_slot;
   // A warp's tiles of a round: t0 + warp + EW u; their slice (found by walking on from the last one:
   // tiles rise), first column, and whether the tile is whole (16 columns inside its slice, an even
-  // first column, y on its 4-byte pairs): a whole tile takes straight loads and stores of pairs.
+  // first column, y on its 4-byte pairs): a whole tile takes straight loads of B and adds y's pairs
+  // at L2 (pair_red).
   int sj = 0;
   int pj[U], pc[U];
   bool pw[U];
@@ -499,7 +500,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
   if constexpr (ALIGNED && RW == 16) {
     // A share of whole tiles (every share of the Llama-shaped targets: slices of a multiple of 16
     // columns), one run a slice it touches: the slice's v and B's rank mask held from the run's first
-    // tile on, each tile at a fixed stride from the one before, straight loads and stores, no slice
+    // tile on, each tile at a fixed stride from the one before, straight loads and reductions, no slice
     // walk or tile test. (A share that spans two slices took the general loop below before, 3-4 times
     // as long a tile, and its block ended the launch last: NOTES.md, "runs a slice".)
     int j0 = 0;
@@ -550,7 +551,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
         const unsigned a[4] = {bw[u][0][b].x, bw[u][1][b].x, bw[u][0][b].y, bw[u][1][b].y};
         mma16816<T>(d, a, bv);
       }
-      if (pw[u]) {  // a whole tile: each present position's pair written back (zero deltas keep their bits)
+      if (pw[u]) {  // a whole tile: each present position's pair added at L2 (zero deltas keep y's bits)
 #pragma unroll
         for (int e = 0; e < 2; ++e)
           if (yr[e]) pair_red<T>(yr[e] + c, d[e], d[2 + e]);
