@@ -5,7 +5,7 @@ x and A, a k-block past `in`), odd ranks with NaN past them, 1 to 8 slices (ever
 shrink) with rank-0 ones, a slot of more positions than a chunk, 513 slots, padding positions,
 `in` long enough that a split takes several rounds, a pool of a larger max_rank planned for rank 16,
 both instantiations through a prepared layer, each member of a fused target alone, positions with
-nothing to add (y bit-exact), calls back to back on one stream, and a CUDA graph replayed under new
+nothing to add (y bit-exact), pairs of y's columns with one zero delta (added at L2: that column's bits kept), calls back to back on one stream, and a CUDA graph replayed under new
 addressing. At rank width 64 (one or two slices): odd ranks and `in`, max_rank off 8 (B's element-wise
 path), capped splits, padding, both instantiations, a pool of max_rank 128 planned for 64. v and the
 counters stay at zero (the pair's v, a workspace of its own, too)."""
@@ -175,6 +175,26 @@ def test_pair_keeps_y_where_there_is_nothing_to_add(make_case, check, where):
     ref = case.y0.astype(np.float64) + dense_delta64(case.x, _finite(case.w), case.row_slots)
     case = replace(case, ref=ref)
     check(case, run_cupy(be, case), "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("max_rank,slices", [(16, (256, 128)), (64, (256,))])
+def test_pair_keeps_y_bits_where_one_delta_of_a_pair_is_zero(make_case, check, dtype, max_rank, slices):
+    """B's odd columns zero, so every pair of y's columns an expand lane adds gets an exact-zero delta beside
+    a nonzero one (whole tiles: one reduction at L2 a pair, the zero added as -0): the odd columns keep
+    their bits, -0 and +0 among them, on every row; the even ones match the oracle."""
+    case = make_case(T=24, in_f=264, slices=slices, max_rank=max_rank, ranks=(5, max_rank), dtype=dtype,
+                     mix="uniform", num_slots=9, active=5)
+    case.w.b[:, 1::2, :] = 0
+    y0 = case.y0.copy()
+    y0[:, 1::4] = -0.0
+    y0[:, 3::8] = 0.0
+    ref = y0.astype(np.float64) + dense_delta64(case.x, _finite(case.w), case.row_slots)
+    case = replace(case, y0=y0, ref=ref)
+    y = run_cupy(backend_for(case.spec, **PAIR), case)
+    assert np.array_equal(y[:, 1::2].view(np.uint16), y0[:, 1::2].view(np.uint16))
+    assert (y0[:, 1::4].view(np.uint16) == 0x8000).all()  # the case holds -0 where the test says it does
+    check(case, y, dtype)
 
 
 def test_pair_calls_back_to_back_on_one_stream(make_case, check):
