@@ -1,14 +1,15 @@
-"""``lora_pair`` (raw_kernels/pair.cuh: the decode buckets' delta as a shrink launch adding into v
-and an expand launch reading it, both overlapping the call before under programmatic dependent
-launch) against the float64 oracle on fresh random data: both 16-bit dtypes, odd `in` (element-wise
-x and A, a k-block past `in`), odd ranks with NaN past them, 1 to 8 slices (every instantiation of the
-shrink) with rank-0 ones, a slot of more positions than a chunk, 513 slots, padding positions,
-`in` long enough that a split takes several rounds, a pool of a larger max_rank planned for rank 16,
-both instantiations through a prepared layer, each member of a fused target alone, positions with
-nothing to add (y bit-exact), pairs of y's columns with one zero delta (added at L2: that column's
-bits kept), calls back to back on one stream, and a CUDA graph replayed under new addressing. At rank width 64 (one or two slices): odd ranks and `in`, max_rank off 8 (B's element-wise
-path), capped splits, padding, both instantiations, a pool of max_rank 128 planned for 64. v and the
-counters stay at zero (the pair's v, a workspace of its own, too)."""
+"""``lora_pair`` (raw_kernels/pair.cuh: the decode buckets' delta as a shrink launch adding into v and an
+expand launch reading it, both overlapping the call before under programmatic dependent launch) against
+the float64 oracle on fresh random data: both 16-bit dtypes, odd `in` (element-wise x and A, a k-block
+past `in`), odd ranks with NaN past them, 1 to 8 slices (every instantiation of the shrink) with rank-0
+ones, a slot of more positions than a chunk, 513 slots, padding positions, `in` long enough that a split
+takes several rounds, a pool of a larger max_rank planned for rank 16, both instantiations through a
+prepared layer, each member of a fused target alone, positions with nothing to add (y bit-exact), pairs
+of y's columns with one zero delta (added at L2: that column's bits kept), calls back to back on one
+stream, and a CUDA graph replayed under new addressing. At rank width 64 (one or two slices): odd ranks
+and `in`, max_rank off 8 (B's element-wise path), capped splits, padding, both instantiations, a pool of
+max_rank 128 planned for 64. v and the counters stay at zero (the pair's v, a workspace of its own,
+too)."""
 
 from __future__ import annotations
 
