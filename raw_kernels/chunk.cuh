@@ -44,7 +44,11 @@
 //      the same permutation; the next slice's at its first column block), and walks its steps: at
 //      a column block's last, warp w adds rows of m-tile w % MT x its WK-th w / MT of the columns
 //      into the y tile (fp32, rounded once; an element whose delta is exactly zero keeps its bits)
-//      and writes them back.
+//      and writes them back. On sm_90 where y's pieces are whole (but at rank width 16 from
+//      CHUNK_RED_Y_R16_BELOW positions) the ring carries no y tile: y's lines are sent towards L2
+//      where it would have, and the warp writes its sums alone into the tile, rounded (an exact
+//      zero as -0), and adds them into y at L2 by 16-byte reductions (red_add8), so no step's copies
+//      wait on y and no y tile is read back.
 //   3. the last part of the chunk to finish reading v zeroes it (each slice's ranks rounded up to
 //      16) and resets the chunk's counts; the last block to finish resets the ticket.
 // Grid (1-D, 128 threads; 256 in chunks of 128, 2 blocks a multiprocessor): one wave of blocks
@@ -196,6 +200,11 @@ struct Chunk {
 // measured faster at 112 KB (4096->14336 at T = 1024) and 64 KB (chunks of 128 at T = 4096), slower
 // at 16-32 KB (4096 outputs at T = 64-1024; NOTES.md, "Wide B through L2 only").
 constexpr int CHUNK_B_L1_MAX = 48 * 1024;
+
+// lora_chunk's expand adds its sums into y at L2 (red_add8, sm_90) at every rank width above 16, and at
+// rank width 16 below this many positions (the capture bucket): at 4096 positions and rank 16 that was
+// 2.2 us slower warm on an H100 and the same after a flush (NOTES.md, "y added at L2 by lora_chunk").
+constexpr int CHUNK_RED_Y_R16_BELOW = 4096;
 
 // Every kernel's ready and reader counts are sized for chunks of 16 positions (the most a step can
 // have); a step cut into taller chunks uses the first of them.
@@ -617,6 +626,10 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   // the slice of column block cb: the one slice's, or (several) the one with columns there
   auto slice_of = [&](int cb) { return SLICED ? chunk_slice<BN>(cw, n, cb) : cw.j; };
   const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
+  // y's sums added into y at L2 (red_add8) where its 16-byte pieces are whole, so the ring carries no y
+  // tile, only y's lines sent towards L2 where it would have; but at rank width 16 from
+  // CHUNK_RED_Y_R16_BELOW positions, where that measured slower warm (NOTES.md, "y added at L2 by lora_chunk")
+  const bool red_y = RED_Y && vec_y && (RW > 16 || g.bucket < CHUNK_RED_Y_R16_BELOW);
   // y tiles in a ring of their own (a column block's tile lives through its rank blocks' steps),
   // slot (column block - cb0) % STAGES, beside the B ring's stage of the same index
   auto y_tile = [&](int vis) { return reinterpret_cast<T*>(dsmem + (vis % STAGES) * C::STAGE); };
@@ -635,6 +648,12 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
       T* sy = y_tile(vis);
       T* sb = b_tile(st);
       if (rb0 > 0) {  // the column block's y tile came with its first rank block
+      } else if (red_y) {  // y is added at L2 (below): its lines sent there now, STAGES - 1 steps ahead
+        constexpr int LE = 128 / (int)sizeof(T), LINES = (BN + LE - 1) / LE;  // a row's 128-byte lines
+        for (int e = tid; e < BM * LINES; e += NTH) {
+          const int row = e / LINES, col = (e % LINES) * LE;
+          if (row < m && c0 + col < out) prefetch_l2(g.y + (size_t)tr.tok[row] * out + c0 + col);
+        }
       } else if (vec_y) {
         const bool in = c0 + yc < out;
 #pragma unroll
@@ -756,9 +775,32 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
       }
     }
     if (rb < (r + RB - 1) / RB - 1) continue;  // the column block's sums go on into its next rank block
-    // this warp's rows and columns of the y tile plus its sums, then back to y
+    // this warp's rows and columns of the y tile plus its sums, then back to y; or (red_y) its sums
+    // alone in the tile, rounded, then added into y at L2 a 16-byte piece at a time
     T* sy = y_tile(vis);
     const int c0 = (cb0 + vis) * BN, cw0 = half * (BN / C::WK);
+    if (red_y) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if ((h ? row1 : row0) < m)
+            *reinterpret_cast<unsigned*>(sy + (h ? row1 : row0) * C::LDY + cw0 + nt * 8 + 2 * tq) =
+                pack_delta2<T>(acc[nt][2 * h], acc[nt][2 * h + 1]);
+          acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+        }
+      }
+      __syncwarp();
+      constexpr int PPR = BN / C::WK / CH;
+#pragma unroll
+      for (int e = lane; e < 16 * PPR; e += 32) {
+        const int row = mt * 16 + e / PPR, col = cw0 + (e % PPR) * CH;
+        if (row < m && c0 + col < out)
+          red_add8<T>(g.y + (size_t)tr.tok[row] * out + c0 + col, *reinterpret_cast<const uint4*>(sy + row * C::LDY + col));
+      }
+      __syncwarp();  // the warp's rows of the tile are read before its next column block writes them
+      continue;
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll

@@ -156,6 +156,16 @@ __device__ __forceinline__ void red_add2(float* p, float a, float b) {
 #endif
 }
 
+// The line of p sent towards L2 (a hint: L2 is where every write lands, so a line the grid before
+// has yet to write is read again after the wait; what this saves is the trip to DRAM).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
 // ---- acquire / release flags between blocks of one launch (the fused kernel's ready counts).
 __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
@@ -191,6 +201,38 @@ template <> __device__ __forceinline__ float2 unpack2<__half>(unsigned w) {
   return make_float2(__half2float(__ushort_as_half((unsigned short)(w & 0xffffu))),
                      __half2float(__ushort_as_half((unsigned short)(w >> 16))));
 }
+
+// ---- y's deltas added at L2 (lora_pair's expand, lora_chunk's). A 16-bit type's pair of deltas as one
+// word for a packed reduction: rounded to T, an exact zero as -0, the identity of a round-to-nearest add
+// (-0 + -0 = -0, +0 + -0 = +0), so y keeps every bit where its delta is zero.
+template <typename T> __device__ __forceinline__ unsigned pack_delta2(float a, float b) {
+  return pack2<T>(a == 0.f ? -0.f : a, b == 0.f ? -0.f : b);
+}
+// Where y's reductions exist: sm_90 (`red.add.noftz` on bf16x2 / f16x2 words), and the host emulation,
+// which adds element by element. Before sm_90 callers load y, add and store.
+#if defined(LORA_HOST_EMULATION) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+constexpr bool RED_Y = true;
+#else
+constexpr bool RED_Y = false;
+#endif
+// y[0..7] at p (16-byte aligned) += the 8 deltas packed in w (pack_delta2's words): one 16-byte
+// reduction at L2 (`red.add.noftz.v4.bf16x2` / `.f16x2`), so the block never reads y.
+template <typename T> __device__ __forceinline__ void red_add8(T* p, uint4 w);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(LORA_HOST_EMULATION)
+template <> __device__ __forceinline__ void red_add8<__nv_bfloat16>(__nv_bfloat16* p, uint4 w) {
+  asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z),
+               "r"(w.w) : "memory");
+}
+template <> __device__ __forceinline__ void red_add8<__half>(__half* p, uint4 w) {
+  asm volatile("red.global.add.noftz.v4.f16x2 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z),
+               "r"(w.w) : "memory");
+}
+#else
+template <typename T> __device__ __forceinline__ void red_add8(T* p, uint4 w) {
+  const T* d = reinterpret_cast<const T*>(&w);
+  for (int i = 0; i < 8; ++i) p[i] = from_float<T>(to_float(p[i]) + to_float(d[i]));
+}
+#endif
 
 // a * scale and b * scale as one MMA register (hi) and, for split operands, their rounding residue (lo).
 template <typename M, bool SPLIT>

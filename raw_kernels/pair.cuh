@@ -155,16 +155,6 @@ __device__ __forceinline__ uint2 pair_load4(const T* p, int valid, bool vec) {
   return make_uint2(0u, 0u);
 }
 
-// The line of p sent towards L2 (a hint: L2 is where every write lands, so a line the grid before
-// has yet to write is read again after the wait; what this saves is the trip to DRAM).
-__device__ __forceinline__ void pair_prefetch_l2(const void* p) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#else
-  (void)p;
-#endif
-}
-
 // ---- the shrink ------------------------------------------------------------------------------------
 // Block `item` = (chunk c, split q): k-blocks [q * SW * KB, (q + 1) * SW * KB) of 32 features, warp w
 // the KB from q * SW * KB + w * KB, A's loaded before the wait; where `in` is longer than
@@ -227,7 +217,7 @@ __device__ void pair_shrink(const Args<T>& g, int* dsm) {
     if (row >= 0 && t == 0)  // x's k-blocks towards L2 before the wait
 #pragma unroll
       for (int i = 0; i < KB; ++i)
-        if ((kb0 + i) * 32 < in) pair_prefetch_l2(xr + (kb0 + i) * 32);
+        if ((kb0 + i) * 32 < in) prefetch_l2(xr + (kb0 + i) * 32);
     if (early) wait_prior_grid();
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)  // past r_j A may hold anything (NaN): those rows count as zero
@@ -306,7 +296,7 @@ template <typename T>
 __device__ __forceinline__ void pair_red(T* p, float da, float db) {
   if (da == 0.f && db == 0.f) return;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  pair_red_at(p, pack2<T>(da == 0.f ? -0.f : da, db == 0.f ? -0.f : db));
+  pair_red_at(p, pack_delta2<T>(da, db));
 #else
   unsigned* q = reinterpret_cast<unsigned*>(p);
   *q = pair_add<T>(*q, da, db);
@@ -449,7 +439,7 @@ __device__ void pair_expand(const Args<T>& g, int* dsm) {
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int c = 0; c < 2; ++c)
-        if (t0 + warp + EW * u < t1 && yr[c]) pair_prefetch_l2(yr[c] + pc[u]);
+        if (t0 + warp + EW * u < t1 && yr[c]) prefetch_l2(yr[c] + pc[u]);
   if (early) wait_prior_grid();
   unsigned yv[U][2];  // y: [tile][position 2t, 2t + 1] at columns c0 + 2g, c0 + 2g + 1
   auto load_y = [&](int u) {
