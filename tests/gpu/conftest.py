@@ -123,6 +123,22 @@ def with_row_at(rng, case: Case, rows: int, at: int) -> Case:
     return replace(case, x=x, y0=y0, token_order=np.asarray([at], np.int32), row_slots=row_slots, ref=ref)
 
 
+def with_zero_odd_deltas(case: Case) -> Case:
+    """``case`` with B's odd columns zero, so every pair (and 16-byte piece) of y's columns gets exact-zero
+    deltas beside nonzero ones, and -0 and +0 planted in y0's odd columns; the oracle redone."""
+    case.w.b[:, 1::2, :] = 0
+    y0 = case.y0.copy()
+    y0[:, 1::4] = -0.0
+    y0[:, 3::8] = 0.0
+    assert (y0[:, 1::4].view(np.uint16) == 0x8000).all()  # -0 where the cases say it is
+    return replace(case, y0=y0, ref=y0.astype(np.float64) + dense_delta64(case.x, _finite(case.w), case.row_slots))
+
+
+def assert_odd_columns_kept(case: Case, y: np.ndarray) -> None:
+    """Every row's odd columns (deltas exactly zero: :func:`with_zero_odd_deltas`) hold y0's bits."""
+    np.testing.assert_array_equal(np.asarray(y)[:, 1::2].view(np.uint16), case.y0[:, 1::2].view(np.uint16))
+
+
 def _finite(w: LayerWeights) -> LayerWeights:
     """The weights with NaN poison zeroed, for the oracle (which slices to each rank anyway)."""
     return LayerWeights(np.nan_to_num(w.a.astype(np.float32)), np.nan_to_num(w.b.astype(np.float32)),

@@ -6,16 +6,13 @@ new addressing. Each call leaves v and the counters at zero."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
 from lora_cupy import kernels
 from lora_cupy.backends import cupy as cb
-from lora_cupy.backends.reference import dense_delta64
 
-from conftest import _finite
+from conftest import assert_odd_columns_kept, with_zero_odd_deltas
 from test_kernels import (_gpu_count, backend_for, check_clean, dev_weights, graph_replays_new_addressing,
                           host, run_cupy, run_members, run_prepared)
 
@@ -164,19 +161,12 @@ def test_chunk_keeps_y_bits_where_a_delta_is_zero(make_case, check, dtype, T, ma
     """B's odd columns zero, so every 16-byte piece of y gets exact-zero deltas beside nonzero ones: the
     odd columns keep their bits, -0 and +0 among them, whether y's sums are added at L2 (a zero added as
     -0; rank width 64, and 16 below 4096 positions) or through the y tile; the even ones match the oracle."""
-    case = make_case(T=T, in_f=264, slices=(256,), max_rank=max_rank, ranks=(5, max_rank), dtype=dtype,
-                     mix="zipf", num_slots=9, active=6)
-    case.w.b[:, 1::2, :] = 0
-    y0 = case.y0.copy()
-    y0[:, 1::4] = -0.0
-    y0[:, 3::8] = 0.0
-    ref = y0.astype(np.float64) + dense_delta64(case.x, _finite(case.w), case.row_slots)
-    case = replace(case, y0=y0, ref=ref)
+    case = with_zero_odd_deltas(make_case(T=T, in_f=264, slices=(256,), max_rank=max_rank, ranks=(5, max_rank),
+                                          dtype=dtype, mix="zipf", num_slots=9, active=6))
     be = backend_for(case.spec, **CHUNK)
     assert be.plan(T, dev_weights(case.w), dtype).expand == "chunk"
     y = run_cupy(be, case)
-    assert np.array_equal(y[:, 1::2].view(np.uint16), y0[:, 1::2].view(np.uint16))
-    assert (y0[:, 1::4].view(np.uint16) == 0x8000).all()  # the case holds -0 where the test says it does
+    assert_odd_columns_kept(case, y)
     check(case, y, dtype)
 
 

@@ -21,7 +21,7 @@ import pytest
 from lora_cupy.backends import cupy as cb
 from lora_cupy.backends.reference import dense_delta64
 
-from conftest import _finite
+from conftest import _finite, assert_odd_columns_kept, with_zero_odd_deltas
 from test_kernels import (_gpu_count, backend_for, check_clean, cp, dev, dev_weights, graph_replays_new_addressing,
                           host, run_cupy, run_members, run_prepared)
 
@@ -184,17 +184,10 @@ def test_pair_keeps_y_bits_where_one_delta_of_a_pair_is_zero(make_case, check, d
     """B's odd columns zero, so every pair of y's columns an expand lane adds gets an exact-zero delta beside
     a nonzero one (whole tiles: one reduction at L2 a pair, the zero added as -0): the odd columns keep
     their bits, -0 and +0 among them, on every row; the even ones match the oracle."""
-    case = make_case(T=24, in_f=264, slices=slices, max_rank=max_rank, ranks=(5, max_rank), dtype=dtype,
-                     mix="uniform", num_slots=9, active=5)
-    case.w.b[:, 1::2, :] = 0
-    y0 = case.y0.copy()
-    y0[:, 1::4] = -0.0
-    y0[:, 3::8] = 0.0
-    ref = y0.astype(np.float64) + dense_delta64(case.x, _finite(case.w), case.row_slots)
-    case = replace(case, y0=y0, ref=ref)
+    case = with_zero_odd_deltas(make_case(T=24, in_f=264, slices=slices, max_rank=max_rank, ranks=(5, max_rank),
+                                          dtype=dtype, mix="uniform", num_slots=9, active=5))
     y = run_cupy(backend_for(case.spec, **PAIR), case)
-    assert np.array_equal(y[:, 1::2].view(np.uint16), y0[:, 1::2].view(np.uint16))
-    assert (y0[:, 1::4].view(np.uint16) == 0x8000).all()  # the case holds -0 where the test says it does
+    assert_odd_columns_kept(case, y)
     check(case, y, dtype)
 
 
