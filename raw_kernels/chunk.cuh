@@ -44,11 +44,10 @@
 //      the same permutation; the next slice's at its first column block), and walks its steps: at
 //      a column block's last, warp w adds rows of m-tile w % MT x its WK-th w / MT of the columns
 //      into the y tile (fp32, rounded once; an element whose delta is exactly zero keeps its bits)
-//      and writes them back. On sm_90 where y's pieces are whole (but at rank width 16 from
-//      CHUNK_RED_Y_R16_BELOW positions) the ring carries no y tile: y's lines are sent towards L2
-//      where it would have, and the warp writes its sums alone into the tile, rounded (an exact
-//      zero as -0), and adds them into y at L2 by 16-byte reductions (red_add8), so no step's copies
-//      wait on y and no y tile is read back.
+//      and writes them back. On sm_90 where y's pieces are whole the ring carries no y tile: y's
+//      lines are sent towards L2 where it would have, and the warp writes its sums alone into the
+//      tile, rounded (an exact zero as -0), and adds them into y at L2 by 16-byte reductions
+//      (red_add8), so no step's copies wait on y and no y tile is read back.
 //   3. the last part of the chunk to finish reading v zeroes it (each slice's ranks rounded up to
 //      16) and resets the chunk's counts; the last block to finish resets the ticket.
 // Grid (1-D, 128 threads; 256 in chunks of 128, 2 blocks a multiprocessor): one wave of blocks
@@ -200,11 +199,6 @@ struct Chunk {
 // measured faster at 112 KB (4096->14336 at T = 1024) and 64 KB (chunks of 128 at T = 4096), slower
 // at 16-32 KB (4096 outputs at T = 64-1024; NOTES.md, "Wide B through L2 only").
 constexpr int CHUNK_B_L1_MAX = 48 * 1024;
-
-// lora_chunk's expand adds its sums into y at L2 (red_add8, sm_90) at every rank width above 16, and at
-// rank width 16 below this many positions (the capture bucket): at 4096 positions and rank 16 that was
-// 2.2 us slower warm on an H100 and the same after a flush (NOTES.md, "y added at L2 by lora_chunk").
-constexpr int CHUNK_RED_Y_R16_BELOW = 4096;
 
 // Every kernel's ready and reader counts are sized for chunks of 16 positions (the most a step can
 // have); a step cut into taller chunks uses the first of them.
@@ -627,9 +621,8 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   auto slice_of = [&](int cb) { return SLICED ? chunk_slice<BN>(cw, n, cb) : cw.j; };
   const bool vec_y = ALIGNED || (g.flags & 4), vec_b = ALIGNED || (g.flags & 2);
   // y's sums added into y at L2 (red_add8) where its 16-byte pieces are whole, so the ring carries no y
-  // tile, only y's lines sent towards L2 where it would have; but at rank width 16 from
-  // CHUNK_RED_Y_R16_BELOW positions, where that measured slower warm (NOTES.md, "y added at L2 by lora_chunk")
-  const bool red_y = RED_Y && vec_y && (RW > 16 || g.bucket < CHUNK_RED_Y_R16_BELOW);
+  // tile, only y's lines sent towards L2 where it would have (NOTES.md, "y added at L2 by lora_chunk")
+  const bool red_y = RED_Y && vec_y;
   // y tiles in a ring of their own (a column block's tile lives through its rank blocks' steps),
   // slot (column block - cb0) % STAGES, beside the B ring's stage of the same index
   auto y_tile = [&](int vis) { return reinterpret_cast<T*>(dsmem + (vis % STAGES) * C::STAGE); };

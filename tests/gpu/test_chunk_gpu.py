@@ -35,8 +35,7 @@ CASES = {
                          num_slots=17, active=12),
     "T4096-skew": dict(T=4096, in_f=1024, slices=(512,), max_rank=64, ranks=(8, 16, 64), mix="skewed",
                        num_slots=33, active=32),
-    # rank width 16 from 4096 positions: y carried through the ring (below it, and at rank width 64, y's
-    # sums are added at L2)
+    # rank width 16 at 4096 positions (chunks of 32, y's sums added at L2)
     "T4096-r16": dict(T=4096, in_f=264, slices=(264,), max_rank=16, ranks=(0, 3, 16), mix="zipf", num_slots=17,
                       active=12),
 }
@@ -159,8 +158,8 @@ def test_one_position_above_rank_16_runs_lora_chunk_by_default(make_case, check,
 @pytest.mark.parametrize("T,max_rank", [(1000, 16), (300, 64), (4096, 16)])
 def test_chunk_keeps_y_bits_where_a_delta_is_zero(make_case, check, dtype, T, max_rank):
     """B's odd columns zero, so every 16-byte piece of y gets exact-zero deltas beside nonzero ones: the
-    odd columns keep their bits, -0 and +0 among them, whether y's sums are added at L2 (a zero added as
-    -0; rank width 64, and 16 below 4096 positions) or through the y tile; the even ones match the oracle."""
+    odd columns keep their bits, -0 and +0 among them (y's sums added at L2, a zero as -0; chunks of 32 at
+    rank widths 16 and 64); the even ones match the oracle."""
     case = with_zero_odd_deltas(make_case(T=T, in_f=264, slices=(256,), max_rank=max_rank, ranks=(5, max_rank),
                                           dtype=dtype, mix="zipf", num_slots=9, active=6))
     be = backend_for(case.spec, **CHUNK)
