@@ -1,8 +1,8 @@
 """``lora_chunk`` (raw_kernels/chunk.cuh: a large step's whole delta in one launch, shrink and expand
 of each chunk of one slot in the same blocks) against the float64 oracle on fresh random data:
 both instantiations, bf16 and fp16, each rank width it is built for, skewed / padded / many-slot
-steps, one member of a fused target served alone, an inf in x, and a CUDA graph replayed under
-new addressing. Each call leaves v and the counters at zero."""
+steps, one member of a fused target served alone, an inf in x, y's bits where a delta is exactly zero,
+and a CUDA graph replayed under new addressing. Each call leaves v and the counters at zero."""
 
 from __future__ import annotations
 
