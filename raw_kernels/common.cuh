@@ -215,10 +215,18 @@ constexpr bool RED_Y = true;
 #else
 constexpr bool RED_Y = false;
 #endif
-// y[0..7] at p (16-byte aligned) += the 8 deltas packed in w (pack_delta2's words): one 16-byte
-// reduction at L2 (`red.add.noftz.v4.bf16x2` / `.f16x2`), so the block never reads y.
+// y[0..1] at p (4-byte aligned) += the pair packed in w, and y[0..7] at p (16-byte aligned) += the 8
+// deltas packed in w (pack_delta2's words): one reduction at L2 (`red.add.noftz{.v4}.bf16x2` / `.f16x2`),
+// so the block never reads y.
+template <typename T> __device__ __forceinline__ void red_add_pair(T* p, unsigned w);
 template <typename T> __device__ __forceinline__ void red_add8(T* p, uint4 w);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(LORA_HOST_EMULATION)
+template <> __device__ __forceinline__ void red_add_pair<__nv_bfloat16>(__nv_bfloat16* p, unsigned w) {
+  asm volatile("red.global.add.noftz.bf16x2 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+}
+template <> __device__ __forceinline__ void red_add_pair<__half>(__half* p, unsigned w) {
+  asm volatile("red.global.add.noftz.f16x2 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
+}
 template <> __device__ __forceinline__ void red_add8<__nv_bfloat16>(__nv_bfloat16* p, uint4 w) {
   asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(w.x), "r"(w.y), "r"(w.z),
                "r"(w.w) : "memory");
@@ -228,9 +236,14 @@ template <> __device__ __forceinline__ void red_add8<__half>(__half* p, uint4 w)
                "r"(w.w) : "memory");
 }
 #else
+template <typename T> __device__ __forceinline__ void red_add_elems(T* p, const T* d, int count) {
+  for (int i = 0; i < count; ++i) p[i] = from_float<T>(to_float(p[i]) + to_float(d[i]));
+}
+template <typename T> __device__ __forceinline__ void red_add_pair(T* p, unsigned w) {
+  red_add_elems(p, reinterpret_cast<const T*>(&w), 2);
+}
 template <typename T> __device__ __forceinline__ void red_add8(T* p, uint4 w) {
-  const T* d = reinterpret_cast<const T*>(&w);
-  for (int i = 0; i < 8; ++i) p[i] = from_float<T>(to_float(p[i]) + to_float(d[i]));
+  red_add_elems(p, reinterpret_cast<const T*>(&w), 8);
 }
 #endif
 

@@ -278,29 +278,20 @@ __device__ __forceinline__ unsigned pair_add(unsigned yv, float da, float db) {
   return (da == 0.f ? (yv & 0xffffu) : (s & 0xffffu)) | (db == 0.f ? (yv & 0xffff0000u) : (s & 0xffff0000u));
 }
 
-// y's pair at p (4-byte aligned) += (da, db), a pair whose deltas are both exactly zero untouched. From
-// sm_90 one packed reduction at L2 (`red.add.noftz.bf16x2` / `.f16x2`): the warp loads no y, so no round
-// of its tiles waits for y's lines, and the add lands where the line is; a zero delta beside a nonzero
-// one adds -0, which keeps every bit of y (-0 is the identity of a round-to-nearest add: -0 + -0 = -0).
-// The delta is rounded to T before the add (the load's path rounded the sum once). Before sm_90 (and in
-// the host check) a load and a store: a pair has one writer.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void pair_red_at(__nv_bfloat16* p, unsigned w) {
-  asm volatile("red.global.add.noftz.bf16x2 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
-}
-__device__ __forceinline__ void pair_red_at(__half* p, unsigned w) {
-  asm volatile("red.global.add.noftz.f16x2 [%0], %1;\n" ::"l"(p), "r"(w) : "memory");
-}
-#endif
+// y's pair at p (4-byte aligned) += (da, db), a pair whose deltas are both exactly zero untouched. Where
+// RED_Y (sm_90, and the host check's emulation) one packed reduction at L2 (red_add_pair): the warp loads
+// no y, so no round of its tiles waits for y's lines, and the add lands where the line is; a zero delta
+// beside a nonzero one adds -0, which keeps every bit of y (pack_delta2). The delta is rounded to T before
+// the add (the load's path rounded the sum once). Before sm_90 a load and a store: a pair has one writer.
 template <typename T>
 __device__ __forceinline__ void pair_red(T* p, float da, float db) {
   if (da == 0.f && db == 0.f) return;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  pair_red_at(p, pack_delta2<T>(da, db));
-#else
-  unsigned* q = reinterpret_cast<unsigned*>(p);
-  *q = pair_add<T>(*q, da, db);
-#endif
+  if constexpr (RED_Y) {
+    red_add_pair(p, pack_delta2<T>(da, db));
+  } else {
+    unsigned* q = reinterpret_cast<unsigned*>(p);
+    *q = pair_add<T>(*q, da, db);
+  }
 }
 
 // pair_expand's rounds over a run [t0, t1) of whole tiles of one slice at rank width 16, ALIGNED
