@@ -772,48 +772,31 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
     // alone in the tile, rounded, then added into y at L2 a 16-byte piece at a time
     T* sy = y_tile(vis);
     const int c0 = (cb0 + vis) * BN, cw0 = half * (BN / C::WK);
-    if (red_y) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if ((h ? row1 : row0) < m)
-            *reinterpret_cast<unsigned*>(sy + (h ? row1 : row0) * C::LDY + cw0 + nt * 8 + 2 * tq) =
-                pack_delta2<T>(acc[nt][2 * h], acc[nt][2 * h + 1]);
-          acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
-        }
-      }
-      __syncwarp();
-      constexpr int PPR = BN / C::WK / CH;
-#pragma unroll
-      for (int e = lane; e < 16 * PPR; e += 32) {
-        const int row = mt * 16 + e / PPR, col = cw0 + (e % PPR) * CH;
-        if (row < m && c0 + col < out)
-          red_add8<T>(g.y + (size_t)tr.tok[row] * out + c0 + col, *reinterpret_cast<const uint4*>(sy + row * C::LDY + col));
-      }
-      __syncwarp();  // the warp's rows of the tile are read before its next column block writes them
-      continue;
-    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if ((h ? row1 : row0) < m) {
           unsigned* p = reinterpret_cast<unsigned*>(sy + (h ? row1 : row0) * C::LDY + cw0 + nt * 8 + 2 * tq);
-          *p = add_word<T>(*p, acc[nt][2 * h], acc[nt][2 * h + 1]);
+          *p = red_y ? pack_delta2<T>(acc[nt][2 * h], acc[nt][2 * h + 1]) : add_word<T>(*p, acc[nt][2 * h], acc[nt][2 * h + 1]);
         }
         acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
       }
     }
-    __syncwarp();
+    __syncwarp();  // the tile's next use, a later step's, comes after that step's __syncthreads()
     if (vec_y) {
       constexpr int PPR = BN / C::WK / CH;  // pieces of a row of this warp's share
 #pragma unroll
       for (int e = lane; e < 16 * PPR; e += 32) {
         const int row = mt * 16 + e / PPR, col = cw0 + (e % PPR) * CH;
-        if (row < m && c0 + col < out)
-          *reinterpret_cast<uint4*>(g.y + (size_t)tr.tok[row] * out + c0 + col) =
-              *reinterpret_cast<const uint4*>(sy + row * C::LDY + col);
+        if (row < m && c0 + col < out) {
+          T* dst = g.y + (size_t)tr.tok[row] * out + c0 + col;
+          const uint4 w = *reinterpret_cast<const uint4*>(sy + row * C::LDY + col);
+          if (red_y)
+            red_add8<T>(dst, w);
+          else
+            *reinterpret_cast<uint4*>(dst) = w;
+        }
       }
     } else {
       for (int e = lane; e < 16 * (BN / C::WK); e += 32) {
