@@ -722,6 +722,14 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   // the slice whose v the fragments hold: the first one's, in flight with the first stages
   int vj = SLICED ? (steps > 0 ? slice_of(cb0) : 0) : cw.j;
   load_v(vj);
+  // One slice: every value of v this part reads is in its registers now (load_v converts each one it
+  // loads), so the part counts its reads here, where the count's release waits on none of its adds into
+  // y; several slices count at the end, after the last slice's fragments. Thread 0 keeps the count.
+  int v_readers = 0;
+  if constexpr (!SLICED) {
+    __syncthreads();
+    if (tid == 0) v_readers = atomic_add_acq_rel(g.counters + 2 + g.units(CHUNK_UNIT_BM) + c, 1);
+  }
 
   float acc[NT][4];
 #pragma unroll
@@ -807,16 +815,16 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
   }
   cp_async_wait<0>();
 
-  // release v: the last part of the chunk to finish reading it zeroes it (each slice's ranks below
-  // its rank rounded up to 16) and resets the counts
+  // release v: the last part of the chunk to read it zeroes it (each slice's ranks below its rank
+  // rounded up to 16) and resets the counts, ordered after every part's reads by thread 0's acquire
+  // (the count's atomic) and the barrier
   __syncthreads();
   if (tid == 0) {
-    __threadfence();
-    last_reader = atomicAdd(g.counters + 2 + g.units(CHUNK_UNIT_BM) + c, 1) == parts - 1;
+    if constexpr (SLICED) v_readers = atomic_add_acq_rel(g.counters + 2 + g.units(CHUNK_UNIT_BM) + c, 1);
+    last_reader = v_readers == parts - 1;
   }
   __syncthreads();
   if (last_reader) {
-    __threadfence();
     for (int j = SLICED ? 0 : cw.j; j < (SLICED ? n : cw.j + 1); ++j) {
       const int r4 = ((cw.r[j] + 15) & ~15) / 4;
       for (int e = tid; e < m * r4; e += NTH) {
@@ -885,6 +893,7 @@ __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRo
     return;
   }
   chunk_items<T, RW, BM, ALIGNED, SLICED>(g, dsmem, s_indptr, tr, cs, cw, parts, items, early);
+  if (items <= grid) return;  // no ticket taken, so none to reset: no done count, no fence behind y's adds
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

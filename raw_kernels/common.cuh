@@ -172,6 +172,13 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// *p += v at GPU scope as a release (every earlier access of the thread, and through a barrier of its
+// block, is performed first) and an acquire (every later one after it); the old value.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 
 // ---- tensor-core operands. Op<T>::type is the MMA element type for inputs of type T; fp32
 // inputs run as bfloat16 pairs hi + lo (x*a ~ xh*ah + xh*al + xl*ah: about 16 mantissa bits).

@@ -226,6 +226,11 @@ template <int N> inline void cp_async_wait() {
 }
 inline unsigned dynamic_smem_size() { return 1u << 30; }
 inline int load_acquire(const int* p) { return *p; }
+inline int atomic_add_acq_rel(int* p, int v) {
+  const int o = *p;
+  *p = o + v;
+  return o;
+}
 }  // namespace lora
 
 // mbarriers and bulk copies (one.cuh's staged A): a copy lands only when a thread waits on its
