@@ -48,13 +48,15 @@
 //      lines are sent towards L2 where it would have, and the warp writes its sums alone into the
 //      tile, rounded (an exact zero as -0), and adds them into y at L2 by 16-byte reductions
 //      (red_add8), so no step's copies wait on y and no y tile is read back.
-//   3. the last part of the chunk to finish reading v zeroes it (each slice's ranks rounded up to
-//      16) and resets the chunk's counts; the last block to finish resets the ticket.
+//   3. each part counts its reads of v done (one slice: once its fragments hold v, before its
+//      column blocks, so the count's release waits on no add into y; several slices: at its end);
+//      the last part to count zeroes v (each slice's ranks rounded up to 16) and resets the chunk's
+//      counts at its end; where items went by ticket, the last block to finish resets the ticket.
 // Grid (1-D, 128 threads; 256 in chunks of 128, 2 blocks a multiprocessor): one wave of blocks
 // (the plan's, a function of the capture bucket and the slot count only: graph-safe; as many as
 // its shared memory leaves resident). Where the grid
-// holds the step's items (chunk, part), block b takes item b (chunk-major) and no other, and the
-// blocks past the items leave after counting the chunks, with no done count.
+// holds the step's items (chunk, part), block b takes item b (chunk-major) and no other, no block
+// takes part in a done count, and the blocks past the items leave after counting the chunks.
 // Where it does not (a step of more chunks than one wave takes), block b takes item b first, then
 // items past the grid by ticket, in order, until the step's are gone. A part waits only for the
 // other parts of its chunk: the first items all run at once, and past the grid every chunk but
@@ -879,8 +881,8 @@ __device__ void chunk_items(const Args<T>& g, char* dsmem, int* s_indptr, ChunkR
 
 // One block of lora_chunk: the step's chunks of BM positions, counted (and with `early` the first
 // item set up) before the wait for the grid before; the blocks past the step's items leave once
-// the chunks are counted (a small step's items then meet no atomics but their done counts). The
-// last taker to finish resets the ticket and done counts.
+// the chunks are counted. Where items went by ticket, the last taker to finish resets the ticket
+// and done counts.
 template <typename T, int RW, int BM, bool ALIGNED, bool SLICED>
 __device__ void chunk_task(const Args<T>& g, char* dsmem, int* s_indptr, ChunkRows<BM>& tr, ChunkScan& cs,
                            ChunkWork& cw, bool early) {
