@@ -793,7 +793,9 @@ __device__ void chunk_expand(const Args<T>& g, char* dsmem, const ChunkRows<BM_>
         acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
       }
     }
-    __syncwarp();  // the tile's next use, a later step's, comes after that step's __syncthreads()
+    // the warp's sums in the tile before its lanes read them back (the tile's next write, a later
+    // step's, comes after that step's __syncthreads())
+    __syncwarp();
     if (vec_y) {
       constexpr int PPR = BN / C::WK / CH;  // pieces of a row of this warp's share
 #pragma unroll

@@ -68,8 +68,8 @@ from lora_cupy.kernels import ALIGNED_FLAGS, GLU_KS, cuda_include_dirs  # noqa: 
 #: common.cuh functions made of inline PTX, replaced by host_cuda.h (the last one by a macro that
 #: defines the m16n8k16 specializations in place).
 PTX_FUNCTIONS = ("void cp_async16(", "void cp_async16_cg(", "void cp_async_commit(", "void cp_async_wait(",
-                 "unsigned dynamic_smem_size(", "int load_acquire(", "int atomic_add_acq_rel(", "void mma16816<__nv_bfloat16>(",
-                 "void mma16816<__half>(")
+                 "unsigned dynamic_smem_size(", "int load_acquire(", "int atomic_add_acq_rel(",
+                 "void mma16816<__nv_bfloat16>(", "void mma16816<__half>(")
 
 from test_kernels import CASES as GPU_CASES  # noqa: E402
 from test_chunk_gpu import DECODE_CASES  # noqa: E402
