@@ -115,7 +115,8 @@ CHUNK_BM = 32
 #: chunk of a few positions fills one m-tile, not two); every step's counters are sized for these.
 CHUNK_NARROW_BM = 16
 #: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_WIDE_FROM``
-#: positions (``chunk_bm``): a wide A and B are read once for 64 rows.
+#: positions, and from ``CHUNK_DEEP_WIDE_FROM`` for a deep target (``chunk_bm``): a wide A and B are read
+#: once for 64 rows.
 CHUNK_WIDE_BM = 64
 #: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_TALL_FROM``
 #: positions (``chunk_bm``): A and B read once for 128 rows, by blocks of 8 warps (``chunk_threads``).

@@ -139,17 +139,20 @@ def chunk_smem(dtype: str, max_rank: int, bm: int, stages: int = 3) -> int:
     return stages * max((bm + rb) * (kc + 8) * size, (bm * (bn + 8) + bn * (rb + 8)) * size) + extra
 
 
-def chunk_bm(bucket: int, max_rank: int) -> int:
+def chunk_bm(bucket: int, max_rank: int, in_features: int = 0, out_features: int = 0) -> int:
     """Positions a chunk of lora_chunk: ``CHUNK_NARROW_BM`` up to ``CHUNK_NARROW_TO`` positions
     (a decode step's chunks hold a few positions: one m-tile); at rank widths above 16
     ``CHUNK_TALL_BM`` from ``CHUNK_TALL_FROM`` positions and ``CHUNK_WIDE_BM`` from
-    ``CHUNK_WIDE_FROM`` (a wide A and B read once for 128 or 64 rows); else ``CHUNK_BM``."""
+    ``CHUNK_WIDE_FROM`` (a wide A and B read once for 128 or 64 rows), or from
+    ``CHUNK_DEEP_WIDE_FROM`` for a target whose ``in_features`` is at least ``CHUNK_DEEP`` times its
+    ``out_features``; else ``CHUNK_BM``."""
     if bucket <= CHUNK_NARROW_TO:
         return CHUNK_NARROW_BM
     if rank_width(max_rank) > 16:
         if bucket >= CHUNK_TALL_FROM:
             return CHUNK_TALL_BM
-        if bucket >= CHUNK_WIDE_FROM:
+        deep = out_features > 0 and in_features >= CHUNK_DEEP * out_features
+        if bucket >= (CHUNK_DEEP_WIDE_FROM if deep else CHUNK_WIDE_FROM):
             return CHUNK_WIDE_BM
     return CHUNK_BM
 
@@ -375,6 +378,15 @@ CHUNK_SLICE_ALIGN = 128
 #: with 32 (64 positions a slot); the plan sees neither, so 2048 keeps chunks of 64.
 CHUNK_WIDE_FROM = 2048
 CHUNK_TALL_FROM = 4096
+#: A deep target (``in_features`` at least ``CHUNK_DEEP`` times ``out_features``: Llama's down, 14336 ->
+#: 4096) takes chunks of ``CHUNK_WIDE_BM`` from ``CHUNK_DEEP_WIDE_FROM`` positions at rank widths above
+#: 16: its shrink's bytes are x's and A's, and chunks of 32 read A again for every 32 rows and x twice
+#: (the rank split), where chunks of 64 read A half as often and x once. On an H100 (2026-12-07,
+#: `dev/chunk_sweep.py --heights`, the kernels of 72c046b, flushed us) 14336 -> 4096 at 1024 positions,
+#: rank 64, 8 adapters: chunks of 32 / 64 / 128 46.4 / 40.8 / 38.1 (bmm 38.6 in that day's bench run),
+#: while 4096 -> 14336 takes 42.5 / 49.8 / 45.6 (chunks of 32 stay).
+CHUNK_DEEP = 2
+CHUNK_DEEP_WIDE_FROM = 1024
 #: Up to this many positions lora_chunk cuts a step into chunks of ``CHUNK_NARROW_BM`` (``chunk_bm``):
 #: a decode step's chunk of one slot holds a few positions (2 each with 32 adapters at 64), and a
 #: chunk of 32 computed and staged a second m-tile of nothing.
@@ -705,7 +717,7 @@ def plan_launch(bucket: int, in_features: int, out_features: int, n_slices: int,
     if expand not in EXPAND_KERNELS:
         raise ValueError(f"expand {expand!r} is not one of {EXPAND_KERNELS}")
     if expand == "chunk":
-        bm = chunk_bm(bucket, max_rank)
+        bm = chunk_bm(bucket, max_rank, in_features, out_features)
         if (tile is not None and int(tile) != bm) or chunks:
             raise ValueError(f"lora_chunk takes chunks of {bm} positions of one slot here: no tile {tile} or "
                              f"fused chunks")
@@ -776,7 +788,7 @@ def _plan_chunk(bucket: int, in_features: int, out_features: int, n_slices: int,
     if why:
         raise ValueError(why)
     rw, kc, bn, _ = chunk_geometry(max_rank)
-    bm, tiles = chunk_bm(bucket, max_rank), fused_units(bucket, CHUNK_NARROW_BM, num_slots)
+    bm, tiles = chunk_bm(bucket, max_rank, in_features, out_features), fused_units(bucket, CHUNK_NARROW_BM, num_slots)
     nk, col_blocks = max(1, _ceil(in_features, kc)), _ceil(out_features, bn)
     sliced = several_slices(n_slices, live_slices)
     most = max(1, min(CHUNK_MAX_PARTS, max(nk, col_blocks)))

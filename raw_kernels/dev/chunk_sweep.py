@@ -23,6 +23,7 @@ import sys
 ROWS = [("core", T, 4096, (4096,), r, s, r) for T in (128, 256, 512, 1024, 2048, 4096) for r in (16, 64)
         for s in (1, 8, 32)]
 ROWS += [("shapes", 1024, i, (o,), r, 8, r) for i, o in ((4096, 14336), (14336, 4096)) for r in (16, 64)]
+ROWS += [("shapes", 1024, 14336, (4096,), 64, s, 64) for s in (1, 32)]  # the deep target's heights by slots
 ROWS += [("poolrank", T, 4096, (4096,), 16, 8, pool) for T in (1024, 4096) for pool in (64, 128)]
 ROWS += [("shapes", 4096, i, (o,), 64, 8, 64) for i, o in ((4096, 14336), (14336, 4096))]
 DECODE_ROWS = [("core", 1, 4096, (4096,), 64, 1, 64), ("shapes", 1, 14336, (4096,), 64, 1, 64),
@@ -80,16 +81,16 @@ def main(argv=None) -> int:
                 cb.CHUNK_BLOCKS_PER_SM, cb.CHUNK_MAX_PARTS = saved
                 cb.plan_launch.cache_clear()
         if args.heights and cb.rank_width(pool) > 16:
-            saved_from = (cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM)
+            saved_from = (cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_DEEP_WIDE_FROM, cb.CHUNK_TALL_FROM)
             never = 1 << 30
-            for name, froms in (("bm16", (never, never, never)), ("bm32", (0, never, never)),
-                                ("bm64", (0, 1, never)), ("bm128", (0, 1, 1))):
-                cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = froms
+            for name, froms in (("bm16", (never, never, never, never)), ("bm32", (0, never, never, never)),
+                                ("bm64", (0, 1, 1, never)), ("bm128", (0, 1, 1, 1))):
+                cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_DEEP_WIDE_FROM, cb.CHUNK_TALL_FROM = froms
                 cb.plan_launch.cache_clear()
                 try:
                     time_it(name, fused=False, expand="chunk")
                 finally:
-                    cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_TALL_FROM = saved_from
+                    cb.CHUNK_NARROW_TO, cb.CHUNK_WIDE_FROM, cb.CHUNK_DEEP_WIDE_FROM, cb.CHUNK_TALL_FROM = saved_from
                     cb.plan_launch.cache_clear()
         bad = [n for n, c in cells.items() if not c["err"] < cb.TOLERANCE[row.dtype]]
         line = f"{row.label:40s} " + " ".join(f"{n} {c['us']:6.1f}/p{c['splits']}" for n, c in cells.items())
