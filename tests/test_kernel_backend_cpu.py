@@ -348,13 +348,13 @@ def test_each_shipped_kernel_is_a_default_somewhere():
 @pytest.mark.parametrize("R", [16, 64, 128])
 def test_a_deep_target_takes_wider_chunks_sooner(R):
     """A target whose `in` is at least CHUNK_DEEP times its `out` (Llama's down) takes chunks of
-    CHUNK_WIDE_BM from CHUNK_DEEP_WIDE_FROM positions at rank widths above 16 (x and A read fewer
-    times); its transpose and rank width 16 keep the heights by bucket alone."""
+    CHUNK_WIDE_BM from CHUNK_DEEP_WIDE_FROM positions at rank width 64 (x and A read fewer times);
+    its transpose and rank widths 16 and 128 keep the heights by bucket alone."""
     for b in DEFAULT_CAPTURE_BUCKETS:
         deep = cb.plan_launch(b, 14336, 4096, 1, R, "bfloat16", num_slots=33, fused=False, expand="chunk")
         wide = cb.plan_launch(b, 4096, 14336, 1, R, "bfloat16", num_slots=33, fused=False, expand="chunk")
         assert wide.bm == cb.chunk_bm(b, R)
-        if cb.rank_width(R) > 16 and cb.CHUNK_DEEP_WIDE_FROM <= b < cb.CHUNK_TALL_FROM:
+        if cb.rank_width(R) == 64 and cb.CHUNK_DEEP_WIDE_FROM <= b < cb.CHUNK_TALL_FROM:
             assert deep.bm == kernels.CHUNK_WIDE_BM
         else:
             assert deep.bm == cb.chunk_bm(b, R)
@@ -362,6 +362,7 @@ def test_a_deep_target_takes_wider_chunks_sooner(R):
         assert deep.blocks <= cb.chunk_blocks_per_sm("bfloat16", R, deep.bm, 33) * cb.DEFAULT_SMS
     assert cb.chunk_bm(1024, 64, 8192, 4096) == kernels.CHUNK_WIDE_BM
     assert cb.chunk_bm(1024, 64, 8191, 4096) == cb.chunk_bm(1024, 64) == kernels.CHUNK_BM
+    assert cb.chunk_bm(1024, 128, 14336, 4096) == cb.chunk_bm(1024, 128) == kernels.CHUNK_BM
 
 
 @pytest.mark.parametrize("R", [8, 16, 48, 64, 128])

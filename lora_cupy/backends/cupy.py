@@ -143,15 +143,16 @@ def chunk_bm(bucket: int, max_rank: int, in_features: int = 0, out_features: int
     """Positions a chunk of lora_chunk: ``CHUNK_NARROW_BM`` up to ``CHUNK_NARROW_TO`` positions
     (a decode step's chunks hold a few positions: one m-tile); at rank widths above 16
     ``CHUNK_TALL_BM`` from ``CHUNK_TALL_FROM`` positions and ``CHUNK_WIDE_BM`` from
-    ``CHUNK_WIDE_FROM`` (a wide A and B read once for 128 or 64 rows), or from
-    ``CHUNK_DEEP_WIDE_FROM`` for a target whose ``in_features`` is at least ``CHUNK_DEEP`` times its
-    ``out_features``; else ``CHUNK_BM``."""
+    ``CHUNK_WIDE_FROM`` (a wide A and B read once for 128 or 64 rows), or at rank width 64 (where
+    chunks of 64 run on warpgroup MMAs) from ``CHUNK_DEEP_WIDE_FROM`` for a target whose
+    ``in_features`` is at least ``CHUNK_DEEP`` times its ``out_features``; else ``CHUNK_BM``."""
     if bucket <= CHUNK_NARROW_TO:
         return CHUNK_NARROW_BM
-    if rank_width(max_rank) > 16:
+    rw = rank_width(max_rank)
+    if rw > 16:
         if bucket >= CHUNK_TALL_FROM:
             return CHUNK_TALL_BM
-        deep = out_features > 0 and in_features >= CHUNK_DEEP * out_features
+        deep = rw == 64 and out_features > 0 and in_features >= CHUNK_DEEP * out_features
         if bucket >= (CHUNK_DEEP_WIDE_FROM if deep else CHUNK_WIDE_FROM):
             return CHUNK_WIDE_BM
     return CHUNK_BM
@@ -379,8 +380,8 @@ CHUNK_SLICE_ALIGN = 128
 CHUNK_WIDE_FROM = 2048
 CHUNK_TALL_FROM = 4096
 #: A deep target (``in_features`` at least ``CHUNK_DEEP`` times ``out_features``: Llama's down, 14336 ->
-#: 4096) takes chunks of ``CHUNK_WIDE_BM`` from ``CHUNK_DEEP_WIDE_FROM`` positions at rank widths above
-#: 16: its shrink's bytes are x's and A's, and chunks of 32 read A again for every 32 rows and x twice
+#: 4096) takes chunks of ``CHUNK_WIDE_BM`` from ``CHUNK_DEEP_WIDE_FROM`` positions at rank width 64 (on
+#: warpgroup MMAs there; at 128 on mma.sync, not timed on a deep target): its shrink's bytes are x's and A's, and chunks of 32 read A again for every 32 rows and x twice
 #: (the rank split), where chunks of 64 read A half as often and x once. On an H100 (2026-12-07,
 #: `dev/chunk_sweep.py --heights`, the kernels of 72c046b, flushed us) 14336 -> 4096 at 1024 positions,
 #: rank 64, 8 adapters: chunks of 32 / 64 / 128 46.4 / 40.8 / 38.1 (bmm 38.6 in that day's bench run),

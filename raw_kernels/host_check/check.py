@@ -86,6 +86,14 @@ CASES = {**GPU_CASES,
          "tall-r64": dict(T=1500, in_f=136, slices=(200,), max_rank=64, ranks=(0, 5, 17, 64), mix="skewed",
                           num_slots=9, active=4),
          "tall-r128": dict(T=1100, in_f=72, slices=(128, 64), max_rank=128, ranks=(0, 16, 80, 128), mix="identical"),
+         # ... and a deep target (`in` at least CHUNK_DEEP times `out`) from CHUNK_DEEP_WIDE_FROM positions:
+         # chunks of 64 at rank width 64 (mostly full; then many short runs), 32 at rank width 128
+         "deep-r64": dict(T=1000, in_f=600, slices=(264,), max_rank=64, ranks=(1, 17, 64), mix="skewed",
+                          num_slots=9, active=4),
+         "deep-r64-runs": dict(T=900, in_f=536, slices=(200,), max_rank=64, ranks=(0, 5, 40, 64), mix="zipf",
+                               num_slots=65, active=40),
+         "deep-r128": dict(T=1000, in_f=600, slices=(264,), max_rank=128, ranks=(1, 80, 128), mix="skewed",
+                           num_slots=9, active=4),
          # lora_chunk's rank split (one slice at rank width 64, chunks of 32, an even number of parts):
          # ranks past a part's window, inside it and short of a tile; `in` with a short last stage
          "split-r64": dict(T=300, in_f=1000, slices=(200,), max_rank=64, ranks=(0, 17, 40, 64), mix="skewed",

@@ -262,14 +262,14 @@ def test_chunk_wide_ranks_take_the_height_of_their_bucket(make_case, check, R, T
                                           (300, "zipf", 12)])
 def test_chunk_a_deep_target_takes_chunks_of_64_sooner(make_case, check, R, T, mix, active):
     """A target whose `in` is at least CHUNK_DEEP times its `out` (Llama's down) takes chunks of 64
-    from CHUNK_DEEP_WIDE_FROM positions at rank widths above 16 (chunks of 32 below it): full, short
-    runs and one slot of many rows, against the oracle."""
+    from CHUNK_DEEP_WIDE_FROM positions at rank width 64 (chunks of 32 below it, and at rank width
+    128): full, short runs and one slot of many rows, against the oracle."""
     case = make_case(T=T, in_f=600, slices=(264,), max_rank=R, ranks=(1, 17, 64, R), dtype="bfloat16", mix=mix,
                      num_slots=65, active=active)
     be = backend_for(case.spec, **CHUNK)
     bucket = case.spec.bucket_for(T)
     assert 600 >= cb.CHUNK_DEEP * 264
-    want = 64 if cb.CHUNK_DEEP_WIDE_FROM <= bucket < cb.CHUNK_TALL_FROM else 32
+    want = 64 if R == 64 and cb.CHUNK_DEEP_WIDE_FROM <= bucket < cb.CHUNK_TALL_FROM else 32
     assert be.plan(T, dev_weights(case.w), "bfloat16").bm == want
     check(case, run_cupy(be, case), "bfloat16")
 
