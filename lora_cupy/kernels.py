@@ -121,6 +121,9 @@ CHUNK_WIDE_BM = 64
 #: Positions a chunk of lora_chunk at rank widths above 16 from ``backends.cupy.CHUNK_TALL_FROM``
 #: positions (``chunk_bm``): A and B read once for 128 rows, by blocks of 8 warps (``chunk_threads``).
 CHUNK_TALL_BM = 128
+#: The rank width whose chunks of ``CHUNK_WIDE_BM`` and ``CHUNK_TALL_BM`` run on warpgroup MMAs where built for
+#: sm_90a (``Chunk::WG``); the other widths' run on mma.sync.
+CHUNK_WG_RW = 64
 #: Parts of a chunk that share its shrink's `in` with the ranks split between them (``Chunk::RSPLIT``): one
 #: slice at rank width 64 in chunks of ``CHUNK_BM``, where a chunk's parts are a multiple of it.
 CHUNK_RSPLIT = 2

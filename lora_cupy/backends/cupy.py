@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..dtypes import normalize_dtype
-from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_TALL_BM, CHUNK_WIDE_BM, chunk_threads, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
+from ..kernels import (ALIGNED_FLAGS, EARLY_READS, CHUNK_BM, CHUNK_DTYPES, CHUNK_NARROW_BM, CHUNK_RW, CHUNK_SHAPES, CHUNK_TALL_BM, CHUNK_WG_RW, CHUNK_WIDE_BM, chunk_threads, CUDA_TYPES, EXPAND_KERNELS, EXPAND_V_BN,
                        EXPAND_V_DTYPES, EXPAND_V_RANKS, EXPAND_V_TG, GATHER_A_NAME, GATHER_A_THREADS, GLU_DTYPES, GLU_KS, MMA_SHRINK_BM, MMA_TILES, RING_BM, RING_BN,
                        ONE_CLUSTER, ONE_RW, PAIR_M, PAIR_RT, STREAM_BN, chunk_name, expand_v_name,
                        glu_name, load_module, mma_family, mma_kernels, mma_name, one_name, pair_name)
@@ -143,7 +143,7 @@ def chunk_bm(bucket: int, max_rank: int, in_features: int = 0, out_features: int
     """Positions a chunk of lora_chunk: ``CHUNK_NARROW_BM`` up to ``CHUNK_NARROW_TO`` positions
     (a decode step's chunks hold a few positions: one m-tile); at rank widths above 16
     ``CHUNK_TALL_BM`` from ``CHUNK_TALL_FROM`` positions and ``CHUNK_WIDE_BM`` from
-    ``CHUNK_WIDE_FROM`` (a wide A and B read once for 128 or 64 rows), or at rank width 64 (where
+    ``CHUNK_WIDE_FROM`` (a wide A and B read once for 128 or 64 rows), or at ``CHUNK_WG_RW`` (where
     chunks of 64 run on warpgroup MMAs) from ``CHUNK_DEEP_WIDE_FROM`` for a target whose
     ``in_features`` is at least ``CHUNK_DEEP`` times its ``out_features``; else ``CHUNK_BM``."""
     if bucket <= CHUNK_NARROW_TO:
@@ -152,7 +152,7 @@ def chunk_bm(bucket: int, max_rank: int, in_features: int = 0, out_features: int
     if rw > 16:
         if bucket >= CHUNK_TALL_FROM:
             return CHUNK_TALL_BM
-        deep = rw == 64 and out_features > 0 and in_features >= CHUNK_DEEP * out_features
+        deep = rw == CHUNK_WG_RW and out_features > 0 and in_features >= CHUNK_DEEP * out_features
         if bucket >= (CHUNK_DEEP_WIDE_FROM if deep else CHUNK_WIDE_FROM):
             return CHUNK_WIDE_BM
     return CHUNK_BM
@@ -380,9 +380,10 @@ CHUNK_SLICE_ALIGN = 128
 CHUNK_WIDE_FROM = 2048
 CHUNK_TALL_FROM = 4096
 #: A deep target (``in_features`` at least ``CHUNK_DEEP`` times ``out_features``: Llama's down, 14336 ->
-#: 4096) takes chunks of ``CHUNK_WIDE_BM`` from ``CHUNK_DEEP_WIDE_FROM`` positions at rank width 64 (on
-#: warpgroup MMAs there; at 128 on mma.sync, not timed on a deep target): its shrink's bytes are x's and A's, and chunks of 32 read A again for every 32 rows and x twice
-#: (the rank split), where chunks of 64 read A half as often and x once. On an H100 (2026-12-07,
+#: 4096) takes chunks of ``CHUNK_WIDE_BM`` from ``CHUNK_DEEP_WIDE_FROM`` positions at rank width
+#: ``CHUNK_WG_RW`` (on warpgroup MMAs there; at 128 on mma.sync, not timed on a deep target): its shrink's
+#: bytes are x's and A's, and chunks of 32 read A again for every 32 rows and x twice (the rank split),
+#: where chunks of 64 read A half as often and x once. On an H100 (2026-12-07,
 #: `dev/chunk_sweep.py --heights`, the kernels of 72c046b, flushed us) 14336 -> 4096 at 1024 positions,
 #: rank 64, 8 adapters: chunks of 32 / 64 / 128 46.4 / 40.8 / 38.1 (bmm 38.6 in that day's bench run),
 #: while 4096 -> 14336 takes 42.5 / 49.8 / 45.6 (chunks of 32 stay).
