@@ -9,8 +9,8 @@
 # Build the CUBINs ahead on a CPU machine into one folder: `lora-cupy check-kernels --prebuild DIR` (this
 # tree) and `ab_trees.py --prebuild DIR --families changed X.patch` (the patched tree); each tree finds its own
 # there. Knobs (seconds or texts): AB_CORES (';'-separated `--core` texts of the A/B), AB_LAYER (`--layer`
-# of the A/B, empty: none), AB_S (the A/B's bound), TESTS_S and BENCH_S (each tree's tests and bench),
-# BASE_BENCH (0: skip this tree's bench).
+# of the A/B, empty: none), AB_ROUNDS (2), AB_S (the A/B's bound), TESTS_S and BENCH_S (the patched tree's
+# tests, each tree's bench), BASE_BENCH (0: skip this tree's bench). The patch may be a stack, a.patch+b.patch.
 set -u
 cd "$(dirname "$0")/../.."
 PATCH=${1:?name a patch}
@@ -26,18 +26,12 @@ for core in "${CORES[@]}"; do
         -- --layer "${AB_LAYER:-}" --core "$core" > "$OUT/ab/$tag.log" 2>&1
     echo "A/B --core '$core': exit $?"
 done
-tree="$WORK/$(basename "$PATCH" .patch)"
+tree="$WORK/$(basename "${PATCH##*+}" .patch)"  # ab_trees names a stack a.patch+b.patch for its last patch
 echo "== the patched tree: pytest -m gpu, bench, goals"
 OUT="$OUT/patched" bash "$tree/raw_kernels/dev/gpu_check.sh"
 if [ "${BASE_BENCH:-1}" != 0 ]; then
     echo "== this tree: bench, goals"
-    mkdir -p "$OUT/base"
-    PYTHONPATH=$PWD python -m lora_cupy.bench.kernels --groups layer,core,shapes,poolrank \
-        --deadline-s "${BENCH_S:-65}" --json "$OUT/base/k.json" > "$OUT/base/bench.log" 2>&1
-    echo "bench: exit $?"
-    grep -A8 "^layer (Llama" "$OUT/base/bench.log" | head -8
-    python raw_kernels/dev/goals.py "$OUT/base/k.json" --misses-only > "$OUT/base/goals.txt" 2>&1
-    tail -25 "$OUT/base/goals.txt"
+    OUT="$OUT/base" TESTS_S=0 bash raw_kernels/dev/gpu_check.sh
 fi
 echo "== A/B (warm (flushed) us; base is this tree)"
 for f in "$OUT"/ab/*.log; do sed -n '/^warm (flushed)/,$p' "$f"; done
